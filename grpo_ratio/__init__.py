@@ -1,0 +1,33 @@
+"""grpo_ratio: an honest importance ratio for TRL's GRPO.
+
+- `RatioGRPOConfig`, `RatioGRPOTrainer`: drop-in replacements for `trl.GRPOConfig` / `trl.GRPOTrainer` whose old
+  log-probs are computed by a selectable scoring mode (`old_logprob_mode`).
+- `grpo_ratio.scoring`: the scoring modes as functions usable outside any trainer (the probes use them).
+- `grpo_ratio.ratios`, `grpo_ratio.sampling`: pure tensor math (ratio diagnostics, kept sets, truncation corrections).
+
+Public names are imported lazily, so `import grpo_ratio.ratios` does not load the trainer.
+"""
+
+from ._compat import check_trl_version
+
+
+check_trl_version()
+
+__version__ = "0.1.0"
+_LAZY = {
+    "RatioGRPOConfig": "config",
+    "SCORING_MODES": "config",
+    "TRUNCATION_CORRECTIONS": "config",
+    "OldLogprobScorer": "scoring",
+    "score_completion_logprobs": "scoring",
+    "RatioGRPOTrainer": "trainer",
+}
+__all__ = list(_LAZY)
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'grpo_ratio' has no attribute {name!r}")

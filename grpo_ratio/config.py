@@ -1,0 +1,172 @@
+"""`RatioGRPOConfig`: `trl.GRPOConfig` plus the fields that choose how the old log-probs are computed, how truncated
+sampling is corrected and what ratio diagnostics are logged. Only new fields are declared here."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig
+
+
+SCORING_MODES = ("bf16", "fp32_clone", "fp16_clone", "fp32_head", "guided_fp32")
+TRUNCATION_CORRECTIONS = ("none", "renormalize", "lift_sampler")
+
+
+def parse_layer_spec(spec) -> list[int] | None:
+    """Turn a `guided_fp32_layers` value into a sorted list of distinct decoder-layer indices.
+
+    Accepts `None`, a list/tuple of ints, a string of comma-separated ints (`"0,1,27"`), or the path of a
+    calibration JSON file written by `grpo-ratio probe layers`/`calibrate` (key `"guided_fp32_layers"`).
+
+    Raises:
+        ValueError: an entry is not a non-negative integer, or the JSON file has no `guided_fp32_layers` list.
+        FileNotFoundError: the value looks like a path (ends in `.json`) but the file does not exist.
+    """
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        s = spec.strip()
+        if s.endswith(".json") or os.path.sep in s:
+            if not os.path.isfile(s):
+                raise FileNotFoundError(f"guided_fp32_layers: calibration file {s!r} does not exist")
+            with open(s) as f:
+                data = json.load(f)
+            if not isinstance(data, dict) or not isinstance(data.get("guided_fp32_layers"), list):
+                raise ValueError(f"guided_fp32_layers: {s!r} has no 'guided_fp32_layers' list of layer indices")
+            items = data["guided_fp32_layers"]
+        elif s == "":
+            items = []
+        else:
+            items = [x for x in s.replace(" ", "").split(",") if x != ""]
+    elif isinstance(spec, (list, tuple)):
+        items = list(spec)
+    else:
+        raise ValueError(f"guided_fp32_layers must be a list of ints, a comma-separated string or a .json path, "
+                         f"got {type(spec).__name__}")
+    layers = []
+    for x in items:
+        try:
+            i = int(x)
+        except (TypeError, ValueError):
+            raise ValueError(f"guided_fp32_layers: {x!r} is not an integer layer index") from None
+        if i < 0 or str(x).strip() not in (str(i), f"+{i}") and not isinstance(x, int):
+            raise ValueError(f"guided_fp32_layers: {x!r} is not a non-negative integer layer index")
+        layers.append(i)
+    return sorted(set(layers))
+
+
+@dataclass
+class RatioGRPOConfig(GRPOConfig):
+    r"""
+    Configuration class for [`RatioGRPOTrainer`]: every field of [`trl.GRPOConfig`] plus the ones below.
+
+    > Parameters that control how the old log-probs are computed
+
+    old_logprob_mode (`str`, *optional*, defaults to `"bf16"`):
+        Scoring mode of the old log-probs (the anchor of the importance ratio). One of `"bf16"` (the policy's own
+        pass at its training precision: TRL's behaviour, unchanged), `"fp32_clone"`, `"fp16_clone"`, `"fp32_head"`
+        (final norm and LM head in fp32) and `"guided_fp32"` (the `guided_fp32_layers` decoder layers, final norm
+        and head in fp32). Source: seed 004 (batch-logprob-gap), T7/T10.
+    guided_fp32_layers (`str` or `list[int]`, *optional*):
+        Decoder layers run in fp32 by `"guided_fp32"`: comma-separated indices (`"0,1,27"`) or the path of a
+        calibration JSON written by `grpo-ratio probe layers`. Required by `"guided_fp32"`, refused otherwise.
+
+    > Parameters that control truncated-sampling correction
+
+    truncation_correction (`str`, *optional*, defaults to `"none"`):
+        How sampler (top_p/top_k/min_p-renormalised) and trainer log-probs are put on one support: `"none"`,
+        `"renormalize"` (trainer log-probs over the kept set) or `"lift_sampler"` (sampler log-probs + log kept mass).
+    record_sampler_logprobs (`bool`, *optional*, defaults to `True`):
+        Without vLLM, record each sampled token's log-prob under the distribution it was sampled from.
+
+    > Parameters that control the ratio diagnostics
+
+    ratio_diagnostics (`bool`, *optional*, defaults to `True`):
+        Log `ratio/*` metrics (out-of-band rates, quantiles, clip-status flips) on every generation batch.
+    ratio_band_low / ratio_band_high (`float`, *optional*, defaults to `0.9` / `1.1`):
+        A ratio r is out of band when r < low or r > high.
+    clip_flip_every (`int`, *optional*, defaults to `1`):
+        Run the policy's own scoring pass for `ratio/clip_flip_rate` every N generation batches (0 = never).
+    """
+
+    old_logprob_mode: str = field(
+        default="bf16",
+        metadata={
+            "help": "How the old log-probs are computed: 'bf16' (the policy's own pass, TRL's default), 'fp32_clone', "
+            "'fp16_clone', 'fp32_head' (final norm + LM head in fp32) or 'guided_fp32' (guided_fp32_layers + norm + "
+            "head in fp32).",
+            "choices": list(SCORING_MODES),
+        },
+    )
+    guided_fp32_layers: str | None = field(
+        default=None,
+        metadata={
+            "help": "Decoder layers run in fp32 by old_logprob_mode='guided_fp32': comma-separated indices such as "
+            "'0,1,27', or the path of a calibration JSON written by `grpo-ratio probe layers`."
+        },
+    )
+    truncation_correction: str = field(
+        default="none",
+        metadata={
+            "help": "Put sampler and trainer log-probs on one support under top_p/top_k/min_p: 'none', 'renormalize' "
+            "(trainer log-probs over the kept set) or 'lift_sampler' (sampler log-probs + log of the kept mass).",
+            "choices": list(TRUNCATION_CORRECTIONS),
+        },
+    )
+    record_sampler_logprobs: bool = field(
+        default=True,
+        metadata={
+            "help": "Without vLLM, record each sampled token's log-prob under the distribution it was sampled from "
+            "(temperature, top_k/top_p/min_p applied), for old/sampler diagnostics and corrections."
+        },
+    )
+    ratio_diagnostics: bool = field(
+        default=True,
+        metadata={"help": "Log ratio/* metrics (out-of-band rates, quantiles, clip flips) next to reward."},
+    )
+    ratio_band_low: float = field(
+        default=0.9, metadata={"help": "Lower edge of the ratio band; r < ratio_band_low is out of band."}
+    )
+    ratio_band_high: float = field(
+        default=1.1, metadata={"help": "Upper edge of the ratio band; r > ratio_band_high is out of band."}
+    )
+    clip_flip_every: int = field(
+        default=1,
+        metadata={
+            "help": "Run the policy's own scoring pass for ratio/clip_flip_rate every N generation batches "
+            "(0 = never; the metric is then absent). Costs one extra forward pass when it runs."
+        },
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.old_logprob_mode not in SCORING_MODES:
+            raise ValueError(
+                f"old_logprob_mode={self.old_logprob_mode!r} is not a scoring mode; allowed: {', '.join(SCORING_MODES)}"
+            )
+        if self.truncation_correction not in TRUNCATION_CORRECTIONS:
+            raise ValueError(
+                f"truncation_correction={self.truncation_correction!r} is not allowed; allowed: "
+                f"{', '.join(TRUNCATION_CORRECTIONS)}"
+            )
+        layers = parse_layer_spec(self.guided_fp32_layers)
+        if self.old_logprob_mode == "guided_fp32" and not layers:
+            raise ValueError(
+                "old_logprob_mode='guided_fp32' needs guided_fp32_layers: decoder-layer indices such as '0,1,27' or a "
+                "calibration JSON from `grpo-ratio probe layers` (with no layers use old_logprob_mode='fp32_head')"
+            )
+        if self.old_logprob_mode != "guided_fp32" and layers:
+            raise ValueError(
+                f"guided_fp32_layers is only used by old_logprob_mode='guided_fp32', but old_logprob_mode="
+                f"{self.old_logprob_mode!r}; remove guided_fp32_layers or switch the mode"
+            )
+        self.guided_fp32_layer_ids = layers  # resolved list (None unless guided_fp32); validated against L at init
+        if not 0.0 < self.ratio_band_low < 1.0 < self.ratio_band_high:
+            raise ValueError(
+                f"ratio band must satisfy 0 < ratio_band_low < 1 < ratio_band_high, got "
+                f"[{self.ratio_band_low}, {self.ratio_band_high}]"
+            )
+        if self.clip_flip_every < 0:
+            raise ValueError(f"clip_flip_every must be >= 0 (0 = never), got {self.clip_flip_every}")

@@ -1,0 +1,91 @@
+"""Tiny, random, offline models and tokenizers for tests, benchmarks and probes (no Hugging Face Hub).
+
+Every model is built from a transformers config, so the real architecture code runs; only the sizes are tiny.
+"""
+
+from __future__ import annotations
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    GPTNeoXConfig,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
+
+
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>"]
+_CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "what is 12 + 7 ? the answer is 19",
+    "solve the problem and give the final answer #### 42",
+    "a b c d e f g h i j k l m n o p q r s t u v w x y z 0 1 2 3 4 5 6 7 8 9 + - * = ?",
+]
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt_neox", "qwen3_moe")
+
+
+def tiny_tokenizer(vocab_size: int = 300, pad_is_eos: bool = False) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained in memory on a few sentences (left padding, like TRL's generation).
+
+    Args:
+        vocab_size: target vocabulary size V (the 256 byte symbols + merges + 3 special tokens).
+        pad_is_eos: when True the pad token is `<eos>` (as in many chat models), to test pad == eos handling.
+    """
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<eos>" if pad_is_eos else "<pad>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        padding_side="left",
+    )
+
+
+def tiny_config(arch: str = "qwen2", vocab_size: int = 300, tie_word_embeddings: bool = False, **overrides):
+    """A 2-layer config of `arch` (one of ARCHITECTURES) with hidden size 64 and pad/eos ids 0/1."""
+    common = dict(vocab_size=vocab_size, tie_word_embeddings=tie_word_embeddings, pad_token_id=0, eos_token_id=1,
+                  bos_token_id=None)
+    if arch == "llama":
+        cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, **common)
+    elif arch == "qwen2":
+        cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, **common)
+    elif arch == "qwen3":
+        cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, **common)
+    elif arch == "gpt_neox":
+        cfg = GPTNeoXConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                            **common)
+    elif arch == "qwen3_moe":
+        cfg = Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                             num_experts_per_tok=2, decoder_sparse_step=1, **common)
+    else:
+        raise ValueError(f"Unknown tiny architecture {arch!r}; allowed: {', '.join(ARCHITECTURES)}")
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def tiny_model(arch: str = "qwen2", seed: int = 0, dtype: torch.dtype = torch.float32, **config_kwargs):
+    """A randomly initialised tiny causal LM of `arch`, seeded, with generation pad/eos set, in `dtype`."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, **config_kwargs))
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = 1
+    return model.to(dtype)
