@@ -89,3 +89,40 @@ def tiny_model(arch: str = "qwen2", seed: int = 0, dtype: torch.dtype = torch.fl
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = 1
     return model.to(dtype)
+
+
+def tiny_prompts(n: int = 8):
+    """A `datasets.Dataset` of `n` plain-text prompts (no chat template needed)."""
+    from datasets import Dataset
+
+    words = ["the quick", "what is", "solve the", "a b c", "brown fox", "lazy dog", "answer is", "give the"]
+    return Dataset.from_dict({"prompt": [words[i % len(words)] + f" {i}" for i in range(n)]})
+
+
+def letter_reward(completions, **kwargs):
+    """Share of the letter 'a' in each completion: a smooth reward so group std is rarely 0."""
+    return [c.count("a") / max(len(c), 1) for c in completions]
+
+
+def tiny_grpo_args(output_dir, **overrides):
+    """`RatioGRPOConfig` for a seconds-long CPU run: 4 prompts x 4 generations, 8 tokens, logging every step."""
+    from .config import RatioGRPOConfig
+
+    kwargs = dict(
+        output_dir=str(output_dir),
+        use_cpu=True,
+        bf16=True,  # bf16 autocast on CPU: the precision the project is about
+        per_device_train_batch_size=4,
+        num_generations=4,  # 1 prompt per micro-batch, 4 samples: the smallest group with a std
+        max_completion_length=8,  # short rollouts keep a step under a second on a tiny model
+        max_steps=2,
+        logging_steps=1,
+        learning_rate=1e-2,  # large: a toy model must visibly move in 2 steps
+        report_to="none",
+        save_strategy="no",
+        seed=0,
+        gradient_checkpointing=False,
+        disable_tqdm=True,
+    )
+    kwargs.update(overrides)
+    return RatioGRPOConfig(**kwargs)

@@ -1,0 +1,330 @@
+"""Old-logprob scoring modes: the numbers the importance ratio is anchored to.
+
+Shapes: B = sequences, P = prompt tokens, T = completion tokens, V = vocabulary, L = decoder layers.
+
+Every mode scores the completion tokens of `input_ids` (B, P+T) teacher-forced, exactly where TRL does
+(`_get_per_token_logps_and_entropies`): rows chunked by `batch_size` in order, the same padding, no position ids,
+`log_softmax(logits / temperature)` of the next-token logits, gathered at the completion ids. The modes differ only
+in the precision of the forward pass (seed 004, tables T7/T10; arms A-F of its `q1_grpo.py`):
+
+| mode          | forward                                                                  | log-softmax |
+|---------------|--------------------------------------------------------------------------|-------------|
+| `bf16`        | the policy as it trains (its weights, under the trainer's autocast)     | fp32        |
+| `fp32_clone`  | all in fp32, no autocast (the policy's own weights when stored in fp32) | fp32        |
+| `fp16_clone`  | an fp16 copy, no autocast; rows with non-finite logits re-scored in fp32 | fp32        |
+| `fp32_head`   | as `bf16` up to the final norm; final norm and LM head in fp32           | fp32        |
+| `guided_fp32` | as `fp32_head`, plus the chosen decoder layers in fp32                   | fp32        |
+
+Inside RatioGRPOTrainer the `bf16` mode is never run by this module: TRL's own pass is used, bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .config import SCORING_MODES
+from .copies import ModuleCopy
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# model anatomy
+
+
+@dataclass
+class Anatomy:
+    """Where the decoder layers, final norm and LM head of a causal LM are (Llama, Qwen2/3, MoE, GPT-NeoX, ...)."""
+
+    layers: nn.ModuleList  # (L,)
+    norm: nn.Module
+    head: nn.Module
+    rotary: nn.Module | None
+
+
+def model_anatomy(model: nn.Module) -> Anatomy:
+    """Find decoder layers, final norm, LM head and rotary embedding of a transformers causal LM.
+
+    Raises:
+        ValueError: the model does not expose them under a known name (`layers`/`h`, `norm`/`final_layer_norm`/`ln_f`).
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder = base.get_decoder()
+    layers = next((getattr(decoder, n) for n in ("layers", "h", "blocks") if hasattr(decoder, n)), None)
+    norm = next((getattr(decoder, n) for n in ("norm", "final_layer_norm", "ln_f") if hasattr(decoder, n)), None)
+    head = base.get_output_embeddings()
+    if layers is None or norm is None or head is None:
+        raise ValueError(
+            f"{type(base).__name__}: cannot find decoder layers / final norm / LM head; fp32_head and guided_fp32 "
+            f"support models with `layers` (or `h`) and `norm` (or `final_layer_norm`, `ln_f`)"
+        )
+    return Anatomy(layers=layers, norm=norm, head=head, rotary=getattr(decoder, "rotary_emb", None))
+
+
+def check_layer_indices(layers: Iterable[int], num_layers: int) -> list[int]:
+    """Validate `guided_fp32_layers` against a model with `num_layers` decoder layers.
+
+    Raises:
+        ValueError: an index is outside `[0, num_layers - 1]` (the message names the field and the allowed range).
+    """
+    layers = sorted(set(int(i) for i in layers))
+    bad = [i for i in layers if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(
+            f"guided_fp32_layers: {bad} out of range; this model has {num_layers} decoder layers, allowed indices "
+            f"0..{num_layers - 1}"
+        )
+    return layers
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# running some modules in fp32
+
+
+def _cast_floats(obj, dtype: torch.dtype):
+    """Cast every floating tensor in obj (tensors, tuples, lists, dicts, ModelOutput) to dtype."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(_cast_floats(x, dtype) for x in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_cast_floats(x, dtype) for x in obj)
+    if isinstance(obj, dict):
+        for k in list(obj.keys()):
+            obj[k] = _cast_floats(obj[k], dtype)
+        return obj
+    return obj
+
+
+@contextlib.contextmanager
+def _patched_forward(module: nn.Module, new_forward: Callable):
+    module.forward = new_forward  # instance attribute shadows the class method ...
+    try:
+        yield
+    finally:
+        del module.forward  # ... and deleting it restores the class method: the policy is left untouched
+
+
+def _fp32_forward(runner: nn.Module, out_dtype: torch.dtype | None, rope_cache: dict | None):
+    """A forward that runs `runner` in fp32 outside autocast, casting float inputs to fp32 and outputs to out_dtype."""
+    device_type = next(runner.parameters()).device.type
+
+    def forward(*args, **kwargs):
+        if rope_cache and "position_embeddings" in kwargs and rope_cache.get("fp32") is not None:
+            kwargs["position_embeddings"] = rope_cache["fp32"]  # exact fp32 cos/sin, not a bf16 round trip
+        args, kwargs = _cast_floats(args, torch.float32), _cast_floats(dict(kwargs), torch.float32)
+        with torch.autocast(device_type, enabled=False):
+            out = type(runner).forward(runner, *args, **kwargs)  # the class forward: runner may be the patched module
+        return out if out_dtype is None else _cast_floats(out, out_dtype)
+
+    return forward
+
+
+def _rope_fp32_forward(rotary: nn.Module, cache: dict):
+    """Rotary embedding computed in fp32 (kept in `cache` for the fp32 layers), returned in the hidden dtype."""
+    device_type = next(iter(rotary.buffers())).device.type
+
+    def forward(x, position_ids, *args, **kwargs):
+        with torch.autocast(device_type, enabled=False):
+            cos, sin = type(rotary).forward(rotary, x.float(), position_ids, *args, **kwargs)
+        cache["fp32"] = (cos, sin)
+        return cos.to(x.dtype), sin.to(x.dtype)
+
+    return forward
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# log-probs from logits
+
+
+def completion_logprobs_from_logits(logits: torch.Tensor, completion_ids: torch.Tensor, temperature: float):
+    """log_softmax(logits / temperature) at the completion ids, in fp32.
+
+    Args:
+        logits: (B, T + 1, V) next-token logits of the last T + 1 positions, any float dtype (the last is dropped).
+        completion_ids: (B, T) int64.
+        temperature: > 0, as TRL's `temperature` (the trainer divides its logits by it too).
+    Returns:
+        (B, T) fp32 log-probs.
+    """
+    logits = logits[:, :-1].float() / temperature  # (B, T, V)
+    logps = torch.log_softmax(logits, dim=-1)  # (B, T, V)
+    return logps.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)  # (B, T)
+
+
+def _plain_forward(model: nn.Module, input_ids, attention_mask, logits_to_keep: int) -> torch.Tensor:
+    # type(model).forward bypasses the instance-level patches of accelerate (forced autocast) and TRL (fused head)
+    out = type(model).forward(
+        model, input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep + 1, use_cache=False
+    )
+    return out.logits  # (B, T + 1, V)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the scorer
+
+
+class OldLogprobScorer:
+    """Computes old log-probs of completions with one scoring mode, holding whatever copies the mode needs.
+
+    Args:
+        model: the policy (a transformers causal LM, optionally PEFT-wrapped). Never modified.
+        mode: one of `SCORING_MODES` (`bf16`, `fp32_clone`, `fp16_clone`, `fp32_head`, `guided_fp32`).
+        layers: decoder-layer indices for `guided_fp32` (required there, refused elsewhere).
+        policy_autocast: zero-argument callable returning the context the policy trains under (the trainer passes
+            `accelerator.autocast`); by default bf16 autocast when the weights are fp32, else no autocast.
+
+    Copies are built lazily, only when the policy's weights are not already in the dtype a mode needs:
+    `fp32_clone` on fp32 weights and `fp32_head`/`guided_fp32` on fp32 weights use no copy at all (they run the
+    policy's own weights outside autocast); on bf16 weights they copy only the modules they upcast (or, for
+    `fp32_clone`, the whole model). `fp16_clone` uses an fp16 copy unless the weights are fp16.
+
+    Raises:
+        ValueError: unknown mode, guided_fp32 without layers, layers with another mode, a layer index out of range.
+    """
+
+    def __init__(self, model: nn.Module, mode: str, layers: Iterable[int] | None = None,
+                 policy_autocast: Callable[[], contextlib.AbstractContextManager] | None = None):
+        if mode not in SCORING_MODES:
+            raise ValueError(f"old_logprob_mode={mode!r} is not a scoring mode; allowed: {', '.join(SCORING_MODES)}")
+        layers = list(layers) if layers is not None else []
+        if mode == "guided_fp32" and not layers:
+            raise ValueError("old_logprob_mode='guided_fp32' needs guided_fp32_layers (use 'fp32_head' for none)")
+        if mode != "guided_fp32" and layers:
+            raise ValueError(f"guided_fp32_layers is only used by 'guided_fp32', not by {mode!r}")
+        self.model = model
+        self.mode = mode
+        self.weight_dtype = next(model.parameters()).dtype
+        self.device_type = next(model.parameters()).device.type
+        self.policy_autocast = policy_autocast or self._default_policy_autocast
+        self.upcast: list[nn.Module] = []
+        self.layers: list[int] = []
+        if mode in ("fp32_head", "guided_fp32"):
+            anatomy = model_anatomy(model)
+            self.layers = check_layer_indices(layers, len(anatomy.layers))
+            self._anatomy = anatomy
+        self._copies: dict[int, ModuleCopy] = {}  # id(source module) -> copy
+        self.fallback_rows = 0  # fp16_clone rows re-scored in fp32, over this scorer's life
+
+    # -- contexts --------------------------------------------------------------------------------------------------
+
+    def _default_policy_autocast(self):
+        if self.weight_dtype == torch.float32:
+            return torch.autocast(self.device_type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _no_autocast(self):
+        return torch.autocast(self.device_type, enabled=False)
+
+    def _copy_of(self, module: nn.Module, dtype: torch.dtype, version: int, whole_model: bool = False) -> nn.Module:
+        key = id(module)
+        if key not in self._copies or self._copies[key].dtype != dtype:
+            self._copies[key] = ModuleCopy(module, dtype, whole_model=whole_model)
+        return self._copies[key].get(version)
+
+    def copies(self) -> list[ModuleCopy]:
+        """The copies built so far (empty when the mode runs on the policy's own weights)."""
+        return list(self._copies.values())
+
+    def extra_bytes(self) -> int:
+        """Memory held by this scorer's copies, in bytes (0 when the mode needs no copy)."""
+        return sum(c.num_bytes() for c in self._copies.values())
+
+    # -- one chunk per mode ------------------------------------------------------------------------------------------
+
+    def _logits_full(self, dtype: torch.dtype, input_ids, attention_mask, logits_to_keep, version):
+        """Whole forward in `dtype` outside autocast: the policy itself when its weights are already `dtype`."""
+        model = self.model if self.weight_dtype == dtype else self._copy_of(self.model, dtype, version, True)
+        with self._no_autocast():
+            return _plain_forward(model, input_ids, attention_mask, logits_to_keep)
+
+    def _logits_policy(self, input_ids, attention_mask, logits_to_keep):
+        with self.policy_autocast():
+            return _plain_forward(self.model, input_ids, attention_mask, logits_to_keep)
+
+    def _logits_upcast(self, input_ids, attention_mask, logits_to_keep, version):
+        """The policy's forward with `self.layers`, the final norm and the head in fp32 (fp32_head, guided_fp32)."""
+        a = self._anatomy
+        chain = [a.layers[i] for i in self.layers] + [a.norm, a.head]
+        consumers_fp32 = {id(a.layers[i]) for i in self.layers if i + 1 in self.layers}
+        consumers_fp32 |= {id(a.layers[-1])} if (len(a.layers) - 1) in self.layers else set()
+        consumers_fp32 |= {id(a.norm), id(a.head)}  # norm feeds the fp32 head; head output is the fp32 logits
+        rope_cache: dict = {}
+        with contextlib.ExitStack() as stack:
+            for module in chain:
+                if self.weight_dtype == torch.float32:
+                    runner, out_dtype = module, None  # fp32 weights: just leave autocast; no copy, no cast back
+                else:
+                    runner = self._copy_of(module, torch.float32, version)
+                    out_dtype = None if id(module) in consumers_fp32 else self.weight_dtype
+                stack.enter_context(_patched_forward(module, _fp32_forward(runner, out_dtype, rope_cache)))
+            if self.layers and a.rotary is not None and self.weight_dtype != torch.float32:
+                stack.enter_context(_patched_forward(a.rotary, _rope_fp32_forward(a.rotary, rope_cache)))
+            return self._logits_policy(input_ids, attention_mask, logits_to_keep)
+
+    def _chunk_logprobs(self, input_ids, attention_mask, logits_to_keep, temperature, version):
+        """(b, T) fp32 log-probs of one chunk and the number of its rows re-scored in fp32."""
+        completion_ids = input_ids[:, -logits_to_keep:]  # (b, T)
+        if self.mode == "bf16":
+            logits = self._logits_policy(input_ids, attention_mask, logits_to_keep)
+        elif self.mode == "fp32_clone":
+            logits = self._logits_full(torch.float32, input_ids, attention_mask, logits_to_keep, version)
+        elif self.mode == "fp16_clone":
+            logits = self._logits_full(torch.float16, input_ids, attention_mask, logits_to_keep, version)
+        else:
+            logits = self._logits_upcast(input_ids, attention_mask, logits_to_keep, version)
+        logps = completion_logprobs_from_logits(logits, completion_ids, temperature)  # (b, T)
+        if self.mode != "fp16_clone":
+            return logps, 0
+        # fp16 overflow (activations past 65,504) must never reach the ratio: re-score such rows in fp32
+        scored = attention_mask[:, -logits_to_keep:].bool()  # (b, T)
+        bad = (~torch.isfinite(logps) & scored).any(dim=1)  # (b,)
+        if bad.any():
+            rows = bad.nonzero().squeeze(1)
+            logits32 = self._logits_full(torch.float32, input_ids[rows], attention_mask[rows], logits_to_keep, version)
+            logps[rows] = completion_logprobs_from_logits(logits32, completion_ids[rows], temperature)
+        return logps, int(bad.sum())
+
+    # -- public ------------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, *,
+              temperature: float = 1.0, batch_size: int | None = None, version: int = 0) -> torch.Tensor:
+        """Old log-probs of the last `logits_to_keep` tokens of each row.
+
+        Args:
+            input_ids: (B, P+T) int64, prompts left-padded and completions right-padded (as TRL builds them).
+            attention_mask: (B, P+T) 0/1.
+            logits_to_keep: T, the number of completion positions.
+            temperature: divides the logits before the log-softmax (TRL's `temperature`).
+            batch_size: rows per forward chunk (TRL uses `per_device_train_batch_size`); None = all rows at once.
+            version: the policy's optimizer-step count; copies synced at another version are refreshed first.
+        Returns:
+            (B, T) fp32 log-probs (values at padded positions are whatever the forward gives; mask them).
+        """
+        batch_size = batch_size or input_ids.size(0)
+        chunks, fallback = [], 0
+        for start in range(0, input_ids.size(0), batch_size):
+            sl = slice(start, start + batch_size)
+            logps, n = self._chunk_logprobs(input_ids[sl], attention_mask[sl], logits_to_keep, temperature, version)
+            chunks.append(logps)
+            fallback += n
+        self.fallback_rows += fallback
+        self.last_fallback_rows = fallback
+        return torch.cat(chunks, dim=0)  # (B, T)
+
+
+def score_completion_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                              logits_to_keep: int, *, mode: str, temperature: float = 1.0,
+                              batch_size: int | None = None, layers: Iterable[int] | None = None,
+                              policy_autocast: Callable | None = None) -> torch.Tensor:
+    """One-shot scoring outside any trainer (the probes use this). Shapes and modes as `OldLogprobScorer.score`.
+
+    Returns:
+        (B, T) fp32 log-probs of the last `logits_to_keep` tokens of `input_ids` under `mode`.
+    """
+    scorer = OldLogprobScorer(model, mode, layers=layers, policy_autocast=policy_autocast)
+    return scorer.score(input_ids, attention_mask, logits_to_keep, temperature=temperature, batch_size=batch_size)

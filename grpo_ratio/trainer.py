@@ -1,0 +1,146 @@
+"""`RatioGRPOTrainer`: TRL's `GRPOTrainer` with the old log-probs computed by a selectable scoring mode.
+
+The only changes w.r.t. `trl.GRPOTrainer` (1.16):
+1. Old log-probs. When `old_logprob_mode != "bf16"`, the old log-probs of every generation batch come from
+   `grpo_ratio.scoring.OldLogprobScorer` (fp32/fp16 copy, fp32 head, guided fp32 layers), also where TRL would skip
+   the old pass (then the first-step ratio is new/old = policy pass / mode pass, as in seed 004's arms B, D, E, F).
+   TRL's own old pass is replaced, not run and thrown away, so vLLM importance-sampling correction uses the mode's
+   old log-probs too. With `"bf16"` nothing changes: TRL's pass, bit for bit.
+2. Sampler log-probs without vLLM: `model.generate` runs with a recording logits processor, so
+   `sampling_per_token_logps` holds each sampled token's log-prob under the distribution it was sampled from.
+3. Ratio diagnostics (`ratio/*` metrics, docs/metrics.md), logged in the same step as the reward.
+
+Wrapped TRL methods (each calls `super()`; none is copied): `_generate_and_score_completions`,
+`_get_per_token_logps_and_entropies`, `_generate_single_turn`, `_compute_loss`. They are private and change between
+TRL releases, hence the version pin in `grpo_ratio/_compat.py`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from trl import GRPOTrainer
+
+from .config import RatioGRPOConfig
+from .scoring import OldLogprobScorer
+
+
+class RatioGRPOTrainer(GRPOTrainer):
+    """Drop-in replacement for `trl.GRPOTrainer` (same constructor), configured by [`RatioGRPOConfig`].
+
+    Example:
+        ```python
+        from grpo_ratio import RatioGRPOConfig, RatioGRPOTrainer
+
+        args = RatioGRPOConfig(output_dir="out", old_logprob_mode="fp16_clone")
+        trainer = RatioGRPOTrainer(model="HuggingFaceTB/SmolLM2-135M-Instruct", reward_funcs=my_reward,
+                                   args=args, train_dataset=dataset)
+        trainer.train()
+        ```
+
+    Raises:
+        TypeError: `args` is a plain `GRPOConfig` (use `RatioGRPOConfig`, which has every GRPOConfig field).
+        ValueError: `guided_fp32_layers` names a layer the model does not have.
+        NotImplementedError: a copy-based mode under DeepSpeed ZeRO-3 or FSDP (parameters would need gathering).
+    """
+
+    _tag_names = ["trl", "grpo", "grpo-ratio"]
+
+    def __init__(self, model, reward_funcs=None, args: RatioGRPOConfig | None = None, *pargs, **kwargs):
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path
+            args = RatioGRPOConfig(f"{str(name).split('/')[-1]}-GRPO-ratio")
+        if not isinstance(args, RatioGRPOConfig):
+            raise TypeError(
+                f"RatioGRPOTrainer needs args=RatioGRPOConfig(...), got {type(args).__name__}; RatioGRPOConfig accepts "
+                f"every GRPOConfig field plus old_logprob_mode, guided_fp32_layers, ..."
+            )
+        super().__init__(model, reward_funcs, args, *pargs, **kwargs)
+        self._old_pass_armed = False
+        self.scorer = None
+        if args.old_logprob_mode != "bf16":
+            self._refuse_sharded_copies()
+            self.scorer = OldLogprobScorer(
+                self.accelerator.unwrap_model(self.model),
+                args.old_logprob_mode,
+                layers=args.guided_fp32_layer_ids,
+                policy_autocast=self.accelerator.autocast,
+            )
+
+    # ------------------------------------------------------------------------------------------------------------
+    # setup checks
+
+    def _refuse_sharded_copies(self) -> None:
+        # A copy or an fp32 re-run needs the full parameters on every rank; under ZeRO-3/FSDP they are sharded.
+        if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
+            raise NotImplementedError(
+                f"old_logprob_mode={self.args.old_logprob_mode!r} is not supported under DeepSpeed ZeRO-3 yet "
+                f"(parameters are sharded); use old_logprob_mode='bf16' or ZeRO-1/2 (docs/distributed.md)"
+            )
+        if self.is_fsdp_enabled:
+            raise NotImplementedError(
+                f"old_logprob_mode={self.args.old_logprob_mode!r} is not supported under FSDP yet (parameters are "
+                f"sharded); use old_logprob_mode='bf16' or DDP (docs/distributed.md)"
+            )
+
+    def _trl_runs_old_pass(self) -> bool:
+        """TRL 1.16's own condition for computing old log-probs (grpo_trainer.py, `_generate_and_score_completions`)."""
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        return self.args.gradient_accumulation_steps % generate_every != 0 or (
+            self.use_vllm and self.vllm_importance_sampling_correction
+        )
+
+    # ------------------------------------------------------------------------------------------------------------
+    # old log-probs
+
+    def _score_old(self, input_ids, attention_mask, logits_to_keep, batch_size) -> torch.Tensor:
+        """(B, T) fp32 old log-probs from the scoring mode, in TRL's chunking, with copies synced at this step."""
+        with torch.no_grad(), self._no_gradient_checkpointing():
+            logps = self.scorer.score(
+                input_ids, attention_mask, logits_to_keep,
+                temperature=self.temperature, batch_size=batch_size, version=self.state.global_step,
+            )
+        self._last_fallback_rows = self.scorer.last_fallback_rows
+        return logps
+
+    def _no_gradient_checkpointing(self):
+        from trl.models.utils import disable_gradient_checkpointing
+
+        model = self.accelerator.unwrap_model(self.model)
+        if not hasattr(model, "is_gradient_checkpointing"):
+            return contextlib.nullcontext()
+        return disable_gradient_checkpointing(model, self.args.gradient_checkpointing_kwargs)
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           *args, **kwargs):
+        # TRL's old pass is the first no-grad call on the policy inside _generate_and_score_completions: replace it.
+        if self._old_pass_armed and model is self.model and not torch.is_grad_enabled():
+            self._old_pass_armed = False
+            if any(v is not None for v in args) or any(v is not None for v in kwargs.values()
+                                                       if not isinstance(v, bool)):
+                raise NotImplementedError("old_logprob_mode other than 'bf16' supports text-only models")
+            return self._score_old(input_ids, attention_mask, logits_to_keep, batch_size), None, None
+        return super()._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, batch_size, *args, **kwargs
+        )
+
+    def _generate_and_score_completions(self, inputs):
+        self._old_pass_armed = self.scorer is not None and self._trl_runs_old_pass()
+        self._last_fallback_rows = 0
+        try:
+            output = super()._generate_and_score_completions(inputs)
+        finally:
+            armed_but_unused, self._old_pass_armed = self._old_pass_armed, False
+        if armed_but_unused:
+            raise RuntimeError("grpo_ratio: TRL did not run its old-logprob pass where 1.16 does; untested TRL?")
+        if self.scorer is not None and "old_per_token_logps" not in output:
+            # TRL skipped the old pass (on-policy default): the mode still provides the anchor of the ratio
+            input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)  # (B, P+T)
+            attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)  # (B, P+T)
+            mode = "train" if self.model.training else "eval"
+            batch_size = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
+            output["old_per_token_logps"] = self._score_old(
+                input_ids, attention_mask, output["completion_ids"].size(1), batch_size
+            )
+        return output

@@ -1,0 +1,116 @@
+"""RatioGRPOTrainer on tiny models: drop-in behaviour, each scoring mode in the trainer, copies in step.
+
+Run: pytest tests/test_trainer.py
+"""
+
+import pytest
+import torch
+from trl import GRPOConfig, GRPOTrainer
+
+from grpo_ratio import RatioGRPOConfig, RatioGRPOTrainer
+from grpo_ratio.scoring import completion_logprobs_from_logits
+from grpo_ratio.testing import letter_reward, tiny_grpo_args, tiny_model, tiny_prompts, tiny_tokenizer
+
+
+def _trainer(tmp_path, mode="bf16", arch="qwen2", cls=RatioGRPOTrainer, model=None, **overrides):
+    args = tiny_grpo_args(tmp_path, old_logprob_mode=mode, **overrides)
+    if cls is GRPOTrainer:  # stock TRL gets a plain GRPOConfig with the same values
+        fields = {k: v for k, v in args.to_dict().items() if k in GRPOConfig.__dataclass_fields__}
+        fields = {k: getattr(args, k) for k in fields if GRPOConfig.__dataclass_fields__[k].init}
+        for k in ("steps_per_generation", "generation_batch_size"):
+            fields[k] = None  # re-derived by __post_init__, like the user's own config
+        args = GRPOConfig(**{**fields, "gradient_accumulation_steps": args.gradient_accumulation_steps})
+    return cls(
+        model=model if model is not None else tiny_model(arch),
+        reward_funcs=letter_reward,
+        args=args,
+        train_dataset=tiny_prompts(8),
+        processing_class=tiny_tokenizer(),
+    )
+
+
+def _stock_keys(history):
+    return [{k: v for k, v in row.items() if not k.startswith("ratio/") and k not in ("step_time", "train_runtime",
+            "train_samples_per_second", "train_steps_per_second")} for row in history]
+
+
+def test_bf16_mode_reproduces_stock_grpo_bit_for_bit(tmp_path):
+    # Same config, same seed, 3 steps: every metric stock TRL logs is identical (==, not approx).
+    runs = []
+    for cls in (GRPOTrainer, RatioGRPOTrainer):
+        trainer = _trainer(tmp_path / cls.__name__, cls=cls, max_steps=3, record_sampler_logprobs=False)
+        trainer.train()
+        runs.append(_stock_keys(trainer.state.log_history))
+    assert len(runs[0]) == 4  # 3 logged steps + the train summary
+    assert runs[0] == runs[1]
+
+
+def _capture_generation(trainer):
+    """Run one generation batch through the trainer and return its output dict."""
+    batch = next(iter(trainer.get_train_dataloader()))
+    trainer.model.train()
+    return trainer._generate_and_score_completions(batch)
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_fp32_clone_old_logprobs_equal_independent_fp32_forward(tmp_path, temperature):
+    trainer = _trainer(tmp_path, "fp32_clone", temperature=temperature)
+    out = _capture_generation(trainer)
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+    mask = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
+    T = out["completion_ids"].size(1)
+    ref_model = tiny_model("qwen2")  # the same seed-0 weights, never touched by accelerate or TRL
+    with torch.no_grad():
+        logits = ref_model(input_ids=ids, attention_mask=mask, logits_to_keep=T + 1).logits
+    ref = completion_logprobs_from_logits(logits, out["completion_ids"], temperature)
+    valid = out["completion_mask"].bool()
+    assert (out["old_per_token_logps"] - ref)[valid].abs().max() <= 1e-5
+
+
+def test_old_pass_is_replaced_not_duplicated(tmp_path, monkeypatch):
+    # num_iterations=2 makes TRL compute old log-probs; fp32_clone must replace that pass, not run both.
+    trainer = _trainer(tmp_path, "fp32_clone", num_iterations=2)
+    calls = []
+    original = GRPOTrainer._get_per_token_logps_and_entropies
+    monkeypatch.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies",
+                        lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    out = _capture_generation(trainer)
+    assert calls == []  # TRL's helper never ran for the old pass (beta=0: no reference pass either)
+    assert out["old_per_token_logps"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("mode", ["fp16_clone", "fp32_clone"])
+def test_copies_equal_updated_policy_after_optimizer_step(tmp_path, mode):
+    # bf16-stored weights force a copy for both modes; after training, a fresh score refreshes it exactly.
+    model = tiny_model("qwen2", dtype=torch.bfloat16)
+    trainer = _trainer(tmp_path, mode, model=model, bf16=False, max_steps=2)
+    trainer.train()
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    assert trainer.state.global_step == 2
+    (copy,) = trainer.scorer.copies()
+    module = copy.get(trainer.state.global_step)
+    assert copy.version == 2 and copy.num_refreshes >= 2  # refreshed after each optimizer step it was used at
+    for (name, p), q in zip(policy.state_dict().items(), module.state_dict().values(), strict=True):
+        assert torch.equal(p.to(copy.dtype), q), name
+
+
+def test_plain_grpo_config_is_refused(tmp_path):
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    with pytest.raises(TypeError, match="RatioGRPOConfig"):
+        RatioGRPOTrainer(model=tiny_model(), reward_funcs=letter_reward, args=args, train_dataset=tiny_prompts(4),
+                         processing_class=tiny_tokenizer())
+
+
+def test_guided_layer_out_of_range_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"0\.\.1"):
+        _trainer(tmp_path, "guided_fp32", guided_fp32_layers="0,5")
+
+
+@pytest.mark.parametrize("mode", ["fp32_clone", "fp16_clone", "fp32_head"])
+def test_each_mode_trains(tmp_path, mode):
+    trainer = _trainer(tmp_path, mode)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert "loss" in trainer.state.log_history[0]
+    changed = sum(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+    assert changed > 0
