@@ -1,0 +1,724 @@
+"""Kept sets, sampler log-probs and truncated-sampling corrections (pure tensor math plus one logits processor).
+
+With top_p / top_k / min_p the sampler draws token g from the distribution renormalised over the kept set S of that
+step, q(g) = p(g) / M_S with kept mass M_S = sum_{v in S} p(v), while the trainer scores g over the full vocabulary.
+The importance ratio old/sampler then carries the factor M_S for an unchanged policy: at top_p=0.8 on
+Qwen2.5-1.5B-Instruct it averages 0.896 and leaves [0.9, 1.1] for 51.8% of tokens (seed 004, "The other term in the
+ratio", T11). This module records S and log q(g) on the transformers path, reads S from vLLM, and computes the two
+corrections of docs/truncation.md:
+
+1. `renormalize` (DeepSeek-V3.2 "Keep Sampling Mask", arXiv 2512.02556; seed 004 README): trainer log-probs over S,
+   `kept_set_logprobs`.
+2. `lift_sampler` (trl#6789, TRL PR #7269; verl `support_size_replay`): sampler log-probs + log M_S,
+   `log_kept_mass` / `log_kept_mass_top_prefix` then `lift_sampler_logprobs`.
+
+Shapes: N or B = sequences (rows), T = completion tokens (generation steps), V = vocabulary, K = cells in a chunk,
+nnz = kept ids stored. A "cell" is one (row, position) pair; cells are numbered row-major, `row * T + position`.
+All log-probs are natural-log fp32. Every trainer-side function takes raw logits and divides by `temperature` itself
+(pass `temperature=1.0` for logits that TRL has already divided in place).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from transformers import GenerationMixin, LogitsProcessor, LogitsProcessorList
+
+
+DEFAULT_CHUNK_CELLS = 1024  # fp32 working set per chunk: K * V * 4 B, 622 MB at V = 151,936 (Qwen2.5)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Kept sets
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _range_index(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Concatenate the integer ranges [starts[k], starts[k] + lengths[k]) into one (sum(lengths),) int64 tensor."""
+    lengths = lengths.long()
+    cell = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)  # (nnz,)
+    first = torch.cumsum(lengths, 0) - lengths  # (K,) position of each range in the output
+    within = torch.arange(len(cell), device=lengths.device) - first[cell]  # (nnz,)
+    return starts.long()[cell] + within
+
+
+def _offsets_from_sizes(sizes: torch.Tensor) -> torch.Tensor:
+    """CSR offsets (numel + 1,) int64 of the row-major flattened `sizes`."""
+    flat = sizes.reshape(-1).long()
+    return torch.cat([flat.new_zeros(1), torch.cumsum(flat, 0)])
+
+
+@dataclass(eq=False)
+class KeptSets:
+    """The kept set S of every (row, step) cell of N rows x T generation steps, in CSR layout.
+
+    Fields:
+        sizes (`torch.Tensor`, (N, T) int32): |S| per cell. 0 means "no set" (padding, post-EOS, or not recorded).
+        ids (`torch.Tensor | None`, (nnz,) int32): kept vocabulary ids, cell after cell (row-major), ascending within
+            a cell. None when `support_size_only`.
+        offsets (`torch.Tensor | None`, (N * T + 1,) int64): the ids of cell c are `ids[offsets[c]:offsets[c + 1]]`.
+            None when `support_size_only`.
+        support_size_only (`bool`): only |S| is kept. Valid when S is the top-|S| prefix of the trainer's distribution
+            (top_k / top_p / min_p keep a prefix of the sorted distribution; verl `support_size_replay`, seed notes
+            1(c): sets identical 99.5% of the time at top_p=0.8, 72% at top_k=20, ratios equal to four decimals).
+
+    Memory: 4 B per kept id + 8 B per cell of offsets + 4 B per cell of sizes. top_k=1024 over 8,192 tokens is
+    8,388,608 ids = 32 MiB per sequence (2 GiB for 64 sequences); `support_size_only` keeps 32 KiB per sequence.
+
+    Raises:
+        ValueError: a field has the wrong shape or dtype, or offsets and ids disagree.
+    """
+
+    sizes: torch.Tensor
+    ids: torch.Tensor | None = None
+    offsets: torch.Tensor | None = None
+    support_size_only: bool = False
+
+    def __post_init__(self):
+        if self.sizes.dim() != 2 or self.sizes.dtype != torch.int32:
+            raise ValueError(f"KeptSets.sizes must be an (N, T) int32 tensor, got {tuple(self.sizes.shape)} "
+                             f"{self.sizes.dtype}")
+        if self.support_size_only:
+            self.ids = self.offsets = None
+            return
+        if self.ids is None or self.offsets is None:
+            raise ValueError("KeptSets.ids and KeptSets.offsets are required unless support_size_only=True")
+        if self.ids.dim() != 1 or self.ids.dtype != torch.int32:
+            raise ValueError(f"KeptSets.ids must be a (nnz,) int32 tensor, got {tuple(self.ids.shape)} {self.ids.dtype}")
+        if self.offsets.shape != (self.sizes.numel() + 1,) or self.offsets.dtype != torch.int64:
+            raise ValueError(f"KeptSets.offsets must be an (N*T+1,) = ({self.sizes.numel() + 1},) int64 tensor, got "
+                             f"{tuple(self.offsets.shape)} {self.offsets.dtype}")
+        if int(self.offsets[-1]) != self.ids.numel():
+            raise ValueError(f"KeptSets.offsets[-1] = {int(self.offsets[-1])} but ids holds {self.ids.numel()} ids")
+
+    # -- construction -------------------------------------------------------------------------------------------------
+    @classmethod
+    def from_lists(cls, rows: Sequence[Sequence[Sequence[int]]], num_steps: int | None = None) -> KeptSets:
+        """Build from nested lists: `rows[n][t]` is the list of kept ids of row n at step t.
+
+        Rows shorter than `num_steps` (default: the longest row) get empty cells (size 0).
+
+        Raises:
+            ValueError: a row is longer than `num_steps`.
+        """
+        T = max((len(r) for r in rows), default=0) if num_steps is None else num_steps
+        sizes = np.zeros((len(rows), T), dtype=np.int32)
+        chunks = []
+        for n, row in enumerate(rows):
+            if len(row) > T:
+                raise ValueError(f"kept sets: row {n} has {len(row)} steps but num_steps={T}")
+            for t, cell in enumerate(row):
+                sizes[n, t] = len(cell)
+                chunks.append(np.asarray(cell, dtype=np.int32))
+        ids = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int32)
+        sizes_t = torch.from_numpy(sizes)
+        return cls(sizes=sizes_t, ids=torch.from_numpy(ids), offsets=_offsets_from_sizes(sizes_t))
+
+    @classmethod
+    def from_mask(cls, keep: torch.Tensor) -> KeptSets:
+        """Build from a dense (N, T, V) bool mask (True = kept). For tests and small batches only."""
+        if keep.dim() != 3 or keep.dtype != torch.bool:
+            raise ValueError(f"keep must be an (N, T, V) bool tensor, got {tuple(keep.shape)} {keep.dtype}")
+        sizes = keep.sum(-1).to(torch.int32)  # (N, T)
+        ids = keep.reshape(-1, keep.shape[-1]).nonzero()[:, 1].to(torch.int32)  # (nnz,) row-major, ascending
+        return cls(sizes=sizes, ids=ids, offsets=_offsets_from_sizes(sizes))
+
+    # -- shape and access ---------------------------------------------------------------------------------------------
+    @property
+    def num_rows(self) -> int:
+        return self.sizes.shape[0]
+
+    @property
+    def num_steps(self) -> int:
+        return self.sizes.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the three tensors."""
+        return sum(t.numel() * t.element_size() for t in (self.sizes, self.ids, self.offsets) if t is not None)
+
+    def cell_ids(self, row: int, step: int) -> torch.Tensor:
+        """Kept ids (|S|,) int32 of one cell. Raises ValueError when `support_size_only`."""
+        self._need_ids("cell_ids")
+        c = row * self.num_steps + step
+        return self.ids[self.offsets[c]:self.offsets[c + 1]]
+
+    def to(self, device) -> KeptSets:
+        """A copy on `device`."""
+        move = (lambda t: None if t is None else t.to(device))  # noqa: E731
+        return KeptSets(move(self.sizes), move(self.ids), move(self.offsets), self.support_size_only)
+
+    def size_only(self) -> KeptSets:
+        """Drop the ids, keep |S| (support-size replay)."""
+        return KeptSets(self.sizes, support_size_only=True)
+
+    def _need_ids(self, what: str) -> None:
+        if self.support_size_only:
+            raise ValueError(f"KeptSets.{what} needs the kept ids, but these kept sets are support_size_only")
+
+    def _select_cells(self, cells: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ids (nnz_sel,) int32 and sizes (K,) int64 of the flat cells `cells` (K,), in that order."""
+        lengths = self.sizes.reshape(-1)[cells].long()  # (K,)
+        return self.ids[_range_index(self.offsets[cells], lengths)], lengths
+
+    def _rebuild(self, sizes: torch.Tensor, cells: torch.Tensor) -> KeptSets:
+        """KeptSets of new `sizes` (N', T') whose row-major cells are this object's flat `cells` (N'*T',)."""
+        sizes = sizes.to(torch.int32)
+        if self.support_size_only:
+            return KeptSets(sizes, support_size_only=True)
+        ids, _ = self._select_cells(cells)
+        return KeptSets(sizes, ids, _offsets_from_sizes(sizes))
+
+    # -- row / step / mask selection ---------------------------------------------------------------------------------
+    def select_rows(self, index: torch.Tensor | Sequence[int]) -> KeptSets:
+        """The kept sets of rows `index` (R,), in that order: use it to follow TRL's shuffle and micro-batch split."""
+        index = torch.as_tensor(index, dtype=torch.long, device=self.sizes.device)
+        T = self.num_steps
+        cells = (index[:, None] * T + torch.arange(T, device=index.device)).reshape(-1)  # (R*T,)
+        return self._rebuild(self.sizes[index], cells)
+
+    def resize_steps(self, num_steps: int) -> KeptSets:
+        """Pad with empty cells or crop to `num_steps` steps (to match the trainer's padded completion length).
+
+        Raises:
+            ValueError: cropping would drop a non-empty cell.
+        """
+        N, T = self.sizes.shape
+        if num_steps < T and bool((self.sizes[:, num_steps:] > 0).any()):
+            raise ValueError(f"resize_steps({num_steps}) would drop non-empty kept sets beyond step {num_steps}")
+        sizes = self.sizes.new_zeros(N, num_steps)
+        keep_T = min(T, num_steps)
+        sizes[:, :keep_T] = self.sizes[:, :keep_T]
+        cells = (torch.arange(N, device=sizes.device)[:, None] * T
+                 + torch.arange(keep_T, device=sizes.device)).reshape(-1)  # (N*keep_T,) source cells, row-major
+        if self.support_size_only:
+            return KeptSets(sizes, support_size_only=True)
+        ids, _ = self._select_cells(cells)
+        return KeptSets(sizes, ids, _offsets_from_sizes(sizes))
+
+    def masked(self, mask: torch.Tensor) -> KeptSets:
+        """Empty every cell where `mask` (N, T) bool is False (padding, post-EOS): they then cost no memory."""
+        if mask.shape != self.sizes.shape:
+            raise ValueError(f"mask shape {tuple(mask.shape)} != kept sets shape {tuple(self.sizes.shape)}")
+        sizes = torch.where(mask.to(self.sizes.device), self.sizes, 0)  # (N, T)
+        if self.support_size_only:
+            return KeptSets(sizes.to(torch.int32), support_size_only=True)
+        cells = torch.arange(self.sizes.numel(), device=sizes.device)
+        lengths = sizes.reshape(-1).long()
+        ids = self.ids[_range_index(self.offsets[cells], lengths)]
+        return KeptSets(sizes.to(torch.int32), ids, _offsets_from_sizes(sizes))
+
+    def dense_cells(self, cells: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """Dense (K, V) bool membership mask of the flat cells `cells` (K,)."""
+        self._need_ids("dense_cells")
+        ids, lengths = self._select_cells(cells.to(self.sizes.device))
+        keep = torch.zeros(len(cells), vocab_size, dtype=torch.bool, device=self.sizes.device)  # (K, V)
+        rows = torch.repeat_interleave(torch.arange(len(cells), device=keep.device), lengths)  # (nnz_sel,)
+        keep[rows, ids.long()] = True
+        return keep
+
+    def to_dense(self, vocab_size: int) -> torch.Tensor:
+        """Dense (N, T, V) bool mask. For tests and small batches only."""
+        cells = torch.arange(self.sizes.numel(), device=self.sizes.device)
+        return self.dense_cells(cells, vocab_size).reshape(*self.sizes.shape, vocab_size)
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, KeptSets) or self.support_size_only != other.support_size_only:
+            return False
+        pairs = [(self.sizes, other.sizes), (self.ids, other.ids), (self.offsets, other.offsets)]
+        return all(a is b if a is None or b is None else torch.equal(a.cpu(), b.cpu()) for a, b in pairs)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Kept sets from vLLM
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _completions(outputs) -> list:
+    """Flatten RequestOutputs (each with `.outputs`) and/or CompletionOutputs into a list of CompletionOutputs."""
+    flat = []
+    for out in outputs:
+        inner = getattr(out, "outputs", None)  # RequestOutput has .outputs; CompletionOutput does not
+        flat.extend(inner if inner is not None else [out])
+    return flat
+
+
+def _mask_cells(mask, where: str) -> list[np.ndarray]:
+    """One int32 array of kept ids per generated token, from any of the three sampling-mask layouts."""
+    token_ids = getattr(mask, "token_ids", None)
+    offsets = getattr(mask, "offsets", None)
+    if token_ids is not None and offsets is None:
+        # vLLM 0.28 / 0.33 `SamplingMask(token_ids: list[list[int]])`: one list per generated token
+        if len(token_ids) and np.ndim(token_ids[0]) == 0:
+            raise ValueError(f"{where}: sampling_mask.token_ids is flat but has no `offsets` (CSR layout needs both)")
+        return [np.asarray(cell, dtype=np.int32) for cell in token_ids]
+    if token_ids is not None:
+        # vLLM PR #49577 (Mask Replay) CSR: flat `token_ids` + `offsets` (num_tokens + 1)
+        flat, bounds = np.asarray(token_ids, dtype=np.int32), np.asarray(offsets, dtype=np.int64)
+    elif getattr(mask, "ids", None) is not None and getattr(mask, "counts", None) is not None:
+        # flat `ids` + per-token `counts` (the transport of PrimeIntellect prime-rl PR #3431 / verifiers PR #2460)
+        flat = np.asarray(mask.ids, dtype=np.int32)
+        bounds = np.concatenate([[0], np.cumsum(np.asarray(mask.counts, dtype=np.int64))])
+    else:
+        raise ValueError(f"{where}: sampling_mask of type {type(mask).__name__} has neither `token_ids` (list of "
+                         f"lists, or flat with `offsets`) nor `ids` + `counts`")
+    if len(bounds) == 0 or bounds[0] != 0 or bounds[-1] != len(flat) or bool(np.any(np.diff(bounds) < 0)):
+        raise ValueError(f"{where}: sampling_mask offsets must rise from 0 to len(token_ids)={len(flat)}")
+    return [flat[bounds[i]:bounds[i + 1]] for i in range(len(bounds) - 1)]
+
+
+def kept_sets_from_vllm(outputs, num_steps: int | None = None, support_size_only: bool = False) -> KeptSets:
+    """Kept sets of vLLM completions, one row per `CompletionOutput` (RequestOutputs are flattened in order).
+
+    Each `CompletionOutput.sampling_mask` (engine flag `return_sampling_mask=True`, vLLM >= 0.28; needs Model Runner
+    V2, temperature > 0 and top_k > 0; trl_grpo_internals.md section 8) may be laid out as
+    - `SamplingMask(token_ids: list[list[int]])`, one list per generated token (vllm/outputs.py), or
+    - the CSR of vLLM PR #49577 (Mask Replay): flat `token_ids` plus `offsets` (num_tokens + 1), or
+    - flat `ids` plus per-token `counts`.
+
+    Args:
+        outputs: a sequence of vLLM `RequestOutput` and/or `CompletionOutput`.
+        num_steps: T of the result (default: the longest completion); shorter completions get empty cells.
+        support_size_only: keep only |S| (see `KeptSets`).
+
+    Returns:
+        `KeptSets` with N = number of completions.
+
+    Raises:
+        ValueError: a completion has no sampling_mask, or its mask does not have one set per generated token.
+    """
+    rows = []
+    for n, comp in enumerate(_completions(outputs)):
+        where = f"completion {n} (index={getattr(comp, 'index', '?')})"
+        if comp.sampling_mask is None:
+            raise ValueError(f"{where} has sampling_mask=None: start vLLM with return_sampling_mask=True and sample "
+                             f"with top_k > 0 to get the kept sets")
+        cells = _mask_cells(comp.sampling_mask, where)
+        if len(cells) != len(comp.token_ids):
+            raise ValueError(f"{where}: sampling_mask has {len(cells)} kept sets for {len(comp.token_ids)} "
+                             f"generated tokens")
+        rows.append(cells)
+    kept = KeptSets.from_lists(rows, num_steps)
+    return kept.size_only() if support_size_only else kept
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Recording sampler log-probs and kept sets in transformers `generate`
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SamplerRecord:
+    """What `SamplerLogprobRecorder.finalize` returns.
+
+    Fields:
+        logprobs (`torch.Tensor`, (N, T) fp32): log q(g_t), the sampled token's log-prob under the processed
+            distribution it was drawn from (temperature, top_k, top_p, min_p applied). 0.0 outside the
+            completion mask; -inf for a forced pad outside the kept set when no mask is given.
+        kept (`KeptSets`): the kept set of every cell (empty outside the completion mask).
+    """
+
+    logprobs: torch.Tensor
+    kept: KeptSets
+
+
+class SamplerLogprobRecorder(LogitsProcessor):
+    """Record, per generation step, the kept set and the sampled token's processed log-prob, without keeping scores.
+
+    Use it through `recording_sampler(model, recorder)`, which makes it the **last** logits processor, so that it sees
+    the scores exactly as the sampler does (`softmax(scores)` is what `torch.multinomial` draws from). Passing it as
+    `generate(logits_processor=...)` is not enough: transformers (5.x, `GenerationMixin._get_logits_processor`) merges
+    user processors *before* it appends temperature / top_k / top_p / min_p, so the recorder would see unwarped
+    scores; an unattached recorder therefore raises.
+
+    Per call it returns `scores` unchanged (same object) and draws no random numbers. It keeps the (N, V) fp32
+    log-softmax of the previous step only: the token sampled at step t is `input_ids[:, -1]` at step t + 1, and the
+    last step's token comes from the final sequences in `finalize`. Memory: one (N, V) fp32 buffer plus the kept
+    sets (see `KeptSets`), against T x N x V for `output_scores=True` (8,192 x 64 x 151,936 x 4 B = 318 GB).
+
+    Args:
+        support_size_only (`bool`, defaults to `False`): record only |S| (no `nonzero`, no ids).
+        storage_device (`torch.device | str`, *optional*): where recorded ids / log-probs live (default: the device
+            of the scores). `"cpu"` moves them off the accelerator each step.
+
+    Source: seed 004 (batch-logprob-gap) grpo_effect.py takes the rollout log-probs from `generate(output_scores=True)`;
+    this computes the same `log_softmax(scores)[g]` streaming.
+    """
+
+    def __init__(self, support_size_only: bool = False, storage_device: torch.device | str | None = None):
+        self.support_size_only = support_size_only
+        self.storage_device = storage_device
+        self.attached = False
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything recorded (called on entering `recording_sampler`)."""
+        self._prompt_len: int | None = None
+        self._prev_logsm: torch.Tensor | None = None  # (N, V) fp32, previous step
+        self._logps: list[torch.Tensor] = []  # (N,) fp32 per step, one step behind
+        self._sizes: list[torch.Tensor] = []  # (N,) int32 per step
+        self._ids: list[torch.Tensor] = []  # (nnz_t,) int32 per step, row-major within the step
+
+    def _store(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.storage_device is None else t.to(self.storage_device, non_blocking=True)
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if not self.attached:
+            raise RuntimeError("SamplerLogprobRecorder must run last: wrap generate in `with recording_sampler(model, "
+                               "recorder):` (transformers puts logits_processor= entries before temperature/top_k/top_p"
+                               "/min_p, so the recorder would see unwarped scores)")
+        if self._prompt_len is None:
+            self._prompt_len = input_ids.shape[1]
+        else:  # the token drawn from the previous step's distribution is now the last input id
+            self._logps.append(self._store(self._prev_logsm.gather(1, input_ids[:, -1:]).squeeze(1)))  # (N,)
+        self._prev_logsm = torch.log_softmax(scores.float(), dim=-1)  # (N, V)
+        keep = scores != -math.inf  # (N, V) the kept set: every processor writes -inf outside it
+        self._sizes.append(self._store(keep.sum(-1, dtype=torch.int32)))  # (N,)
+        if not self.support_size_only:
+            self._ids.append(self._store(keep.nonzero()[:, 1].to(torch.int32)))  # (nnz_t,)
+        return scores
+
+    def finalize(self, sequences: torch.Tensor, completion_mask: torch.Tensor | None = None) -> SamplerRecord:
+        """Turn the recording into (N, T) log-probs and kept sets, T = `sequences.shape[1]` - prompt length.
+
+        Args:
+            sequences (`torch.Tensor`, (N, P + T) int64): what `generate` returned (prompt + completion).
+            completion_mask (`torch.Tensor`, (N, T) bool, *optional*): True for completion tokens (up to and
+                including the first EOS). Cells outside it get log-prob 0.0 and an empty kept set.
+
+        Raises:
+            ValueError: nothing was recorded, the shapes disagree with the recording, or fewer steps were recorded
+                than tokens generated (the recorder was not called at every step).
+        """
+        if self._prompt_len is None:
+            raise ValueError("finalize: nothing recorded; run generate inside `recording_sampler(model, recorder)`")
+        N, T = sequences.shape[0], sequences.shape[1] - self._prompt_len
+        if N != self._sizes[0].shape[0] or T < 0 or len(self._sizes) < T:
+            raise ValueError(f"finalize: sequences {tuple(sequences.shape)} do not match the recording (N="
+                             f"{self._sizes[0].shape[0]}, prompt length {self._prompt_len}, {len(self._sizes)} steps)")
+        logps = self._logps[:T]  # calls beyond T are steps generate undid (deferred stop check)
+        if len(logps) < T:  # the last step's token is only in the final sequences
+            last = sequences[:, -1:].to(self._prev_logsm.device)  # (N, 1)
+            logps = logps + [self._store(self._prev_logsm.gather(1, last).squeeze(1))]
+        logprobs = torch.stack(logps, 1) if T else torch.zeros(N, 0)  # (N, T)
+        kept = self._kept_sets(T)
+        self._prev_logsm = None  # free the (N, V) buffer
+        if completion_mask is not None:
+            mask = completion_mask.to(device=logprobs.device, dtype=torch.bool)  # (N, T)
+            logprobs = torch.where(mask, logprobs, 0.0)
+            kept = kept.masked(mask.to(kept.sizes.device))
+        return SamplerRecord(logprobs=logprobs.float(), kept=kept)
+
+    def _kept_sets(self, T: int) -> KeptSets:
+        """Reorder the step-major recording of the first T steps into row-major CSR."""
+        N = self._sizes[0].shape[0]
+        sizes_sm = torch.stack(self._sizes[:T]) if T else torch.zeros(0, N, dtype=torch.int32)  # (T, N)
+        sizes = sizes_sm.T.contiguous()  # (N, T)
+        if self.support_size_only:
+            return KeptSets(sizes, support_size_only=True)
+        ids_sm = torch.cat(self._ids[:T]) if T else torch.zeros(0, dtype=torch.int32)  # (nnz,) step-major
+        starts_sm = _offsets_from_sizes(sizes_sm)[:-1].reshape(T, N)  # (T, N)
+        ids = ids_sm[_range_index(starts_sm.T.reshape(-1), sizes.reshape(-1))]  # (nnz,) row-major
+        return KeptSets(sizes, ids, _offsets_from_sizes(sizes))
+
+
+def _generation_model(model):
+    """The GenerationMixin whose `generate` actually runs (PEFT forwards generate to its base model)."""
+    if isinstance(model, GenerationMixin):
+        return model
+    get_base = getattr(model, "get_base_model", None)  # peft.PeftModel
+    if get_base is not None and isinstance(get_base(), GenerationMixin):
+        return get_base()
+    raise ValueError(f"recording_sampler: {type(model).__name__} is not a transformers GenerationMixin (or a PEFT "
+                     f"model around one)")
+
+
+@contextlib.contextmanager
+def recording_sampler(model, recorder: SamplerLogprobRecorder) -> Iterator[SamplerLogprobRecorder]:
+    """Within the block, every `model.generate` call runs `recorder` as its last logits processor.
+
+    It wraps `model._get_logits_processor` on the instance (transformers 5.x), appending the recorder after
+    everything generate builds (repetition penalty, temperature, top_k, top_p, min_p, ...). No generate call has to
+    change, so TRL's `_generate_single_turn` can run unmodified inside the block. The recorder is reset on entry.
+
+    Args:
+        model: the model whose `generate` is called (the unwrapped model; a PEFT model is resolved to its base).
+        recorder: the `SamplerLogprobRecorder` to attach.
+    """
+    target = _generation_model(model)
+    own = target.__dict__.get("_get_logits_processor")  # an instance-level override to restore afterwards
+    build = target._get_logits_processor
+
+    def build_with_recorder(*args, **kwargs) -> LogitsProcessorList:
+        processors = LogitsProcessorList(p for p in build(*args, **kwargs) if p is not recorder)
+        processors.append(recorder)
+        return processors
+
+    recorder.reset()
+    recorder.attached = True
+    target._get_logits_processor = build_with_recorder
+    try:
+        yield recorder
+    finally:
+        recorder.attached = False
+        if own is None:
+            del target._get_logits_processor
+        else:
+            target._get_logits_processor = own
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Corrections on trainer logits
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _check_inputs(logits: torch.Tensor, kept_sizes: torch.Tensor, temperature: float, mask) -> torch.Tensor:
+    """Validate shapes and temperature; return the (B, T) bool mask of cells to compute."""
+    if logits.dim() != 3 or not logits.is_floating_point():
+        raise ValueError(f"logits must be a (B, T, V) float tensor, got {tuple(logits.shape)} {logits.dtype}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if tuple(kept_sizes.shape) != tuple(logits.shape[:2]):
+        raise ValueError(f"kept sets cover (N, T) = {tuple(kept_sizes.shape)} but logits are (B, T) = "
+                         f"{tuple(logits.shape[:2])}; select the micro-batch rows with KeptSets.select_rows and match "
+                         f"T with KeptSets.resize_steps")
+    if mask is None:
+        return torch.ones(logits.shape[:2], dtype=torch.bool, device=logits.device)
+    if tuple(mask.shape) != tuple(logits.shape[:2]):
+        raise ValueError(f"mask must be (B, T) = {tuple(logits.shape[:2])}, got {tuple(mask.shape)}")
+    return mask.to(device=logits.device, dtype=torch.bool)
+
+
+def _chunks(mask: torch.Tensor, chunk_cells: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """All valid flat cells (M,) int64 and their split into chunks of at most `chunk_cells`."""
+    if chunk_cells < 1:
+        raise ValueError(f"chunk_cells must be >= 1, got {chunk_cells}")
+    cells = mask.reshape(-1).nonzero().squeeze(1)  # (M,)
+    return cells, list(cells.split(chunk_cells))
+
+
+def _scaled(logits: torch.Tensor, cells: torch.Tensor, temperature: float) -> torch.Tensor:
+    """fp32 logits / temperature of the flat cells `cells` (K,) -> (K, V); only this chunk is converted."""
+    T = logits.shape[1]
+    z = logits[cells // T, cells % T].float()  # (K, V) a fresh copy: safe to divide in place
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
+def _scatter(cells: torch.Tensor, values: list[torch.Tensor], shape, device) -> torch.Tensor:
+    """(B, T) fp32 zeros with `values` (concatenated, (M,)) at the flat `cells` (M,); differentiable."""
+    out = torch.zeros(shape[0] * shape[1], dtype=torch.float32, device=device)  # (B*T,)
+    if values:
+        out = out.index_put((cells,), torch.cat(values))
+    return out.reshape(shape)
+
+
+def _empty_cell_error(kept_sizes: torch.Tensor, cells: torch.Tensor, T: int) -> None:
+    sizes = kept_sizes.reshape(-1)[cells.to(kept_sizes.device)]  # (K,)
+    if bool((sizes <= 0).any()):
+        c = int(cells[(sizes <= 0).nonzero()[0, 0].to(cells.device)])
+        raise ValueError(f"no kept set at row {c // T}, position {c % T} (size 0) although the mask marks it as a "
+                         f"completion token; pass the completion mask, or record/return the sampling mask for it")
+
+
+def _lse_kept(z: torch.Tensor, kept: KeptSets, cells: torch.Tensor) -> torch.Tensor:
+    """log sum_{v in S} exp(z_v) (K,) of the chunk `z` (K, V) with the explicit kept sets of `cells`."""
+    keep = kept.dense_cells(cells, z.shape[-1]).to(z.device)  # (K, V)
+    return torch.logsumexp(z.masked_fill(~keep, -math.inf), dim=-1)
+
+
+def _lse_top_prefix(z: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    """log of the summed exp of the top-|S| entries of each row of z (K, V), sizes (K,) >= 1 (verl support-size)."""
+    sizes = sizes.clamp(max=z.shape[-1])  # (K,) a set cannot exceed the vocabulary
+    top = z.topk(int(sizes.max()), dim=-1).values  # (K, k) descending
+    return torch.logcumsumexp(top, dim=-1).gather(1, (sizes.long() - 1)[:, None].to(z.device)).squeeze(1)  # (K,)
+
+
+def kept_set_logprobs(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    kept: KeptSets,
+    temperature: float = 1.0,
+    mask: torch.Tensor | None = None,
+    chunk_cells: int = DEFAULT_CHUNK_CELLS,
+) -> torch.Tensor:
+    """Log-probs of `tokens` renormalised over the kept sets: log p_S(g) = z_g - logsumexp_{v in S} z_v, z = logits/T.
+
+    The `renormalize` correction (seed 004 README; DeepSeek-V3.2 "Keep Sampling Mask", arXiv 2512.02556): used for
+    both old and new log-probs, it puts the trainer on the sampler's support. Differentiable (new log-probs); a
+    token's gradient reaches only the logits in its kept set. A kept set of size 1 gives 0.0.
+
+    Args:
+        logits (`torch.Tensor`, (B, T, V), any float dtype): trainer logits at the completion positions.
+        tokens (`torch.Tensor`, (B, T) int): sampled token ids.
+        kept (`KeptSets`, (B, T)): kept sets of the same rows and positions. With `support_size_only` the set is the
+            trainer's own top-|S| (a token outside it is not an error then: support-size replay cannot tell).
+        temperature (`float`): sampling temperature (> 0); 1.0 when the logits are already divided.
+        mask (`torch.Tensor`, (B, T) bool, *optional*): completion tokens; other cells are not computed and give 0.0.
+        chunk_cells (`int`): cells per fp32 chunk (memory K x V x 4 B; the (B, T, V) fp32 tensor is never built).
+
+    Returns:
+        (B, T) fp32 log-probs (<= 0), 0.0 outside `mask`.
+
+    Raises:
+        ValueError: shapes disagree, temperature <= 0, a masked-in cell has no kept set, or a sampled token is outside
+            its kept set ("inconsistent rollout", naming row and position).
+    """
+    valid = _check_inputs(logits, kept.sizes, temperature, mask)
+    if tuple(tokens.shape) != tuple(logits.shape[:2]):
+        raise ValueError(f"tokens must be (B, T) = {tuple(logits.shape[:2])}, got {tuple(tokens.shape)}")
+    T = logits.shape[1]
+    cells, chunks = _chunks(valid, chunk_cells)
+    flat_tokens = tokens.reshape(-1).to(logits.device)  # (B*T,)
+    values = []
+    for c in chunks:
+        _empty_cell_error(kept.sizes, c, T)
+        z = _scaled(logits, c, temperature)  # (K, V)
+        g = flat_tokens[c][:, None]  # (K, 1)
+        if kept.support_size_only:
+            lse = _lse_top_prefix(z, kept.sizes.reshape(-1)[c.to(kept.sizes.device)])  # (K,)
+        else:
+            keep = kept.dense_cells(c, z.shape[-1]).to(z.device)  # (K, V)
+            _inconsistent_rollout_error(keep, g, c, T)
+            lse = torch.logsumexp(z.masked_fill(~keep, -math.inf), dim=-1)  # (K,)
+        values.append(z.gather(1, g).squeeze(1) - lse)  # (K,)
+    return _scatter(cells, values, logits.shape[:2], logits.device)
+
+
+def _inconsistent_rollout_error(keep: torch.Tensor, g: torch.Tensor, cells: torch.Tensor, T: int) -> None:
+    """Raise when a sampled token g (K, 1) is outside its kept set keep (K, V)."""
+    inside = keep.gather(1, g).squeeze(1)  # (K,)
+    if not bool(inside.all()):
+        k = int((~inside).nonzero()[0, 0])
+        c = int(cells[k])
+        raise ValueError(f"inconsistent rollout: sampled token {int(g[k, 0])} at row {c // T}, position {c % T} is not "
+                         f"in its kept set (size {int(keep[k].sum())}); the kept sets do not belong to these "
+                         f"completions (row order, padding side or step offset differ)")
+
+
+def log_kept_mass(
+    logits: torch.Tensor,
+    kept: KeptSets,
+    temperature: float = 1.0,
+    mask: torch.Tensor | None = None,
+    chunk_cells: int = DEFAULT_CHUNK_CELLS,
+) -> torch.Tensor:
+    """log M_S = log sum_{v in S} softmax(logits / temperature)_v per cell, <= 0 (seed notes 1(c); trunc_bias.py).
+
+    `kept_set_logprobs = full-vocab log-prob - log_kept_mass`. With `support_size_only` kept sets this is
+    `log_kept_mass_top_prefix`. Differentiable.
+
+    Args:
+        logits (`torch.Tensor`, (B, T, V), any float dtype), kept (`KeptSets`, (B, T)), temperature (`float`, > 0),
+        mask (`torch.Tensor`, (B, T) bool, *optional*), chunk_cells (`int`): as in `kept_set_logprobs`.
+
+    Returns:
+        (B, T) fp32, 0.0 outside `mask`.
+
+    Raises:
+        ValueError: shapes disagree, temperature <= 0, or a masked-in cell has no kept set.
+    """
+    if kept.support_size_only:
+        return log_kept_mass_top_prefix(logits, kept.sizes, temperature, mask, chunk_cells)
+    valid = _check_inputs(logits, kept.sizes, temperature, mask)
+    cells, chunks = _chunks(valid, chunk_cells)
+    values = []
+    for c in chunks:
+        _empty_cell_error(kept.sizes, c, logits.shape[1])
+        z = _scaled(logits, c, temperature)  # (K, V)
+        values.append(_lse_kept(z, kept, c) - torch.logsumexp(z, dim=-1))  # (K,)
+    return _scatter(cells, values, logits.shape[:2], logits.device)
+
+
+def log_kept_mass_top_prefix(
+    logits: torch.Tensor,
+    sizes: torch.Tensor,
+    temperature: float = 1.0,
+    mask: torch.Tensor | None = None,
+    chunk_cells: int = DEFAULT_CHUNK_CELLS,
+) -> torch.Tensor:
+    """log kept mass when S is the top-|S| prefix: logcumsumexp(top-|S| of z)[|S| - 1] - logsumexp(z), z = logits/T.
+
+    Support-size replay (verl `support_size_replay.py`, `log_kept_mass_from_logits`; seed notes 1(c)): only |S| travels
+    from the sampler; the trainer takes its own top-|S|. Equals `log_kept_mass` whenever the sampler's S is the
+    trainer's top-|S| (see `is_top_prefix`).
+
+    Args:
+        logits (`torch.Tensor`, (B, T, V), any float dtype): trainer logits.
+        sizes (`torch.Tensor`, (B, T) int): |S| per cell (>= 1 on masked-in cells).
+        temperature, mask, chunk_cells: as in `kept_set_logprobs`.
+
+    Returns:
+        (B, T) fp32, <= 0, 0.0 outside `mask`.
+
+    Raises:
+        ValueError: shapes disagree, temperature <= 0, or a masked-in cell has size 0.
+    """
+    valid = _check_inputs(logits, sizes, temperature, mask)
+    cells, chunks = _chunks(valid, chunk_cells)
+    values = []
+    for c in chunks:
+        _empty_cell_error(sizes, c, logits.shape[1])
+        z = _scaled(logits, c, temperature)  # (K, V)
+        k = sizes.reshape(-1)[c.to(sizes.device)]  # (K,)
+        values.append(_lse_top_prefix(z, k) - torch.logsumexp(z, dim=-1))  # (K,)
+    return _scatter(cells, values, logits.shape[:2], logits.device)
+
+
+def is_top_prefix(
+    logits: torch.Tensor,
+    kept: KeptSets,
+    mask: torch.Tensor | None = None,
+    chunk_cells: int = DEFAULT_CHUNK_CELLS,
+) -> torch.Tensor:
+    """Whether each kept set is a top-|S| prefix of `logits`: min over S >= max over the rest (ties count as prefix).
+
+    When True everywhere, `support_size_only` replay gives the same kept mass as the explicit sets. Temperature does
+    not change the order, so it is not an argument.
+
+    Args:
+        logits (`torch.Tensor`, (B, T, V)), kept (`KeptSets` with ids, (B, T)), mask (`torch.Tensor`, (B, T) bool,
+        *optional*), chunk_cells (`int`).
+
+    Returns:
+        (B, T) bool; True outside `mask` and for empty cells (nothing to check).
+
+    Raises:
+        ValueError: shapes disagree, or `kept` is support_size_only.
+    """
+    kept._need_ids("is_top_prefix")
+    valid = _check_inputs(logits, kept.sizes, 1.0, mask) & (kept.sizes > 0).to(logits.device)
+    out = torch.ones(logits.shape[0] * logits.shape[1], dtype=torch.bool, device=logits.device)  # (B*T,)
+    _, chunks = _chunks(valid, chunk_cells)
+    for c in chunks:
+        z = _scaled(logits, c, 1.0)  # (K, V)
+        keep = kept.dense_cells(c, z.shape[-1]).to(z.device)  # (K, V)
+        low_in = z.masked_fill(~keep, math.inf).amin(-1)  # (K,)
+        high_out = z.masked_fill(keep, -math.inf).amax(-1)  # (K,)
+        out[c] = low_in >= high_out
+    return out.reshape(logits.shape[:2])
+
+
+def lift_sampler_logprobs(sampler_logps: torch.Tensor, log_kept_mass: torch.Tensor) -> torch.Tensor:
+    """The `lift_sampler` correction: sampler log-probs + log kept mass, (B, T) fp32.
+
+    log q(g) + log M_S puts the sampler's kept-set-normalised log-prob on the trainer's full-vocabulary support, so the
+    importance ratio old/sampler no longer carries M_S (trl#6789, TRL PR #7269; verl support_size_replay.patch,
+    `rollout_logp += log_kept_mass`). Compute `log_kept_mass` from the trainer's old logits.
+
+    Args:
+        sampler_logps (`torch.Tensor`, (B, T)): log q(g) from vLLM (processed_logprobs) or `SamplerLogprobRecorder`.
+        log_kept_mass (`torch.Tensor`, (B, T)): from `log_kept_mass` / `log_kept_mass_top_prefix` (0.0 on padding).
+
+    Raises:
+        ValueError: the shapes differ.
+    """
+    if sampler_logps.shape != log_kept_mass.shape:
+        raise ValueError(f"sampler_logps {tuple(sampler_logps.shape)} and log_kept_mass "
+                         f"{tuple(log_kept_mass.shape)} must have the same (B, T) shape")
+    return sampler_logps.float() + log_kept_mass.float()

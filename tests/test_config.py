@@ -1,0 +1,55 @@
+"""RatioGRPOConfig: new fields, validation at config time, TrlParser/YAML exposure."""
+
+import json
+
+import pytest
+
+from grpo_ratio import RatioGRPOConfig
+from grpo_ratio.config import parse_layer_spec
+
+
+def _cfg(tmp_path, **kw):
+    return RatioGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", **kw)
+
+
+def test_defaults_are_trl_behaviour(tmp_path):
+    cfg = _cfg(tmp_path)
+    assert cfg.old_logprob_mode == "bf16" and cfg.truncation_correction == "none"
+    assert (cfg.ratio_band_low, cfg.ratio_band_high) == (0.9, 1.1)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(old_logprob_mode="fp8"), "allowed: bf16, fp32_clone, fp16_clone, fp32_head, guided_fp32"),
+    (dict(old_logprob_mode="guided_fp32"), "needs guided_fp32_layers"),
+    (dict(old_logprob_mode="fp32_head", guided_fp32_layers="1"), "only used by old_logprob_mode='guided_fp32'"),
+    (dict(old_logprob_mode="guided_fp32", guided_fp32_layers="0,x"), "'x' is not an integer"),
+    (dict(old_logprob_mode="guided_fp32", guided_fp32_layers="-1"), "non-negative"),
+    (dict(truncation_correction="clip"), "allowed: none, renormalize, lift_sampler"),
+    (dict(ratio_band_low=1.2), "ratio band"),
+    (dict(clip_flip_every=-1), "clip_flip_every"),
+])
+def test_bad_values_fail_at_config_time(tmp_path, kw, match):
+    with pytest.raises(ValueError, match=match):
+        _cfg(tmp_path, **kw)
+
+
+def test_layer_specs(tmp_path):
+    assert parse_layer_spec("3, 1,1") == [1, 3]
+    assert parse_layer_spec([2, 0]) == [0, 2]
+    calib = tmp_path / "calib.json"
+    calib.write_text(json.dumps({"guided_fp32_layers": [0, 1, 29]}))
+    assert _cfg(tmp_path, old_logprob_mode="guided_fp32", guided_fp32_layers=str(calib)).guided_fp32_layer_ids == [0, 1, 29]
+    with pytest.raises(FileNotFoundError, match="missing.json"):
+        parse_layer_spec(str(tmp_path / "missing.json"))
+
+
+def test_fields_are_cli_flags_and_yaml_keys(tmp_path):
+    from trl import TrlParser
+
+    yaml = tmp_path / "r.yaml"
+    yaml.write_text(f"output_dir: {tmp_path}\nuse_cpu: true\nold_logprob_mode: fp16_clone\nreport_to: none\n")
+    (cfg,) = TrlParser((RatioGRPOConfig,)).parse_args_and_config(
+        ["--config", str(yaml), "--ratio_band_high", "1.2"])
+    assert cfg.old_logprob_mode == "fp16_clone" and cfg.ratio_band_high == 1.2
+    with pytest.raises(SystemExit):  # argparse refuses a value outside `choices`
+        TrlParser((RatioGRPOConfig,)).parse_args_and_config(["--config", str(yaml), "--old_logprob_mode", "fp8"])

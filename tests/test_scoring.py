@@ -1,0 +1,114 @@
+"""Scoring modes outside the trainer, on every tiny architecture (tied and untied heads).
+
+Run: pytest tests/test_scoring.py
+"""
+
+import pytest
+import torch
+
+from grpo_ratio.scoring import (
+    OldLogprobScorer,
+    completion_logprobs_from_logits,
+    model_anatomy,
+    score_completion_logprobs,
+)
+from grpo_ratio.testing import ARCHITECTURES, tiny_model
+
+
+T = 5  # completion tokens scored per row
+
+
+def _batch():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, 300, (4, 12), generator=g)  # (B, P+T)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # one left-padded prompt, as TRL builds them
+    return ids, mask
+
+
+def _fp32_reference(model, ids, mask, temperature):
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=T + 1).logits  # (B, T+1, V) fp32
+    return completion_logprobs_from_logits(logits, ids[:, -T:], temperature)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_modes_on_fp32_weights(arch, tie):
+    # TRL's default: fp32 weights, bf16 autocast. fp32 modes run the policy's own weights, outside autocast.
+    model = tiny_model(arch, tie_word_embeddings=tie)
+    ids, mask = _batch()
+    ref = _fp32_reference(model, ids, mask, 0.7)
+    L = len(model_anatomy(model).layers)
+    score = lambda mode, layers=None: score_completion_logprobs(  # noqa: E731
+        model, ids, mask, T, mode=mode, temperature=0.7, layers=layers, batch_size=2)
+    assert (score("fp32_clone") - ref).abs().max() <= 1e-5
+    assert (score("guided_fp32", range(L)) - ref).abs().max() <= 1e-5  # every layer + head = all fp32
+    bf16_gap = (score("bf16") - ref).abs().max()
+    assert bf16_gap > 1e-4  # bf16 autocast really ran (a precision gap exists, not forced to 0)
+    assert (score("fp16_clone") - ref).abs().max() < bf16_gap  # 3 more mantissa bits
+    scorer = OldLogprobScorer(model, "fp32_clone")
+    scorer.score(ids, mask, T)
+    assert scorer.copies() == [] and scorer.extra_bytes() == 0  # no copy of fp32 weights
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
+def test_guided_without_layers_equals_fp32_head(arch):
+    # guided_fp32 needs >= 1 layer by config; the same code with an empty layer set is fp32_head.
+    model = tiny_model(arch, dtype=torch.bfloat16)
+    ids, mask = _batch()
+    head = score_completion_logprobs(model, ids, mask, T, mode="fp32_head")
+    scorer = OldLogprobScorer(model, "fp32_head")
+    scorer.layers = []
+    assert torch.equal(head, scorer.score(ids, mask, T))
+
+
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt_neox"])
+def test_bf16_weights_copies(arch, tie):
+    # bf16-stored weights: fp32 modes evaluate the bf16 values in fp32 via copies; the policy is left untouched.
+    model = tiny_model(arch, tie_word_embeddings=tie, dtype=torch.bfloat16)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids, mask = _batch()
+    clone = score_completion_logprobs(model, ids, mask, T, mode="fp32_clone")
+    ref = _fp32_reference(tiny_model(arch, tie_word_embeddings=tie, dtype=torch.bfloat16).float(), ids, mask, 1.0)
+    assert (clone - ref).abs().max() <= 1e-5
+    L = len(model_anatomy(model).layers)
+    guided_all = score_completion_logprobs(model, ids, mask, T, mode="guided_fp32", layers=range(L))
+    assert (guided_all - clone).abs().max() <= 1e-5
+    scorer = OldLogprobScorer(model, "fp32_head")
+    scorer.score(ids, mask, T)
+    head = model.get_output_embeddings()
+    # the only copy is the fp32 head (plus the tiny norm); the input embedding keeps its dtype and identity
+    upcast = [p for m in (head, model_anatomy(model).norm) for p in m.parameters()]
+    assert scorer.extra_bytes() == sum(p.numel() for p in upcast) * 4  # fp32 = 4 bytes per value
+    assert model.get_input_embeddings().weight.dtype == torch.bfloat16
+    assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tie
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert "forward" not in head.__dict__  # the temporary fp32 forward is gone
+
+
+def test_fp16_overflow_falls_back_to_fp32():
+    # Embedding values of 2e5 overflow fp16 (max 65,504) but RMSNorm makes them harmless in fp32.
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(1e7)
+    ids, mask = _batch()
+    scorer = OldLogprobScorer(model, "fp16_clone")
+    logps = scorer.score(ids, mask, T)
+    assert torch.isfinite(logps).all()
+    assert scorer.last_fallback_rows == 4  # every row overflowed and was re-scored in fp32
+    ref = _fp32_reference(model, ids, mask, 1.0)
+    assert (logps - ref).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("mode,layers,match", [
+    ("fp64", None, "allowed: bf16, fp32_clone, fp16_clone, fp32_head, guided_fp32"),
+    ("guided_fp32", None, "needs guided_fp32_layers"),
+    ("guided_fp32", [2], r"allowed indices 0\.\.1"),
+    ("fp32_head", [0], "only used by 'guided_fp32'"),
+])
+def test_bad_scorer_arguments(mode, layers, match):
+    with pytest.raises(ValueError, match=match):
+        OldLogprobScorer(tiny_model("qwen2"), mode, layers=layers)
