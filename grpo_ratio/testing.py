@@ -126,3 +126,26 @@ def tiny_grpo_args(output_dir, **overrides):
     )
     kwargs.update(overrides)
     return RatioGRPOConfig(**kwargs)
+
+
+def tiny_trainer(output_dir, mode: str = "bf16", arch: str = "qwen2", trainer_cls=None, model=None, **overrides):
+    """A RatioGRPOTrainer (or, with `trainer_cls=trl.GRPOTrainer`, stock TRL on an equivalent plain GRPOConfig) on a
+    tiny model, 8 plain-text prompts and `letter_reward`; `overrides` go to `tiny_grpo_args`."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    from .trainer import RatioGRPOTrainer
+
+    trainer_cls = trainer_cls or RatioGRPOTrainer
+    args = tiny_grpo_args(output_dir, old_logprob_mode=mode, **overrides)
+    if trainer_cls is GRPOTrainer:  # the same values in TRL's own config class
+        fields = GRPOConfig.__dataclass_fields__
+        values = {k: getattr(args, k) for k, f in fields.items() if f.init}
+        values.update(steps_per_generation=None, generation_batch_size=None)  # re-derived, as from a user's config
+        args = GRPOConfig(**values)
+    return trainer_cls(
+        model=model if model is not None else tiny_model(arch),
+        reward_funcs=letter_reward,
+        args=args,
+        train_dataset=tiny_prompts(8),
+        processing_class=tiny_tokenizer(),
+    )

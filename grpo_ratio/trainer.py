@@ -23,6 +23,8 @@ import torch
 from trl import GRPOTrainer
 
 from .config import RatioGRPOConfig
+from .diagnostics import RatioDiagnostics
+from .sampling import SamplerLogprobRecorder, recording_sampler
 from .scoring import OldLogprobScorer
 
 
@@ -58,6 +60,9 @@ class RatioGRPOTrainer(GRPOTrainer):
             )
         super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         self._old_pass_armed = False
+        self._train_logps = None  # the training forward's log-probs of the current micro-batch (detached)
+        self.last_sampler_record = None  # SamplerRecord of the last generate call (kept sets, sampler log-probs)
+        self.diagnostics = RatioDiagnostics(args, self.accelerator, self.eos_token_ids) if args.ratio_diagnostics else None
         self.scorer = None
         if args.old_logprob_mode != "bf16":
             self._refuse_sharded_copies()
@@ -121,9 +126,30 @@ class RatioGRPOTrainer(GRPOTrainer):
                                                        if not isinstance(v, bool)):
                 raise NotImplementedError("old_logprob_mode other than 'bf16' supports text-only models")
             return self._score_old(input_ids, attention_mask, logits_to_keep, batch_size), None, None
-        return super()._get_per_token_logps_and_entropies(
+        result = super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, batch_size, *args, **kwargs
         )
+        if torch.is_grad_enabled():  # the training forward of _compute_loss: keep its log-probs for the diagnostics
+            self._train_logps = result[0].detach()
+        return result
+
+    # ------------------------------------------------------------------------------------------------------------
+    # sampler log-probs without vLLM
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        plain_generate = not (self.use_vllm or self.use_transformers_continuous_batching)
+        if not (plain_generate and self.args.record_sampler_logprobs):
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                 has_tool_images)
+        recorder = SamplerLogprobRecorder()
+        with recording_sampler(self.accelerator.unwrap_model(self.model_wrapped), recorder):
+            completion_ids, _ = super()._generate_single_turn(prompt_ids, images, multimodal_fields,
+                                                              num_generations, has_tool_images)
+        record = _finalize_record(recorder, completion_ids, self._tokenizer.pad_token_id)
+        self.last_sampler_record = record
+        # TRL pads these into `sampling_per_token_logps` (B, T) and keeps them in the generation batch
+        logprobs = [record.logprobs[i, : len(ids)].tolist() for i, ids in enumerate(completion_ids)]
+        return completion_ids, logprobs
 
     def _generate_and_score_completions(self, inputs):
         self._old_pass_armed = self.scorer is not None and self._trl_runs_old_pass()
@@ -143,4 +169,40 @@ class RatioGRPOTrainer(GRPOTrainer):
             output["old_per_token_logps"] = self._score_old(
                 input_ids, attention_mask, output["completion_ids"].size(1), batch_size
             )
+        if self.scorer is not None and self.args.old_logprob_mode == "fp16_clone":
+            rows = self.accelerator.reduce(torch.tensor(float(self._last_fallback_rows), device=self.accelerator.device),
+                                           reduction="sum")
+            mode = "train" if self.model.training else "eval"
+            self._metrics[mode]["ratio/fp16_fallback_rows"].append(rows.item())
         return output
+
+    # ------------------------------------------------------------------------------------------------------------
+    # diagnostics at the first inner step
+
+    def _compute_loss(self, model, inputs):
+        self._train_logps = None
+        loss = super()._compute_loss(model, inputs)
+        if self.diagnostics is not None and self.model.training:
+            generate_every = self.args.steps_per_generation * self.num_iterations
+            micro_step = self._step % generate_every  # position in this generation's cycle (before the increment)
+            first_inner = micro_step < min(self.args.gradient_accumulation_steps, self.args.steps_per_generation)
+            if first_inner and self._train_logps is not None:
+                self.diagnostics.update(inputs, self._train_logps, mode_is_policy=self.scorer is None)
+            if (self._step + 1) % self.current_gradient_accumulation_steps == 0:  # last micro-step of this update
+                for key, value in self.diagnostics.flush().items():
+                    self._metrics["train"][key].append(value)
+        self._train_logps = None
+        return loss
+
+
+def _finalize_record(recorder: SamplerLogprobRecorder, completion_ids: list[list[int]], pad_token_id: int):
+    """`recorder.finalize` from TRL's per-row completion lists (cut after the first EOS): rebuild (N, P+T) sequences
+    and the (N, T) completion mask; the prompt part is never read, only its length."""
+    N, T = len(completion_ids), max((len(c) for c in completion_ids), default=0)
+    sequences = torch.full((N, recorder.prompt_length + T), pad_token_id, dtype=torch.long)  # (N, P+T)
+    mask = torch.zeros(N, T, dtype=torch.bool)  # (N, T)
+    for i, ids in enumerate(completion_ids):
+        sequences[i, recorder.prompt_length : recorder.prompt_length + len(ids)] = torch.tensor(ids, dtype=torch.long)
+        mask[i, : len(ids)] = True
+    return recorder.finalize(sequences, mask)
+

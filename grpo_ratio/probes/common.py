@@ -1,0 +1,310 @@
+"""Shared pieces of the probes: model and prompt loading, sampling once, TRL's batch layout, the out-of-band summary.
+
+Shapes: B = sequences, P = prompt tokens (left-padded), T = completion tokens (right-padded), V = vocabulary.
+
+Method (seed 004, batch-logprob-gap, and shared/reference/seed_systems.md §1(a)):
+- completions are sampled once, with a fixed seed, `do_sample=True`, temperature 1.0, no top-k/top-p truncation;
+- they are scored teacher-forced, completion tokens only, `log_softmax(logits.float())`, so only the reductions
+  inside the forward pass differ between two scorings;
+- r = exp(logp_a - logp_b) is out of band when r < 0.9 or r > 1.1 (strict); a non-finite log-ratio is out of band;
+  the rate is pooled over valid tokens (`grpo_ratio.ratios.valid_token_mask`), with a Wilson 95% interval.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..ratios import RatioStats, valid_token_mask
+
+
+TINY = "tiny"
+# seed 004 §1(e): the GSM8K system prompt of its GRPO runs
+GSM8K_SYSTEM = ("Solve the problem. Reason briefly, then give the final integer answer on its own line in the form "
+                "'#### <number>'.")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class ProbeError(ValueError):
+    """Bad probe input (missing model, empty prompt set, batch size > prompts): printed without a traceback."""
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# inputs
+
+
+def load_model(name: str, dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) in eval mode: `tiny` = a random 2-layer Qwen2 (V = 300) and its tokenizer, else
+    `grpo_ratio.models.resolve_model(name, dtype)` (local directory, hub id, or the SmolLM2 GGUF fallback).
+
+    Raises:
+        ProbeError: the model cannot be found or read (the message says what was tried).
+    """
+    if name == TINY:
+        from ..testing import tiny_model, tiny_tokenizer
+
+        model, tokenizer = tiny_model("qwen2", dtype=dtype), tiny_tokenizer()
+    else:
+        from ..models import resolve_model
+
+        try:
+            model, tokenizer = resolve_model(name, dtype=dtype, require_chat_template=False)
+        except (OSError, ValueError) as err:  # FileNotFoundError is an OSError
+            raise ProbeError(f"--model {name!r}: {err}") from None
+    return model.eval(), tokenizer
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """Prompt texts from a JSONL file (GSM8K `question`, or `prompt`) or a .txt file (one prompt per non-empty line).
+
+    Raises:
+        ProbeError: the file does not exist, a JSONL row has neither field, or the file holds no prompt.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ProbeError(f"--prompts {str(path)!r} does not exist (expected a GSM8K-style .jsonl or a .txt file)")
+    if path.suffix == ".jsonl":
+        prompts = []
+        for i, line in enumerate(path.read_text().splitlines()):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            text = row.get("question", row.get("prompt"))
+            if not isinstance(text, str):
+                raise ProbeError(f"--prompts {str(path)!r} line {i + 1}: no 'question' or 'prompt' string field")
+            prompts.append(text)
+    else:
+        prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise ProbeError(f"--prompts {str(path)!r} holds no prompt")
+    return prompts
+
+
+def select_prompts(prompts: list[str], num: int, split: str = "eval") -> tuple[list[str], list[int]]:
+    """The `num` prompts of a split, and their line indices. `eval` = the first `num`, `select` = the last `num`, so
+    the layer-selection split never overlaps the evaluation split of the same size (seed pitfall 7).
+
+    Raises:
+        ProbeError: `num` < 1, more prompts asked than the file has, or (for `select`) not enough prompts for two
+            disjoint splits of `num`.
+    """
+    if num < 1:
+        raise ProbeError(f"--num-prompts must be >= 1, got {num}")
+    need = num if split == "eval" else 2 * num
+    if len(prompts) < need:
+        what = f"{num} prompts" if split == "eval" else f"two disjoint splits of {num} prompts (eval + selection)"
+        raise ProbeError(f"--num-prompts: {what} need {need} prompts, the file has {len(prompts)}")
+    idx = list(range(num)) if split == "eval" else list(range(len(prompts) - num, len(prompts)))
+    return [prompts[i] for i in idx], idx
+
+
+def format_prompt(tokenizer, text: str, gsm8k: bool) -> str:
+    """The chat-templated prompt (with the seed's GSM8K system prompt for GSM8K questions) when the tokenizer has a
+    chat template, else the raw text (as the seed's `hf_only`, which used no template)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return text
+    messages = ([{"role": "system", "content": GSM8K_SYSTEM}] if gsm8k else []) + [{"role": "user", "content": text}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def check_batch_size(batch_size: int, num_rows: int, flag: str = "--batch-size") -> None:
+    """Raises ProbeError unless 1 <= batch_size <= num_rows (a bigger batch would silently be a smaller one)."""
+    if not 1 <= batch_size <= num_rows:
+        raise ProbeError(f"{flag}={batch_size} must be between 1 and the number of sequences ({num_rows}); "
+                         f"raise --num-prompts or lower {flag}")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# sampling once, in TRL's layout
+
+
+@dataclass
+class Completions:
+    """Sampled completions in TRL's layout: prompts left-padded, completions right-padded.
+
+    input_ids (B, P+T) int64, attention_mask (B, P+T) 0/1 (prompt mask, then the completion mask up to and including
+    the first EOS, as TRL builds it), valid (B, T) bool (`valid_token_mask`), T = logits_to_keep.
+    """
+
+    input_ids: torch.Tensor  # (B, P+T)
+    attention_mask: torch.Tensor  # (B, P+T)
+    valid: torch.Tensor  # (B, T)
+    logits_to_keep: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.valid.sum())
+
+    def rows(self, idx) -> Completions:
+        """The rows `idx` (a list or slice), same T."""
+        return Completions(self.input_ids[idx], self.attention_mask[idx], self.valid[idx], self.logits_to_keep)
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    """EOS id(s) of the generation config (a list for models with several), else the tokenizer's."""
+    eos = model.generation_config.eos_token_id
+    eos = tokenizer.eos_token_id if eos is None else eos
+    return [eos] if isinstance(eos, int) else list(eos)
+
+
+def completion_mask_trl(completion_ids: torch.Tensor, eos: list[int]) -> torch.Tensor:
+    """TRL's completion mask: 1 up to and including the first EOS of each row, 0 after; all 1 without EOS.
+
+    completion_ids (B, T) int64 -> (B, T) int64.
+    """
+    is_eos = torch.isin(completion_ids, torch.tensor(eos))  # (B, T)
+    T = completion_ids.size(1)
+    first = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full((is_eos.size(0),), T))  # (B,)
+    return (torch.arange(T).unsqueeze(0) <= first.unsqueeze(1)).long()  # (B, T)
+
+
+@torch.no_grad()
+def sample_completions(model, tokenizer, prompts: list[str], max_new_tokens: int, seed: int, *, gsm8k: bool = False,
+                       fixed_length: bool = False, batch_size: int = 8) -> Completions:
+    """Sample one completion per prompt with `model.generate` (do_sample, temperature 1.0, top_k 0, top_p 1.0) under
+    `torch.manual_seed(seed)`, in batches of `batch_size` left-padded prompts, and lay them out as TRL does.
+
+    `fixed_length=True` is the seed's equal-length control (`pad_control`): prompts left-truncated to the shortest
+    prompt length, EOS disabled and exactly `max_new_tokens` tokens, so nothing is padded.
+    The sampling dtype does not matter to the measurement (the tokens are then fixed); use fp32 weights on CPU.
+    """
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    texts = [format_prompt(tokenizer, p, gsm8k) for p in prompts]
+    enc = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    if fixed_length:
+        shortest = min(len(e) for e in enc)
+        enc = [e[-shortest:] for e in enc]  # left-truncate: keep the end of each prompt, next to the completion
+    eos = eos_ids(model, tokenizer)
+    gen_kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
+                      pad_token_id=tokenizer.pad_token_id)
+    if fixed_length:
+        gen_kwargs.update(min_new_tokens=max_new_tokens, eos_token_id=None)
+    torch.manual_seed(seed)
+    prompt_rows, completion_rows = [], []
+    for start in range(0, len(enc), batch_size):
+        chunk = tokenizer.pad({"input_ids": enc[start:start + batch_size]}, return_tensors="pt")
+        out = model.generate(**chunk, **gen_kwargs)  # (b, P_chunk + T_chunk)
+        P = chunk["input_ids"].size(1)
+        for i in range(out.size(0)):
+            prompt_rows.append(chunk["input_ids"][i][chunk["attention_mask"][i].bool()])
+            completion_rows.append(out[i, P:])
+    return layout_trl(prompt_rows, completion_rows, tokenizer.pad_token_id, eos, fixed_length)
+
+
+def layout_trl(prompt_rows: list[torch.Tensor], completion_rows: list[torch.Tensor], pad_id: int, eos: list[int],
+               ignore_eos: bool = False) -> Completions:
+    """Left-pad the prompts and right-pad the completions to one (B, P+T) batch with TRL's masks.
+
+    With `ignore_eos` (the fixed-length control) every completion token is valid."""
+    P = max(len(p) for p in prompt_rows)
+    T = max(len(c) for c in completion_rows)
+    B = len(prompt_rows)
+    prompt_ids = torch.full((B, P), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros((B, P), dtype=torch.long)
+    completion_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    for i, (p, c) in enumerate(zip(prompt_rows, completion_rows, strict=True)):
+        prompt_ids[i, P - len(p):], prompt_mask[i, P - len(p):] = p, 1
+        completion_ids[i, :len(c)] = c
+    if ignore_eos:
+        completion_mask = torch.ones((B, T), dtype=torch.long)  # (B, T)
+        valid = completion_mask.bool()  # (B, T)
+    else:
+        completion_mask = completion_mask_trl(completion_ids, eos)  # (B, T)
+        valid = valid_token_mask(completion_ids, completion_mask, eos)  # (B, T)
+    return Completions(torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1),
+                       valid, T)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the out-of-band summary
+
+
+def wilson_interval(k: int, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion k / n (default 95%: z = Phi^-1(0.975)); seed 004 `robust.py`.
+
+    center = (p + z^2 / 2n) / (1 + z^2 / n), half-width = z sqrt(p (1 - p) / n + z^2 / 4n^2) / (1 + z^2 / n).
+
+    Raises:
+        ValueError: n < 1 or k outside [0, n].
+    """
+    if n < 1 or not 0 <= k <= n:
+        raise ValueError(f"wilson_interval needs 0 <= k <= n and n >= 1, got k={k}, n={n}")
+    p = k / n
+    denom = 1 + z * z / n
+    center = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    low = 0.0 if k == 0 else max(0.0, center - half)  # exact ends: rounding would give 3e-18 for k = 0
+    high = 1.0 if k == n else min(1.0, center + half)
+    return low, high
+
+
+def compare(logp_a: torch.Tensor, logp_b: torch.Tensor, valid: torch.Tensor, band=(0.9, 1.1)) -> dict:
+    """Out-of-band summary of r = exp(logp_a - logp_b) over the valid tokens.
+
+    Args:
+        logp_a, logp_b: (B, T) fp32 log-probs of the same tokens under two scorings.
+        valid: (B, T) bool.
+    Returns:
+        {"num_tokens", "num_oob", "oob_rate", "oob_ci95": [low, high], "max_abs_dlogp", "num_nonfinite"}; the rate
+        is token-weighted (`RatioStats`), max |dlogp| is over finite valid tokens (0.0 when none).
+    """
+    log_ratio = logp_a - logp_b  # (B, T)
+    stats = RatioStats(band=tuple(band)).update(log_ratio, valid)
+    n, k = int(stats.num_tokens.item()), int(stats.num_out_of_band.item())
+    finite = stats.finite_log_ratios  # (N,)
+    return {
+        "num_tokens": n,
+        "num_oob": k,
+        "oob_rate": k / n if n else float("nan"),
+        "oob_ci95": list(wilson_interval(k, n)) if n else [float("nan"), float("nan")],
+        "max_abs_dlogp": float(finite.abs().max()) if finite.numel() else 0.0,
+        "num_nonfinite": int(stats.num_nonfinite.item()),
+    }
+
+
+def pct(x: float) -> str:
+    """A rate as a percentage with two decimals (the seed's tables)."""
+    return f"{100 * x:.2f}%"
+
+
+def pct_ci(c: dict) -> str:
+    """`5.10% [3.5, 7.3]`: rate and its Wilson 95% interval, in percent."""
+    lo, hi = c["oob_ci95"]
+    return f"{pct(c['oob_rate'])} [{100 * lo:.1f}, {100 * hi:.1f}]"
+
+
+def write_results(out: str | Path, name: str, payload: dict, markdown: str) -> list[Path]:
+    """Write `{out}/{name}.json` and `{out}/{name}.md`; returns the paths written."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"{name}.json", out / f"{name}.md"]
+    paths[0].write_text(json.dumps(payload, indent=2) + "\n")
+    paths[1].write_text(markdown)
+    return paths
+
+
+def run_info(args, model, prompt_idx: list[int], data: Completions | None = None) -> dict:
+    """What a result was measured on: model, prompts, sampling, software versions."""
+    import transformers
+
+    info = {
+        "model": args.model,
+        "model_type": model.config.model_type,
+        "num_layers": model.config.num_hidden_layers,
+        "prompts": "builtin" if args.prompts is None else str(args.prompts),
+        "prompt_indices": prompt_idx,
+        "max_new_tokens": args.max_new_tokens,
+        "seed": args.seed,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(),
+    }
+    if data is not None:
+        info["num_sequences"], info["num_tokens"] = data.input_ids.size(0), data.num_tokens
+    return info

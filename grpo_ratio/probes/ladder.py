@@ -1,0 +1,74 @@
+"""`grpo-ratio probe ladder`: the precision ladder of the old-logprob scoring modes (seed 004 tables T7/T7b).
+
+Every scoring mode of `grpo_ratio.scoring.OldLogprobScorer` scores the same sampled completions at batch 1 and at
+batch 8, on a model with fp32 weights (TRL's default regime: fp32 weights, bf16 autocast, so `bf16` is the trainer's
+own pass). Reported per mode: the out-of-band rate of exp(logp_b8 - logp_b1) with a Wilson 95% interval, max |dlogp|,
+the time of the batch-8 pass relative to `bf16` (median of `repeats` passes timed round-robin so that machine load
+hits every mode alike, as benchmarks/old_pass.py), and the memory the mode's copies add, relative to the policy held
+in bf16.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from tqdm.auto import tqdm
+
+from ..config import SCORING_MODES
+from ..scoring import OldLogprobScorer
+from .common import Completions, compare, pct_ci
+
+
+def run_ladder(model, data: Completions, batch_size: int = 8, layers: list[int] | None = None, repeats: int = 1,
+               modes=SCORING_MODES, progress: bool = True) -> dict:
+    """Batch 1 vs `batch_size` for each scoring mode; `guided_fp32` only when `layers` is given.
+
+    Args:
+        model: a causal LM with fp32 weights (not modified).
+        data: completions in TRL's layout.
+        layers: decoder-layer indices for `guided_fp32` (e.g. from a `probe layers` calibration file).
+        repeats: timed batch-`batch_size` passes per mode (the first one also gives the log-probs).
+    Returns:
+        {mode: {**compare(b{batch_size}, b1), "seconds": median s of the batch-size pass, "time_vs_bf16",
+        "extra_bytes", "extra_vs_bf16_model"}} in ladder order.
+    """
+    modes = [m for m in modes if m != "guided_fp32" or layers]
+    scorers = {m: OldLogprobScorer(model, m, layers=layers if m == "guided_fp32" else None) for m in modes}
+    args = (data.input_ids, data.attention_mask, data.logits_to_keep)
+    b1 = {m: s.score(*args, batch_size=1) for m, s in tqdm(scorers.items(), desc="ladder: batch 1",
+                                                          disable=not progress)}  # also warms up, builds copies
+    bn, times = {}, {m: [] for m in modes}
+    for _ in tqdm(range(repeats), desc=f"ladder: batch {batch_size}", disable=not progress):
+        for mode, scorer in scorers.items():
+            t0 = time.perf_counter()
+            logps = scorer.score(*args, batch_size=batch_size)  # (B, T)
+            times[mode].append(time.perf_counter() - t0)
+            bn.setdefault(mode, logps)
+    bf16_model_bytes = sum(p.numel() * 2 for p in model.state_dict().values())  # the policy held in bf16
+    t_bf16 = statistics.median(times["bf16"]) if "bf16" in times else float("nan")
+    results = {}
+    for mode in modes:
+        t = statistics.median(times[mode])
+        extra = scorers[mode].extra_bytes()
+        results[mode] = {**compare(bn[mode], b1[mode], data.valid), "seconds": t, "time_vs_bf16": t / t_bf16,
+                         "extra_bytes": extra, "extra_vs_bf16_model": extra / bf16_model_bytes}
+    return results
+
+
+def markdown(payload: dict) -> str:
+    """One row per scoring mode: OOB rate [CI], max |dlogp|, time and extra memory relative to bf16."""
+    info, r = payload["info"], payload["results"]
+    bs = payload["batch_size"]
+    layers = payload.get("guided_fp32_layers")
+    lines = [f"### ladder: {info['model']} ({info['num_sequences']} sequences, {info['num_tokens']} completion tokens, "
+             f"fp32 weights, batch 1 vs {bs})", "",
+             f"| mode | OOB b1 vs b{bs} [95% CI] | max abs dlogp | time vs bf16 | extra memory vs bf16 model |",
+             "|---|---|---|---|---|"]
+    for mode, res in r.items():
+        lines.append(f"| {mode} | {pct_ci(res)} | {res['max_abs_dlogp']:.2g} | {res['time_vs_bf16']:.2f}x | "
+                     f"{res['extra_vs_bf16_model']:.2f}x |")
+    lines += ["", "Modes of `old_logprob_mode` on a model stored in fp32 (TRL's default: bf16 autocast). "
+              + (f"guided_fp32 layers: {layers}. " if layers else "guided_fp32 not run (no --layers). ")
+              + f"Time: median of {payload['repeats']} batch-{bs} pass(es), timed round-robin.", ""]
+    return "\n".join(lines)

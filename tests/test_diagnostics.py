@@ -1,0 +1,85 @@
+"""ratio/* metrics logged by RatioGRPOTrainer next to reward, to wandb (offline) and tensorboard.
+
+Run: pytest tests/test_diagnostics.py
+"""
+
+import glob
+
+import pytest
+import torch
+
+from grpo_ratio.testing import tiny_model
+from grpo_ratio.testing import tiny_trainer as _trainer
+from wandb_offline import read_offline_run
+
+
+def _steps(trainer):
+    return [row for row in trainer.state.log_history if "loss" in row]
+
+
+def test_bf16_on_policy_ratio_is_exactly_one(tmp_path):
+    # num_iterations=1: TRL's old log-probs are the new ones detached, so r == 1 on every token.
+    trainer = _trainer(tmp_path, "bf16", max_steps=2)
+    trainer.train()
+    for row in _steps(trainer):
+        assert row["ratio/new_old/oob_rate"] == 0.0 and row["ratio/new_old/mean_abs_log_ratio"] == 0.0
+        assert row["ratio/clip_flip_rate"] == 0.0
+        assert "reward" in row  # same logged step as the reward
+        assert row["ratio/new_old/num_tokens"] == row["completions/mean_length"] * 4  # 4 completions per step
+
+
+def test_fp32_clone_reports_the_precision_gap(tmp_path):
+    # bf16-stored weights: training forward in bf16, old log-probs in fp32 -> a real, non-zero new/old gap.
+    trainer = _trainer(tmp_path, "fp32_clone", model=tiny_model("qwen2", dtype=torch.bfloat16), bf16=False)
+    trainer.train()
+    gaps = [row["ratio/new_old/mean_abs_log_ratio"] for row in _steps(trainer)]
+    assert all(g > 1e-4 for g in gaps), gaps  # never silently forced to 0
+    assert all(row["ratio/new_old/p1"] < 1.0 < row["ratio/new_old/p99"] for row in _steps(trainer))
+
+
+def test_sampler_logprobs_without_vllm(tmp_path):
+    # fp32 end to end, no truncation: generate's sampling distribution is the trainer's, up to KV-cache rounding.
+    trainer = _trainer(tmp_path, "bf16", bf16=False, max_steps=1)
+    trainer.train()
+    (row,) = _steps(trainer)
+    assert row["ratio/old_sampler/mean_abs_log_ratio"] < 1e-4
+    assert row["ratio/old_sampler/oob_rate"] == 0.0
+
+
+def test_truncated_sampling_shows_the_kept_mass(tmp_path):
+    # top_p=0.8 on a near-uniform tiny model: the sampler renormalises over ~80% of the mass, so r_old/sampler ~ 0.8.
+    trainer = _trainer(tmp_path, "bf16", bf16=False, max_steps=1, top_p=0.8)
+    trainer.train()
+    (row,) = _steps(trainer)
+    assert 0.75 < row["ratio/old_sampler/p50"] < 0.85
+    assert row["ratio/old_sampler/oob_rate"] == 1.0  # every token leaves [0.9, 1.1]
+
+
+def test_clip_flip_every_zero_makes_the_metric_absent(tmp_path):
+    trainer = _trainer(tmp_path, "fp32_clone", clip_flip_every=0, max_steps=1)
+    trainer.train()
+    (row,) = _steps(trainer)
+    assert "ratio/clip_flip_rate" not in row and "ratio/new_old/oob_rate" in row
+
+
+def test_wandb_offline_and_tensorboard_hold_the_keys(tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    import wandb
+
+    trainer = _trainer(tmp_path / "out", "fp16_clone", report_to=["wandb", "tensorboard"], run_name="fp16-s0")
+    trainer.train()
+    wandb.finish()
+    wandb.teardown()  # stops wandb-core, which writes the offline run file asynchronously
+    config, history = read_offline_run(tmp_path)
+    assert (config["old_logprob_mode"], config["ratio_band_low"], config["ratio_band_high"]) == ("fp16_clone", 0.9, 1.1)
+    rows = [h for h in history if "train/reward" in h]
+    assert len(rows) == 2 and all("train/ratio/new_old/oob_rate" in h and "train/ratio/old_sampler/oob_rate" in h
+                                  for h in rows)  # reward and ratio metrics in the same logged step
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = glob.glob(str(tmp_path / "out" / "runs" / "*"))
+    acc = EventAccumulator(events)
+    acc.Reload()
+    assert {"train/reward", "train/ratio/new_old/oob_rate", "train/ratio/fp16_fallback_rows"} <= set(acc.Tags()["scalars"])
