@@ -63,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="guided_fp32 layers: comma-separated indices or a calibration JSON (probe layers/calibrate); "
                          "without it guided_fp32 is skipped")
     ld.add_argument("--repeats", type=int, default=1, help="timed batch passes per mode (median)")
+    ly = sub.add_parser("layers", help="per-layer divergence increment, batch 1 vs 8, on the selection split; "
+                                       "writes a calibration JSON of the top-k layers")
+    _common(ly)
+    ly.add_argument("--top-k", type=int, default=None, help="layers to choose; default ceil(L / 4)")
+    ly.add_argument("--regime", choices=["autocast", "bf16"], default="autocast",
+                    help="autocast: fp32 weights under bf16 autocast (TRL's default); bf16: weights cast to bf16")
+    ly.add_argument("--calibration-out", default=None, help="calibration JSON path; default OUT/calibration.json")
     return parser
 
 
@@ -124,7 +131,34 @@ def cmd_ladder(args) -> list:
     return write_results(args.out, "ladder", payload, markdown(payload))
 
 
-COMMANDS = {"batch": cmd_batch, "ladder": cmd_ladder}
+def cmd_layers(args) -> list:
+    """Sample on the selection split, measure per-layer increments, write layers.json/.md/.png and calibration.json."""
+    import json
+    from pathlib import Path
+
+    from .probes.common import ProbeError, check_batch_size, load_model, run_info, sample_completions, write_results
+    from .probes.layers import calibration_record, markdown, plot, run_layers
+
+    prompts, idx = _load_prompts(args, split="select")
+    check_batch_size(args.batch_size, len(prompts))
+    model, tok = load_model(args.model)
+    L = model.config.num_hidden_layers
+    if args.top_k is not None and not 1 <= args.top_k <= L:
+        raise ProbeError(f"--top-k={args.top_k} must be between 1 and the number of decoder layers ({L})")
+    data = sample_completions(model, tok, prompts, args.max_new_tokens, args.seed, gsm8k=_is_gsm8k(args))
+    result = run_layers(model, data, args.batch_size, args.regime, args.top_k)
+    payload = {"probe": "layers", "info": run_info(args, model, idx, data), "batch_size": args.batch_size,
+               "regime": args.regime, "result": result}
+    paths = write_results(args.out, "layers", payload, markdown(payload))
+    png = Path(args.out) / "layers.png"
+    plot(result, png, f"{args.model}: batch 1 vs {args.batch_size} divergence increment ({args.regime})")
+    calib = Path(args.calibration_out or Path(args.out) / "calibration.json")
+    calib.parent.mkdir(parents=True, exist_ok=True)
+    calib.write_text(json.dumps(calibration_record(payload), indent=2) + "\n")
+    return paths + [png, calib]
+
+
+COMMANDS = {"batch": cmd_batch, "ladder": cmd_ladder, "layers": cmd_layers}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,8 @@ generation, where new/old must be 1 (seed 004, "it is the identity by constructi
 - `ratio/clip_flip_rate(_adv_weighted)`: tokens whose PPO-clip decision differs between the mode's old log-probs and
   the policy's own. At the first inner step the policy's own pass *is* logp_new, so the policy's ratio is exactly 1 and
   no extra forward is needed; for `bf16` the two anchors are the same and every decision agrees.
+- `ratio/old_sampler_corrected/*`, `ratio/kept_mass_mean`: with a truncation correction, the ratio after it
+  (p_old,S(g) / q_S(g) for both corrections) and the old policy's mean mass on the kept sets.
 - `ratio/is_*`: share of tokens/sequences TRL's vLLM importance-sampling correction truncated or masked.
 
 Token-weighted over valid tokens (`ratios.valid_token_mask`) across micro-batches and processes; nothing is logged
@@ -55,35 +57,36 @@ class RatioDiagnostics:
     def _reset(self):
         self.new_old = RatioStats(self.band)
         self.old_sampler = RatioStats(self.band)
+        self.old_sampler_corrected = RatioStats(self.band)
+        self.kept_mass_sum = torch.zeros((), dtype=torch.float64)
+        self.kept_mass_count = torch.zeros((), dtype=torch.float64)
         self.flips = None
         self.is_stats = None
         self.touched = False
 
-    def update(self, inputs: dict, train_logps: torch.Tensor, mode_is_policy: bool) -> None:
+    def update(self, inputs: dict, train_logps: torch.Tensor, mode_is_policy: bool,
+               train_log_kept_mass: torch.Tensor | None = None) -> None:
         """Add one first-inner-step micro-batch.
 
         Args:
             inputs: the micro-batch TRL's `_compute_loss` got (completion_ids/mask (B, T), advantages (B,), and
-                optionally old_per_token_logps, sampling_per_token_logps (B, T), importance_sampling_ratio).
-            train_logps: (B, T) fp32 log-probs of the training forward, detached.
+                optionally old_per_token_logps, sampling_per_token_logps, old_log_kept_mass (B, T),
+                importance_sampling_ratio).
+            train_logps: (B, T) fp32 log-probs of the training forward, detached (over S under `renormalize`).
             mode_is_policy: True when the old log-probs are the policy's own (`bf16` mode).
+            train_log_kept_mass: (B, T) log M of the training forward (used when no old pass ran).
         """
         mask = valid_token_mask(inputs["completion_ids"], inputs["completion_mask"], self.eos_token_ids)  # (B, T)
         if "tool_mask" in inputs:
             mask &= inputs["tool_mask"].bool()
         old = inputs.get("old_per_token_logps")
+        log_mass = inputs.get("old_log_kept_mass", train_log_kept_mass if old is None else None)  # (B, T) | None
         old = train_logps if old is None else old  # TRL skipped the old pass: old := new.detach(), r == 1
         new_old = train_logps - old  # (B, T)
         self.new_old.update(new_old, mask)
         sampler = inputs.get("sampling_per_token_logps")
         if sampler is not None:
-            has_sampler = mask & ~torch.isnan(sampler)  # vLLM gives NaN where it had no log-prob
-            self.old_sampler.update(old - sampler, has_sampler)
-            if "importance_sampling_ratio" in inputs:
-                stats = importance_sampling_stats(old - sampler, mask, self.args.vllm_importance_sampling_mode,
-                                                  self.args.vllm_importance_sampling_clip_min,
-                                                  self.args.vllm_importance_sampling_clip_max)
-                self.is_stats = stats if self.is_stats is None else self.is_stats.merge(stats)
+            self._update_old_sampler(old, sampler, log_mass, mask, inputs)
         every = self.args.clip_flip_every
         if self.flips_supported and every and self.num_updates % every == 0:
             policy_log_ratio = new_old if mode_is_policy else torch.zeros_like(new_old)  # policy anchor: r == 1
@@ -91,6 +94,26 @@ class RatioDiagnostics:
                                delta=self.args.delta)
             self.flips = stats if self.flips is None else self.flips.merge(stats)
         self.touched = True
+
+    def _update_old_sampler(self, old, sampler, log_mass, mask, inputs):
+        """old/sampler before correction (raw, full vocabulary vs the sampler's renormalised log-prob) and after."""
+        has_sampler = mask & ~torch.isnan(sampler)  # vLLM gives NaN where it had no log-prob
+        correction = self.args.truncation_correction
+        if correction == "none" or log_mass is None:
+            raw = old - sampler  # (B, T)
+        else:
+            old_full = old + log_mass if correction == "renormalize" else old  # (B, T)
+            sampler_raw = sampler - log_mass if correction == "lift_sampler" else sampler  # (B, T)
+            raw = old_full - sampler_raw  # (B, T)
+            self.old_sampler_corrected.update(raw - log_mass, has_sampler)  # both corrections: p_old,S / q_S
+            self.kept_mass_sum += (torch.exp(log_mass.double()) * has_sampler).sum()
+            self.kept_mass_count += has_sampler.sum()
+        self.old_sampler.update(raw, has_sampler)
+        if "importance_sampling_ratio" in inputs:
+            stats = importance_sampling_stats(old - sampler, mask, self.args.vllm_importance_sampling_mode,
+                                              self.args.vllm_importance_sampling_clip_min,
+                                              self.args.vllm_importance_sampling_clip_max)
+            self.is_stats = stats if self.is_stats is None else self.is_stats.merge(stats)
 
     def flush(self) -> dict[str, float]:
         """Reduce across processes and return this update's metrics (every process must call it); then reset."""
@@ -100,6 +123,13 @@ class RatioDiagnostics:
         metrics = {}
         metrics.update(self.new_old.all_reduce(acc).as_metrics("ratio/new_old"))
         metrics.update(self.old_sampler.all_reduce(acc).as_metrics("ratio/old_sampler"))
+        metrics.update(self.old_sampler_corrected.all_reduce(acc).as_metrics("ratio/old_sampler_corrected"))
+        if self.args.truncation_correction != "none":
+            sums = torch.stack([self.kept_mass_sum, self.kept_mass_count]).to(self.accelerator.device)  # (2,)
+            if acc is not None:
+                sums = acc.reduce(sums, reduction="sum")
+            if sums[1] > 0:
+                metrics["ratio/kept_mass_mean"] = (sums[0] / sums[1]).item()
         if self.flips is not None:
             metrics.update(self.flips.all_reduce(acc).as_metrics("ratio"))
         if self.is_stats is not None:

@@ -173,6 +173,23 @@ def check_tokenizer(tokenizer: PreTrainedTokenizerBase, require_chat_template: b
     return tokenizer
 
 
+def load_tokenizer(
+    path: str, padding_side: str = "left", require_chat_template: bool = True
+) -> PreTrainedTokenizerBase:
+    """The tokenizer of the local model directory `path` (see `resolve_model_path`), checked by `check_tokenizer`,
+    padding on `padding_side` ("left" by default, as TRL pads prompts for generation).
+
+    Raises:
+        OSError: `path` has no readable tokenizer (the message names the directory).
+        ValueError: see `check_tokenizer`.
+    """
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, padding_side=padding_side)
+    except (OSError, ValueError) as err:
+        raise OSError(f"Cannot read a tokenizer from {path!r}: {err}") from err
+    return check_tokenizer(tokenizer, require_chat_template=require_chat_template)
+
+
 def resolve_model(
     model_id_or_path: str = DEFAULT_MODEL,
     dtype: torch.dtype = torch.float32,
@@ -182,7 +199,8 @@ def resolve_model(
     """Load `(model, tokenizer)` from `resolve_model_path(model_id_or_path)`, weights in `dtype` (default fp32).
 
     The model's `config.name_or_path` is the local directory, so TRL can re-load it (reference model when beta != 0).
-    The tokenizer passes `check_tokenizer`; generation pad/EOS ids are taken from it when the model has none.
+    The tokenizer comes from `load_tokenizer` (left padding, checked); generation pad/EOS ids are taken from it when
+    the model has none.
 
     Raises:
         FileNotFoundError, OSError: see `resolve_model_path`; OSError also when the directory cannot be read as a
@@ -190,14 +208,11 @@ def resolve_model(
         ValueError: see `check_tokenizer`.
     """
     path = resolve_model_path(model_id_or_path, revision=revision)
+    tokenizer = load_tokenizer(path, require_chat_template=require_chat_template)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as err:
-        raise OSError(
-            f"Cannot read a causal LM and tokenizer from {path!r} (from {model_id_or_path!r}): {err}"
-        ) from err
-    check_tokenizer(tokenizer, require_chat_template=require_chat_template)
+        raise OSError(f"Cannot read a causal LM from {path!r} (from {model_id_or_path!r}): {err}") from err
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     if model.generation_config.eos_token_id is None:

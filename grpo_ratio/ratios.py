@@ -223,7 +223,7 @@ class RatioStats(_SumStats):
         return replace(self, finite_log_ratios=values, **self._reduced_sums(accelerator))
 
     def as_metrics(self, prefix: str) -> dict[str, float]:
-        """Metrics `{prefix}/num_tokens, oob_rate, nonfinite_rate, mean_abs_log_ratio, p1, p50, p99`.
+        """Metrics `{prefix}/num_tokens, oob_rate, nonfinite_rate, mean_abs_log_ratio, mean, p1, p50, p99`.
 
         Returns `{}` without valid tokens. The last four need a finite log-ratio and are absent when every valid
         log-ratio is NaN/inf. Formulas: docs/metrics.md.
@@ -240,6 +240,7 @@ class RatioStats(_SumStats):
         if x.numel() == 0:
             return metrics
         metrics[f"{prefix}/mean_abs_log_ratio"] = (x.double().abs().sum() / x.numel()).item()
+        metrics[f"{prefix}/mean"] = (x.double().exp().sum() / x.numel()).item()  # mean of r (seed 004 T11's number)
         for key, value in zip(QUANTILES, _sorted_quantiles(x, list(QUANTILES.values())), strict=True):
             metrics[f"{prefix}/{key}"] = value
         return metrics

@@ -265,8 +265,19 @@ class OldLogprobScorer:
                 stack.enter_context(_patched_forward(a.rotary, _rope_fp32_forward(a.rotary, rope_cache)))
             return self._logits_policy(input_ids, attention_mask, logits_to_keep)
 
-    def _chunk_logprobs(self, input_ids, attention_mask, logits_to_keep, temperature, version):
-        """(b, T) fp32 log-probs of one chunk and the number of its rows re-scored in fp32."""
+    def _chunk_logprobs(self, input_ids, attention_mask, logits_to_keep, temperature, version, kept=None):
+        """(b, T) fp32 log-probs of one chunk and the number of its rows re-scored in fp32; with `kept`
+        (KeptSets of the chunk's rows), also the (b, T) log-probs renormalised over the kept sets."""
+        logps, n_fallback, logits = self._chunk_full(input_ids, attention_mask, logits_to_keep, temperature, version)
+        if kept is None:
+            return logps, n_fallback, None
+        from .sampling import kept_set_logprobs
+
+        mask = kept.sizes.to(logits.device) > 0  # (b, T) cells with a kept set (completion tokens)
+        kept_logps = kept_set_logprobs(logits[:, :-1], input_ids[:, -logits_to_keep:], kept, temperature, mask=mask)
+        return logps, n_fallback, kept_logps
+
+    def _chunk_full(self, input_ids, attention_mask, logits_to_keep, temperature, version):
         completion_ids = input_ids[:, -logits_to_keep:]  # (b, T)
         if self.mode == "bf16":
             logits = self._logits_policy(input_ids, attention_mask, logits_to_keep)
@@ -278,7 +289,7 @@ class OldLogprobScorer:
             logits = self._logits_upcast(input_ids, attention_mask, logits_to_keep, version)
         logps = completion_logprobs_from_logits(logits, completion_ids, temperature)  # (b, T)
         if self.mode != "fp16_clone":
-            return logps, 0
+            return logps, 0, logits
         # fp16 overflow (activations past 65,504) must never reach the ratio: re-score such rows in fp32
         scored = attention_mask[:, -logits_to_keep:].bool()  # (b, T)
         bad = (~torch.isfinite(logps) & scored).any(dim=1)  # (b,)
@@ -286,13 +297,15 @@ class OldLogprobScorer:
             rows = bad.nonzero().squeeze(1)
             logits32 = self._logits_full(torch.float32, input_ids[rows], attention_mask[rows], logits_to_keep, version)
             logps[rows] = completion_logprobs_from_logits(logits32, completion_ids[rows], temperature)
-        return logps, int(bad.sum())
+            logits = logits.float()
+            logits[rows] = logits32.float()
+        return logps, int(bad.sum()), logits
 
     # -- public ------------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, *,
-              temperature: float = 1.0, batch_size: int | None = None, version: int = 0) -> torch.Tensor:
+              temperature: float = 1.0, batch_size: int | None = None, version: int = 0, kept=None) -> torch.Tensor:
         """Old log-probs of the last `logits_to_keep` tokens of each row.
 
         Args:
@@ -302,18 +315,24 @@ class OldLogprobScorer:
             temperature: divides the logits before the log-softmax (TRL's `temperature`).
             batch_size: rows per forward chunk (TRL uses `per_device_train_batch_size`); None = all rows at once.
             version: the policy's optimizer-step count; copies synced at another version are refreshed first.
+            kept: optional `grpo_ratio.sampling.KeptSets` (B, T) of the sampler's kept sets; then
+                `self.last_kept_set_logps` holds the (B, T) log-probs renormalised over them (truncation correction).
         Returns:
-            (B, T) fp32 log-probs (values at padded positions are whatever the forward gives; mask them).
+            (B, T) fp32 full-vocabulary log-probs (values at padded positions are whatever the forward gives).
         """
         batch_size = batch_size or input_ids.size(0)
-        chunks, fallback = [], 0
+        chunks, kept_chunks, fallback = [], [], 0
         for start in range(0, input_ids.size(0), batch_size):
             sl = slice(start, start + batch_size)
-            logps, n = self._chunk_logprobs(input_ids[sl], attention_mask[sl], logits_to_keep, temperature, version)
+            rows = None if kept is None else kept.select_rows(range(sl.start, min(sl.stop, input_ids.size(0))))
+            logps, n, kept_logps = self._chunk_logprobs(input_ids[sl], attention_mask[sl], logits_to_keep,
+                                                        temperature, version, rows)
             chunks.append(logps)
+            kept_chunks.append(kept_logps)
             fallback += n
         self.fallback_rows += fallback
         self.last_fallback_rows = fallback
+        self.last_kept_set_logps = None if kept is None else torch.cat(kept_chunks, dim=0)  # (B, T)
         return torch.cat(chunks, dim=0)  # (B, T)
 
 

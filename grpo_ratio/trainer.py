@@ -26,6 +26,7 @@ from .config import RatioGRPOConfig
 from .diagnostics import RatioDiagnostics
 from .sampling import SamplerLogprobRecorder, recording_sampler
 from .scoring import OldLogprobScorer
+from .truncation import capture_last_hidden, check_head_is_linear, check_truncation_setup, kept_set_logps_from_hidden
 
 
 class RatioGRPOTrainer(GRPOTrainer):
@@ -58,8 +59,14 @@ class RatioGRPOTrainer(GRPOTrainer):
                 f"RatioGRPOTrainer needs args=RatioGRPOConfig(...), got {type(args).__name__}; RatioGRPOConfig accepts "
                 f"every GRPOConfig field plus old_logprob_mode, guided_fp32_layers, ..."
             )
+        check_truncation_setup(args)  # before TRL builds anything (vLLM engines included)
         super().__init__(model, reward_funcs, args, *pargs, **kwargs)
-        self._old_pass_armed = False
+        check_head_is_linear(args, self.accelerator.unwrap_model(self.model).config)
+        self._old_pass_pending = False  # True inside _generate_and_score_completions until TRL's old pass ran
+        self._old_log_kept_mass = None  # (B, T) log M_old of the current generation batch (truncation correction)
+        self._call_log_kept_mass = None  # (B, T) log M of the last log-prob call with kept sets
+        self._kept = {"train": None, "eval": None}  # KeptSets of the current generation batch, per mode
+        self._loss_inputs = None  # the micro-batch inside _compute_loss
         self._train_logps = None  # the training forward's log-probs of the current micro-batch (detached)
         self.last_sampler_record = None  # SamplerRecord of the last generate call (kept sets, sampler log-probs)
         self.diagnostics = RatioDiagnostics(args, self.accelerator, self.eos_token_ids) if args.ratio_diagnostics else None
@@ -99,15 +106,20 @@ class RatioGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------------------------
     # old log-probs
 
-    def _score_old(self, input_ids, attention_mask, logits_to_keep, batch_size) -> torch.Tensor:
-        """(B, T) fp32 old log-probs from the scoring mode, in TRL's chunking, with copies synced at this step."""
+    def _score_old(self, input_ids, attention_mask, logits_to_keep, batch_size, kept=None) -> torch.Tensor:
+        """(B, T) fp32 old log-probs from the scoring mode, in TRL's chunking, with copies synced at this step
+        (over the kept sets under `renormalize`)."""
         with torch.no_grad(), self._no_gradient_checkpointing():
             logps = self.scorer.score(
                 input_ids, attention_mask, logits_to_keep,
-                temperature=self.temperature, batch_size=batch_size, version=self.state.global_step,
+                temperature=self.temperature, batch_size=batch_size, version=self.state.global_step, kept=kept,
             )
         self._last_fallback_rows = self.scorer.last_fallback_rows
-        return logps
+        if kept is None:
+            return logps
+        kept_logps = self.scorer.last_kept_set_logps  # (B, T)
+        self._old_log_kept_mass = logps - kept_logps  # log M = log p_full(g) - log p_S(g)
+        return kept_logps if self.args.truncation_correction == "renormalize" else logps
 
     def _no_gradient_checkpointing(self):
         from trl.models.utils import disable_gradient_checkpointing
@@ -117,21 +129,58 @@ class RatioGRPOTrainer(GRPOTrainer):
             return contextlib.nullcontext()
         return disable_gradient_checkpointing(model, self.args.gradient_checkpointing_kwargs)
 
+    def _kept_sets_for_call(self, num_rows: int, logits_to_keep: int):
+        """KeptSets (num_rows, T) of the rows a log-prob call scores, or None when no correction is active."""
+        if self.args.truncation_correction == "none":
+            return None
+        kept = self._kept.get("train" if self.model.training else "eval")
+        if kept is None:
+            return None
+        if self._loss_inputs is not None:  # a micro-batch: follow TRL's shuffle and split
+            kept = kept.select_rows(self._loss_inputs["kept_row_index"].cpu())
+        if kept.num_rows != num_rows:
+            raise RuntimeError(f"grpo_ratio: {num_rows} rows scored but {kept.num_rows} kept-set rows recorded")
+        return kept.resize_steps(logits_to_keep)
+
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            *args, **kwargs):
+        kept = self._kept_sets_for_call(input_ids.size(0), logits_to_keep)
+        is_old_pass = self._old_pass_pending and model is self.model and not torch.is_grad_enabled()
+        if is_old_pass:
+            self._old_pass_pending = False
         # TRL's old pass is the first no-grad call on the policy inside _generate_and_score_completions: replace it.
-        if self._old_pass_armed and model is self.model and not torch.is_grad_enabled():
-            self._old_pass_armed = False
+        if is_old_pass and self.scorer is not None:
             if any(v is not None for v in args) or any(v is not None for v in kwargs.values()
                                                        if not isinstance(v, bool)):
                 raise NotImplementedError("old_logprob_mode other than 'bf16' supports text-only models")
-            return self._score_old(input_ids, attention_mask, logits_to_keep, batch_size), None, None
-        result = super()._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, logits_to_keep, batch_size, *args, **kwargs
-        )
+            return self._score_old(input_ids, attention_mask, logits_to_keep, batch_size, kept), None, None
+        if kept is None:
+            result = super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, *args, **kwargs)
+        else:
+            result = self._logps_with_kept_sets(model, input_ids, attention_mask, logits_to_keep, batch_size, kept,
+                                                *args, **kwargs)
+            if is_old_pass:
+                self._old_log_kept_mass = self._call_log_kept_mass
         if torch.is_grad_enabled():  # the training forward of _compute_loss: keep its log-probs for the diagnostics
             self._train_logps = result[0].detach()
         return result
+
+    def _logps_with_kept_sets(self, model, input_ids, attention_mask, logits_to_keep, batch_size, kept,
+                              *args, **kwargs):
+        """TRL's call, plus the log-probs over the kept sets from the same forward's last hidden states."""
+        unwrapped = self.accelerator.unwrap_model(model)
+        with capture_last_hidden(unwrapped) as hidden:
+            logps, entropies, aux = super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, *args, **kwargs)
+        hidden = torch.cat(hidden, dim=0)[:, -logits_to_keep - 1 : -1]  # (B, T, H) positions predicting the T tokens
+        kept_logps = kept_set_logps_from_hidden(
+            unwrapped, hidden, input_ids[:, -logits_to_keep:], kept, self.temperature,
+            self.args.cast_lm_head_to_fp32, self.accelerator.autocast)  # (B, T)
+        self._call_log_kept_mass = (logps - kept_logps).detach()  # (B, T) log M of this call
+        if self.args.truncation_correction == "renormalize":
+            return kept_logps, entropies, aux
+        return logps, entropies, aux
 
     # ------------------------------------------------------------------------------------------------------------
     # sampler log-probs without vLLM
@@ -141,53 +190,78 @@ class RatioGRPOTrainer(GRPOTrainer):
         if not (plain_generate and self.args.record_sampler_logprobs):
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
                                                  has_tool_images)
-        recorder = SamplerLogprobRecorder()
+        recorder = SamplerLogprobRecorder(support_size_only=self.args.truncation_correction == "none")
         with recording_sampler(self.accelerator.unwrap_model(self.model_wrapped), recorder):
             completion_ids, _ = super()._generate_single_turn(prompt_ids, images, multimodal_fields,
                                                               num_generations, has_tool_images)
         record = _finalize_record(recorder, completion_ids, self._tokenizer.pad_token_id)
         self.last_sampler_record = record
+        self._kept["train" if self.model.training else "eval"] = record.kept
         # TRL pads these into `sampling_per_token_logps` (B, T) and keeps them in the generation batch
         logprobs = [record.logprobs[i, : len(ids)].tolist() for i, ids in enumerate(completion_ids)]
         return completion_ids, logprobs
 
     def _generate_and_score_completions(self, inputs):
-        self._old_pass_armed = self.scorer is not None and self._trl_runs_old_pass()
+        self._old_pass_pending = self._trl_runs_old_pass()
+        self._old_log_kept_mass = None
         self._last_fallback_rows = 0
         try:
             output = super()._generate_and_score_completions(inputs)
         finally:
-            armed_but_unused, self._old_pass_armed = self._old_pass_armed, False
-        if armed_but_unused:
+            missed, self._old_pass_pending = self._old_pass_pending, False
+        if missed:
             raise RuntimeError("grpo_ratio: TRL did not run its old-logprob pass where 1.16 does; untested TRL?")
+        mode = "train" if self.model.training else "eval"
+        if self.args.truncation_correction != "none":
+            output["kept_row_index"] = torch.arange(output["completion_ids"].size(0), device=self.accelerator.device)
         if self.scorer is not None and "old_per_token_logps" not in output:
             # TRL skipped the old pass (on-policy default): the mode still provides the anchor of the ratio
-            input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)  # (B, P+T)
-            attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)  # (B, P+T)
-            mode = "train" if self.model.training else "eval"
-            batch_size = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
-            output["old_per_token_logps"] = self._score_old(
-                input_ids, attention_mask, output["completion_ids"].size(1), batch_size
-            )
+            kept = self._kept_sets_for_call(output["completion_ids"].size(0), output["completion_ids"].size(1))
+            output["old_per_token_logps"] = self._score_old(*self._scoring_inputs(output, mode), kept)
+        if self.args.truncation_correction == "lift_sampler":
+            self._lift_sampler_logprobs(output, mode)
+        if self._old_log_kept_mass is not None:
+            output["old_log_kept_mass"] = self._old_log_kept_mass  # (B, T), for the diagnostics
         if self.scorer is not None and self.args.old_logprob_mode == "fp16_clone":
             rows = self.accelerator.reduce(torch.tensor(float(self._last_fallback_rows), device=self.accelerator.device),
                                            reduction="sum")
-            mode = "train" if self.model.training else "eval"
             self._metrics[mode]["ratio/fp16_fallback_rows"].append(rows.item())
         return output
+
+    def _scoring_inputs(self, output, mode):
+        """(input_ids, attention_mask, T, batch_size) of a generation batch, as TRL builds them for its old pass."""
+        input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)  # (B, P+T)
+        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)  # (B, P+T)
+        batch_size = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
+        return input_ids, attention_mask, output["completion_ids"].size(1), batch_size
+
+    def _lift_sampler_logprobs(self, output, mode):
+        """`lift_sampler`: sampler log-probs + log M_old, M_old = the old policy's mass on the kept set."""
+        if self._old_log_kept_mass is None:  # no old pass ran (on-policy bf16): one no-grad pass measures M
+            with torch.no_grad(), self._no_gradient_checkpointing():
+                input_ids, attention_mask, T, batch_size = self._scoring_inputs(output, mode)
+                self._get_per_token_logps_and_entropies(self.model, input_ids, attention_mask, T, batch_size)
+            self._old_log_kept_mass = self._call_log_kept_mass
+        valid = output["completion_mask"].bool()  # (B, T)
+        lifted = output["sampling_per_token_logps"] + self._old_log_kept_mass * valid  # (B, T)
+        output["sampling_per_token_logps"] = lifted
 
     # ------------------------------------------------------------------------------------------------------------
     # diagnostics at the first inner step
 
     def _compute_loss(self, model, inputs):
-        self._train_logps = None
-        loss = super()._compute_loss(model, inputs)
+        self._train_logps, self._loss_inputs, self._call_log_kept_mass = None, inputs, None
+        try:
+            loss = super()._compute_loss(model, inputs)
+        finally:
+            self._loss_inputs = None
         if self.diagnostics is not None and self.model.training:
             generate_every = self.args.steps_per_generation * self.num_iterations
             micro_step = self._step % generate_every  # position in this generation's cycle (before the increment)
             first_inner = micro_step < min(self.args.gradient_accumulation_steps, self.args.steps_per_generation)
             if first_inner and self._train_logps is not None:
-                self.diagnostics.update(inputs, self._train_logps, mode_is_policy=self.scorer is None)
+                self.diagnostics.update(inputs, self._train_logps, mode_is_policy=self.scorer is None,
+                                        train_log_kept_mass=self._call_log_kept_mass)
             if (self._step + 1) % self.current_gradient_accumulation_steps == 0:  # last micro-step of this update
                 for key, value in self.diagnostics.flush().items():
                     self._metrics["train"][key].append(value)

@@ -122,3 +122,71 @@ def test_ladder_probe_layer_errors(tmp_path, capsys):
     assert "0..1" in capsys.readouterr().err
     assert main(["probe", "ladder", *TINY, "--layers", str(tmp_path / "x.json"), "--out", str(tmp_path)]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# probe layers
+
+
+def test_relative_divergence_literal():
+    # two positions, H = 2: ||(3,4) - (3,4)|| / 5 = 0 and ||(0,2) - (0,1)|| / 2 = 0.5 -> mean 0.25; third masked out
+    a = torch.tensor([[[3.0, 4.0], [0.0, 2.0], [9.0, 9.0]]])
+    b = torch.tensor([[[3.0, 4.0], [0.0, 1.0], [0.0, 0.0]]])
+    from grpo_ratio.probes.layers import relative_divergence
+
+    assert relative_divergence(a, b, torch.tensor([[True, True, False]])) == pytest.approx(0.25, rel=1e-5)
+
+
+def test_layer_capture_is_pre_norm():
+    # seed pitfall 6: HF's last hidden state is post-norm; the probe must capture the last decoder layer's output
+    from grpo_ratio.probes.layers import capture_layer_states
+    from grpo_ratio.testing import tiny_model
+
+    model = tiny_model("llama").eval()
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with capture_layer_states(model) as store, torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True)
+    hs, depths = out.hidden_states, [d[0] for d in store["depths"]]
+    assert len(depths) == 3 and torch.equal(depths[0], hs[0]) and torch.equal(depths[1], hs[1])
+    assert torch.equal(model.model.norm(depths[2]), hs[2])  # hs[2] = norm(output of layer 1) ...
+    assert torch.equal(store["norm"][0], hs[2]) and not torch.allclose(depths[2], hs[2])  # ... not the output itself
+
+
+def test_layers_ranks_a_layer_that_moves_only_at_batch_8(monkeypatch):
+    # A tiny model shows no bf16 batch effect, so give layer 1 one: add 0.05 to every hidden unit when the batch has
+    # more than one row. Prompts are ragged (3..6 tokens), so the batch is left-padded and batch 1 is unpadded: the
+    # positions must be matched row by row. Layer 0 is untouched: div[1] is bf16 rounding only (a misaligned match
+    # would give ~1); layer 1 adds 0.05 * sqrt(64) = 0.4 to the difference norm: increment[1] >> 2e-2.
+    from grpo_ratio.probes.common import layout_trl
+    from grpo_ratio.probes.layers import run_layers
+    from grpo_ratio.testing import tiny_model
+
+    model = tiny_model("qwen2").eval()
+
+    def perturb(module, args, out):
+        h = out[0] if isinstance(out, tuple) else out
+        h = h + 0.05 if h.size(0) > 1 else h
+        return (h, *out[1:]) if isinstance(out, tuple) else h
+
+    model.model.layers[1].register_forward_hook(perturb)
+    g = torch.Generator().manual_seed(0)
+    data = layout_trl([torch.randint(3, 300, (3 + i % 4,), generator=g) for i in range(8)],
+                      [torch.randint(3, 300, (4,), generator=g) for _ in range(8)], pad_id=0, eos=[1])
+    r = run_layers(model, data, batch_size=8, top_k=1)
+    assert r["divergence"][0] == 0.0  # the embedding lookup does not depend on the batch
+    assert r["divergence"][1] < 1e-2 and r["increments"][1] > 2e-2
+    assert r["ranking"] == [1, 0] and r["guided_fp32_layers"] == [1]
+    assert r["num_positions"] == 8 * 4  # no EOS among the random completions: every token valid
+
+
+def test_layers_probe_writes_calibration_that_config_accepts(tmp_path):
+    from grpo_ratio.testing import tiny_grpo_args
+
+    res = _run(tmp_path, "layers")
+    calib = json.loads((tmp_path / "calibration.json").read_text())
+    assert calib["guided_fp32_layers"] == res["result"]["guided_fp32_layers"] and len(calib["increments"]) == 2
+    assert calib["selection_prompts"]["indices"] == list(range(24, 32))  # last 8 of the 32 built-in prompts
+    assert (tmp_path / "layers.png").stat().st_size > 0
+    args = tiny_grpo_args(tmp_path / "run", old_logprob_mode="guided_fp32",
+                          guided_fp32_layers=str(tmp_path / "calibration.json"))
+    assert args.guided_fp32_layer_ids == calib["guided_fp32_layers"]

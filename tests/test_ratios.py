@@ -84,6 +84,7 @@ def test_ratio_stats_hand_values():
     assert m["ratio/x/nonfinite_rate"] == 0.0
     expected = {
         "mean_abs_log_ratio": (math.log(1.05) - math.log(0.8) + math.log(1.2)) / 4,
+        "mean": (1.0 + 1.05 + 0.8 + 1.2) / 4,  # mean of r over the finite valid tokens
         "p1": 0.8**0.97,
         "p50": math.sqrt(1.05),
         "p99": 1.05**0.03 * 1.2**0.97,

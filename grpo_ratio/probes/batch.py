@@ -4,8 +4,12 @@ The same sampled completions are scored teacher-forced at batch 1 and at batch 8
 cast to bf16, fp16 and fp32 and run natively (no autocast), log-softmax in fp32. Reported per dtype: the out-of-band
 rate of r = exp(logp_b8 - logp_b1) with its Wilson 95% interval, max |logp_b8 - logp_b1|, and the rerun control
 (bf16 batch 1 scored twice; the seed measured 0 tokens moved: the gap is a deterministic function of the batch shape,
-not nondeterminism). Rows are chunked in order, exactly as TRL chunks its old pass, so a row carries the same
-padding at every batch size and only the batch shape differs.
+not nondeterminism).
+
+Batch 1 is each sequence alone, with no padding (the seed's definition, and shared/README.md's); batch 8 is the
+right-padded batch in TRL's layout, chunked in order as TRL chunks its old pass. A third comparison, `b1_padded`,
+scores the rows of the padded batch one at a time (TRL with per_device_train_batch_size=1): it keeps the padding and
+changes only the number of rows, so it separates the batch size from the padding (`probe controls` goes further).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..scoring import score_completion_logprobs
-from .common import DTYPES, Completions, compare, pct, pct_ci
+from .common import DTYPES, Completions, compare, pct, pct_ci, score_alone
 
 
 def score_native(model, data: Completions, batch_size: int) -> torch.Tensor:
@@ -28,12 +32,19 @@ def score_native(model, data: Completions, batch_size: int) -> torch.Tensor:
                                      batch_size=batch_size, policy_autocast=contextlib.nullcontext)
 
 
+def score_native_alone(model, data: Completions) -> torch.Tensor:
+    """(B, T) fp32 log-probs with each sequence scored alone, unpadded, in the model's own dtype (no autocast)."""
+    return score_alone(lambda ids, mask, t: score_completion_logprobs(
+        model, ids, mask, t, mode="bf16", policy_autocast=contextlib.nullcontext), data)
+
+
 def run_batch(model, data: Completions, batch_sizes=(8,), dtypes=("bf16", "fp16", "fp32"), rerun_dtype="bf16",
               progress: bool = True) -> dict:
     """Batch 1 vs each of `batch_sizes` for each dtype; `model` holds fp32 weights and is not modified.
 
     Returns:
-        {dtype: {"b1_vs_b{s}": compare(...), "rerun": compare(...) (rerun_dtype only), "seconds": float}};
+        {dtype: {"b1_vs_b{s}": compare(b{s}, alone), "b1_padded_vs_b{s}": compare(b{s}, padded rows one at a
+        time), "rerun": compare(alone, alone again) (rerun_dtype only), "seconds": float}};
         `compare` gives num_tokens, num_oob, oob_rate, oob_ci95, max_abs_dlogp, num_nonfinite.
     Raises:
         ValueError: an unknown dtype (allowed: bf16, fp16, fp32).
@@ -45,12 +56,15 @@ def run_batch(model, data: Completions, batch_sizes=(8,), dtypes=("bf16", "fp16"
     for name in tqdm(dtypes, desc="batch: dtypes", disable=not progress):
         t0 = time.perf_counter()
         m = model if DTYPES[name] == torch.float32 else copy.deepcopy(model).to(DTYPES[name])
-        b1 = score_native(m, data, 1)  # (B, T)
+        b1 = score_native_alone(m, data)  # (B, T)
+        b1_padded = score_native(m, data, 1)  # (B, T)
         res = {}
         for s in batch_sizes:
-            res[f"b1_vs_b{s}"] = compare(score_native(m, data, s), b1, data.valid)
+            bs = score_native(m, data, s)  # (B, T)
+            res[f"b1_vs_b{s}"] = compare(bs, b1, data.valid)
+            res[f"b1_padded_vs_b{s}"] = compare(bs, b1_padded, data.valid)
         if name == rerun_dtype:
-            res["rerun"] = compare(score_native(m, data, 1), b1, data.valid)
+            res["rerun"] = compare(score_native_alone(m, data), b1, data.valid)
         res["seconds"] = time.perf_counter() - t0
         results[name] = res
         del m
@@ -62,7 +76,8 @@ def markdown(payload: dict) -> str:
     r, info = payload["results"], payload["info"]
     sizes = payload["batch_sizes"]
     head = ["dtype", "tokens"] + [f"b1 vs b{s} OOB [95% CI]" for s in sizes] + \
-        [f"max abs dlogp b1 vs b{s}" for s in sizes] + ["b1 rerun OOB", "rerun max abs dlogp", "seconds"]
+        [f"max abs dlogp b1 vs b{s}" for s in sizes] + [f"b1 padded vs b{sizes[0]} OOB", "max abs dlogp"] + \
+        ["b1 rerun OOB", "rerun max abs dlogp", "seconds"]
     lines = [f"### batch: {info['model']} ({info['num_sequences']} sequences, {info['num_tokens']} completion tokens, "
              f"<= {info['max_new_tokens']} new tokens, seed {info['seed']})", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -71,10 +86,13 @@ def markdown(payload: dict) -> str:
         cells = [dtype, str(res[f"b1_vs_b{sizes[0]}"]["num_tokens"])]
         cells += [pct_ci(res[f"b1_vs_b{s}"]) for s in sizes]
         cells += [f"{res[f'b1_vs_b{s}']['max_abs_dlogp']:.2g}" for s in sizes]
+        padded = res[f"b1_padded_vs_b{sizes[0]}"]
+        cells += [pct(padded["oob_rate"]), f"{padded['max_abs_dlogp']:.2g}"]
         cells += [pct(rerun["oob_rate"]) if rerun else "-", f"{rerun['max_abs_dlogp']:.2g}" if rerun else "-",
                   f"{res['seconds']:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Share of valid completion tokens whose importance ratio exp(logp_bN - logp_b1) lies outside "
               "[0.9, 1.1] (strict; non-finite counts as out of band), weights cast to the dtype and run without "
-              "autocast, log-softmax in fp32. Rerun: batch 1 scored twice.", ""]
+              "autocast, log-softmax in fp32. b1: each sequence alone, unpadded; bN: the right-padded batch in TRL's layout; "
+              "b1 padded: the padded rows one at a time (TRL at per_device_train_batch_size=1). Rerun: b1 twice.", ""]
     return "\n".join(lines)

@@ -139,6 +139,15 @@ class Completions:
     def num_tokens(self) -> int:
         return int(self.valid.sum())
 
+    def alone(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Row `i` as a batch of one without any padding: (input_ids (1, p_i + t_i), attention_mask of ones, t_i),
+        with p_i its prompt tokens and t_i its completion tokens up to and including the first EOS."""
+        P = self.input_ids.size(1) - self.logits_to_keep
+        keep = self.attention_mask[i].bool()  # (P+T,) prompt tokens and the completion up to its first EOS
+        t_i = int(keep[P:].sum())
+        ids = self.input_ids[i][keep].unsqueeze(0)  # (1, p_i + t_i)
+        return ids, torch.ones_like(ids), t_i
+
     def rows(self, idx) -> Completions:
         """The rows `idx` (a list or slice), same T."""
         return Completions(self.input_ids[idx], self.attention_mask[idx], self.valid[idx], self.logits_to_keep)
@@ -219,6 +228,21 @@ def layout_trl(prompt_rows: list[torch.Tensor], completion_rows: list[torch.Tens
         valid = valid_token_mask(completion_ids, completion_mask, eos)  # (B, T)
     return Completions(torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1),
                        valid, T)
+
+
+def score_alone(score_fn, data: Completions) -> torch.Tensor:
+    """Batch 1 as the seed scores it: each sequence alone, no padding at all (seed 004 `hf_only`; shared/README.md).
+
+    Args:
+        score_fn: (input_ids (1, S), attention_mask (1, S), logits_to_keep t) -> (1, t) fp32 log-probs.
+    Returns:
+        (B, T) fp32 log-probs in the padded batch's layout (0 at positions past each row's completion).
+    """
+    out = torch.zeros(data.valid.shape)  # (B, T)
+    for i in range(data.input_ids.size(0)):
+        ids, mask, t_i = data.alone(i)
+        out[i, :t_i] = score_fn(ids, mask, t_i)[0]  # (t_i,)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """`grpo-ratio probe ladder`: the precision ladder of the old-logprob scoring modes (seed 004 tables T7/T7b).
 
-Every scoring mode of `grpo_ratio.scoring.OldLogprobScorer` scores the same sampled completions at batch 1 and at
-batch 8, on a model with fp32 weights (TRL's default regime: fp32 weights, bf16 autocast, so `bf16` is the trainer's
+Every scoring mode of `grpo_ratio.scoring.OldLogprobScorer` scores the same sampled completions at batch 1 (each
+sequence alone, unpadded) and at batch 8 (the right-padded batch in TRL's layout), on a model with fp32 weights (TRL's default regime: fp32 weights, bf16 autocast, so `bf16` is the trainer's
 own pass). Reported per mode: the out-of-band rate of exp(logp_b8 - logp_b1) with a Wilson 95% interval, max |dlogp|,
 the time of the batch-8 pass relative to `bf16` (median of `repeats` passes timed round-robin so that machine load
 hits every mode alike, as benchmarks/old_pass.py), and the memory the mode's copies add, relative to the policy held
@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from ..config import SCORING_MODES
 from ..scoring import OldLogprobScorer
-from .common import Completions, compare, pct_ci
+from .common import Completions, compare, pct_ci, score_alone
 
 
 def run_ladder(model, data: Completions, batch_size: int = 8, layers: list[int] | None = None, repeats: int = 1,
@@ -36,8 +36,10 @@ def run_ladder(model, data: Completions, batch_size: int = 8, layers: list[int] 
     modes = [m for m in modes if m != "guided_fp32" or layers]
     scorers = {m: OldLogprobScorer(model, m, layers=layers if m == "guided_fp32" else None) for m in modes}
     args = (data.input_ids, data.attention_mask, data.logits_to_keep)
-    b1 = {m: s.score(*args, batch_size=1) for m, s in tqdm(scorers.items(), desc="ladder: batch 1",
-                                                          disable=not progress)}  # also warms up, builds copies
+    b1 = {}
+    for mode, scorer in tqdm(scorers.items(), desc="ladder: batch 1", disable=not progress):
+        # each sequence alone; this also warms up and builds the mode's copies before anything is timed
+        b1[mode] = score_alone(lambda ids, mask, t, s=scorer: s.score(ids, mask, t, batch_size=1), data)  # (B, T)
     bn, times = {}, {m: [] for m in modes}
     for _ in tqdm(range(repeats), desc=f"ladder: batch {batch_size}", disable=not progress):
         for mode, scorer in scorers.items():

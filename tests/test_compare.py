@@ -1,0 +1,116 @@
+"""trainers/compare.py: matched step-1 rollouts across arms, the summary numbers, W&B grouping, recipe loading.
+
+Run: pytest tests/test_compare.py
+"""
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from grpo_ratio.testing import tiny_trainer
+
+
+TRAINERS = Path(__file__).parents[1] / "trainers"
+RECIPES = Path(__file__).parents[1] / "recipes" / "smollm2-135m"
+
+
+@pytest.fixture
+def compare(monkeypatch):
+    monkeypatch.syspath_prepend(str(TRAINERS))  # the entry scripts import each other as scripts do
+    import compare
+
+    return compare
+
+
+def _tiny_build(**overrides):
+    def build(arm, seed, run_dir):
+        # tiny_trainer: the same seed-0 tiny model for every arm, 8 prompts, 4 completions per step
+        return tiny_trainer(run_dir, mode=arm, seed=seed, max_steps=2, **overrides)
+
+    return build
+
+
+def test_two_arms_match_step_one_and_summarize(compare, tmp_path):
+    result = compare.run_comparison(["bf16", "fp32_clone"], [0], _tiny_build(), name="cmp", output_root=tmp_path,
+                                    last_k=2, show=False)
+    bf16, fp32 = result.runs
+    # same seed -> same data order and RNG state at the first generate: identical step-1 completions
+    assert len(bf16.first_completions) == 4  # 1 prompt x num_generations=4 per step
+    assert bf16.first_completions == fp32.first_completions
+    assert bf16.first_prompts == fp32.first_prompts
+    assert result.matched_first_rollouts == {0: True}
+    # identical completions and reward function -> identical step-1 reward
+    assert bf16.history[0]["reward"] == fp32.history[0]["reward"]
+
+    # summary, recomputed from the logged rows: last_k=2 averages the rewards of both logged steps
+    rewards = {r.arm: [row["reward"] for row in r.history if "reward" in row] for r in result.runs}
+    assert [len(v) for v in rewards.values()] == [2, 2]
+    runs = {row["arm"]: row for row in result.summary["runs"]}
+    assert runs["bf16"]["reward_last_k"] == pytest.approx(statistics.fmean(rewards["bf16"]), abs=1e-12)
+    assert runs["fp32_clone"]["reward_last_k"] == pytest.approx(statistics.fmean(rewards["fp32_clone"]), abs=1e-12)
+    expected_diff = statistics.fmean(rewards["fp32_clone"]) - statistics.fmean(rewards["bf16"])
+    assert runs["fp32_clone"]["diff_vs_baseline"] == pytest.approx(expected_diff, abs=1e-12)
+    assert runs["bf16"]["diff_vs_baseline"] == 0.0
+    assert result.summary["arms"]["fp32_clone"]["spread"] == 0.0  # one seed: no spread
+
+    # files: per-run histories, the plot, the summary
+    saved = json.loads((tmp_path / "cmp" / "fp32_clone-s0" / "log_history.json").read_text())
+    assert saved == fp32.history
+    assert Path(result.plot_path).stat().st_size > 0
+    assert json.loads(Path(result.summary_path).read_text())["matched_first_rollouts"] == {"0": True}
+
+
+def test_summarize_literal_histories(compare):
+    def run(arm, seed, rewards):
+        rows = [{"step": i + 1, "reward": r, "ratio/new_old/oob_rate": 0.1 * (arm != "bf16")}
+                for i, r in enumerate(rewards)]
+        return compare.RunResult(arm, seed, rows + [{"train_loss": 0.0}], [], [], "")
+
+    runs = [run("bf16", 0, [0.1, 0.2, 0.3, 0.5]), run("fp16_clone", 0, [0.0, 0.0, 0.4, 0.6]),
+            run("bf16", 1, [0.2, 0.2, 0.2, 0.2]), run("fp16_clone", 1, [0.0, 0.0, 0.0, 0.3])]
+    summary = compare.summarize(runs, last_k=2)
+    rows = {(r["arm"], r["seed"]): r for r in summary["runs"]}
+    # last 2 rewards: bf16 s0 (0.3+0.5)/2 = 0.4; fp16 s0 (0.4+0.6)/2 = 0.5; bf16 s1 0.2; fp16 s1 (0+0.3)/2 = 0.15
+    assert rows[("bf16", 0)]["reward_last_k"] == pytest.approx(0.4)
+    assert rows[("fp16_clone", 0)]["diff_vs_baseline"] == pytest.approx(0.1)  # 0.5 - 0.4
+    assert rows[("fp16_clone", 1)]["diff_vs_baseline"] == pytest.approx(-0.05)  # 0.15 - 0.2
+    assert rows[("fp16_clone", 0)]["new/old OOB"] == pytest.approx(0.1)  # mean over all 4 logged steps
+    assert rows[("bf16", 0)]["clip flips"] is None  # never logged
+    arm = summary["arms"]["fp16_clone"]
+    assert arm["mean"] == pytest.approx(0.325)  # (0.5 + 0.15) / 2
+    assert arm["spread"] == pytest.approx(0.35)  # 0.5 - 0.15
+    assert arm["mean_diff_vs_baseline"] == pytest.approx(0.025)  # (0.1 - 0.05) / 2
+    with pytest.raises(ValueError, match="last_k"):
+        compare.summarize(runs, last_k=0)
+
+
+def test_wandb_runs_are_grouped_and_named(compare, tmp_path):
+    from wandb.proto import wandb_internal_pb2 as pb
+    from wandb_offline import _payloads
+
+    compare.run_comparison(["bf16"], [3], _tiny_build(report_to=["wandb"], max_steps=1), name="grp",
+                           output_root=tmp_path, show=False)
+    (path,) = (tmp_path / "grp" / "bf16-s3").glob("wandb/offline-run-*/run-*.wandb")  # WANDB_MODE=offline
+    runs = []
+    for payload in _payloads(path):
+        record = pb.Record()
+        record.ParseFromString(payload)
+        if record.WhichOneof("record_type") == "run":
+            runs.append((record.run.run_group, record.run.display_name))
+    assert ("grp", "bf16-s3") in runs
+
+
+def test_repeated_arms_are_refused(compare, tmp_path):
+    with pytest.raises(ValueError, match="distinct"):
+        compare.run_comparison(["bf16", "bf16"], [0], _tiny_build(), output_root=tmp_path, show=False)
+
+
+def test_load_recipe_applies_overrides_then_run_fields(compare, tmp_path):
+    recipe = str(RECIPES / "arithmetic" / "fp16_clone.yaml")
+    script_args, training_args, model_args = compare.load_recipe(recipe, 7, tmp_path / "r", ["--max_steps", "3"])
+    assert training_args.old_logprob_mode == "fp16_clone"
+    assert (training_args.seed, training_args.max_steps) == (7, 3)
+    assert training_args.output_dir == str(tmp_path / "r") and training_args.run_name == "fp16_clone-s7"
+    assert script_args.task == "arithmetic"

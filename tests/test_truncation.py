@@ -1,0 +1,100 @@
+"""Truncated-sampling correction in RatioGRPOTrainer (transformers generate path), on a tiny model.
+
+A tiny random model is near-uniform, so top_p=0.8 keeps ~80% of the mass: r_old/sampler ~ 0.8 before correction.
+Run: pytest tests/test_truncation.py
+"""
+
+import pytest
+import torch
+
+from grpo_ratio.sampling import kept_set_logprobs
+from grpo_ratio.scoring import completion_logprobs_from_logits
+from grpo_ratio.testing import tiny_model, tiny_trainer
+
+
+def _steps(trainer):
+    return [row for row in trainer.state.log_history if "loss" in row]
+
+
+@pytest.mark.parametrize("correction", ["renormalize", "lift_sampler"])
+@pytest.mark.parametrize("truncation", [dict(top_p=0.8), dict(top_k=5)])
+def test_correction_puts_old_and_sampler_on_one_support(tmp_path, correction, truncation):
+    # fp32 end to end: the only gap between trainer and sampler is the kept mass.
+    trainer = tiny_trainer(tmp_path, "bf16", bf16=False, max_steps=1, truncation_correction=correction, **truncation)
+    trainer.train()
+    (row,) = _steps(trainer)
+    # before: r = p_full(g) / q_S(g) = M, the kept mass, on every token
+    assert row["ratio/old_sampler/mean"] == pytest.approx(row["ratio/kept_mass_mean"], abs=1e-3)
+    assert row["ratio/kept_mass_mean"] < 0.9 and row["ratio/old_sampler/oob_rate"] == 1.0
+    # after: r = p_S(g) / q_S(g) = 1 up to KV-cache rounding
+    assert row["ratio/old_sampler_corrected/mean"] == pytest.approx(1.0, abs=1e-4)
+    assert row["ratio/old_sampler_corrected/oob_rate"] == 0.0
+    assert row["ratio/new_old/oob_rate"] == 0.0  # on-policy new/old stays 1 with either correction
+
+
+def test_renormalized_old_logprobs_equal_a_brute_force_over_the_kept_sets(tmp_path):
+    # num_iterations=2 makes TRL run its old pass; under renormalize it must return log p_S of the sampled tokens.
+    trainer = tiny_trainer(tmp_path, "bf16", bf16=False, top_p=0.8, num_iterations=2,
+                           truncation_correction="renormalize")
+    batch = next(iter(trainer.get_train_dataloader()))
+    trainer.model.train()
+    out = trainer._generate_and_score_completions(batch)
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)  # (B, P+T)
+    mask = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
+    T = out["completion_ids"].size(1)
+    with torch.no_grad():
+        logits = tiny_model("qwen2")(input_ids=ids, attention_mask=mask, logits_to_keep=T + 1).logits  # same weights
+    kept = trainer.last_sampler_record.kept.resize_steps(T)
+    valid = out["completion_mask"].bool()
+    expected = kept_set_logprobs(logits[:, :-1], out["completion_ids"], kept, mask=valid)  # (B, T)
+    assert (out["old_per_token_logps"] - expected)[valid].abs().max() <= 1e-5
+    full = completion_logprobs_from_logits(logits, out["completion_ids"], 1.0)
+    assert (out["old_log_kept_mass"] - (full - expected))[valid].abs().max() <= 1e-5  # log M = log p - log p_S
+    assert (out["old_per_token_logps"][valid] <= 0).all() and (out["old_per_token_logps"] > full)[valid].all()
+
+
+def test_lift_sampler_adds_the_log_kept_mass(tmp_path):
+    trainer = tiny_trainer(tmp_path, "fp32_clone", bf16=False, top_k=5, truncation_correction="lift_sampler")
+    batch = next(iter(trainer.get_train_dataloader()))
+    trainer.model.train()
+    out = trainer._generate_and_score_completions(batch)
+    valid = out["completion_mask"].bool()
+    raw = torch.zeros_like(out["sampling_per_token_logps"])
+    record = trainer.last_sampler_record.logprobs  # (B, T_gen) the sampler's own log q_S(g)
+    raw[:, : record.size(1)] = record
+    lifted = out["sampling_per_token_logps"]
+    assert torch.allclose(lifted[valid], (raw + out["old_log_kept_mass"])[valid], atol=1e-6)
+    # and the trainer's old log-probs stay full-vocabulary: old - lifted = log p_S - log q_S ~ 0
+    assert (out["old_per_token_logps"] - lifted)[valid].abs().max() <= 1e-4
+
+
+def test_training_with_renormalize_and_autocast(tmp_path):
+    trainer = tiny_trainer(tmp_path, "fp16_clone", top_p=0.8, truncation_correction="renormalize", max_steps=2)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert len(_steps(trainer)) == 2
+    assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+    assert all(0.75 < row["ratio/kept_mass_mean"] < 0.85 for row in _steps(trainer))
+
+
+def test_warning_when_truncation_feeds_the_ratio_uncorrected(tmp_path):
+    with pytest.warns(UserWarning, match="truncation_correction='none'"):
+        tiny_trainer(tmp_path, "bf16", top_p=0.8, off_policy_mask_threshold=0.5)
+
+
+@pytest.mark.parametrize("kw,error,match", [
+    (dict(record_sampler_logprobs=False), ValueError, "record_sampler_logprobs=True"),
+])
+def test_bad_truncation_setups(tmp_path, kw, error, match):
+    with pytest.raises(error, match=match):
+        tiny_trainer(tmp_path, "bf16", top_p=0.8, truncation_correction="renormalize", **kw)
+
+
+def test_vllm_with_a_correction_is_refused_at_start_up():
+    from types import SimpleNamespace
+
+    from grpo_ratio.truncation import check_truncation_setup
+
+    args = SimpleNamespace(truncation_correction="renormalize", use_vllm=True, record_sampler_logprobs=True)
+    with pytest.raises(NotImplementedError, match="return_sampling_mask"):
+        check_truncation_setup(args)
