@@ -70,6 +70,19 @@ def build_parser() -> argparse.ArgumentParser:
     ly.add_argument("--regime", choices=["autocast", "bf16"], default="autocast",
                     help="autocast: fp32 weights under bf16 autocast (TRL's default); bf16: weights cast to bf16")
     ly.add_argument("--calibration-out", default=None, help="calibration JSON path; default OUT/calibration.json")
+    cb = sub.add_parser("calibrate", help="smallest fp32 layer set (by increment, plus norm and head) meeting --target "
+                                          "on held-out prompts, with its cost")
+    _common(cb)
+    cb.add_argument("--target", type=float, default=0.01, help="out-of-band rate to reach (default 0.01 = 1%%)")
+    cb.add_argument("--calibration", default=None,
+                    help="layer order from a `probe layers` calibration JSON; default: measured here on the selection "
+                         "split (the last --num-prompts prompts)")
+    cb.add_argument("--max-layers", type=int, default=None, help="try at most this many decoder layers")
+    cb.add_argument("--calibration-out", default=None, help="calibration JSON path; default OUT/calibration.json")
+    ct = sub.add_parser("controls", help="padding vs batch size vs batch membership (padded ragged, equal-length, "
+                                         "same sequence x8, two groupings)")
+    _common(ct, num_prompts=16)
+    ct.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="weights cast to this dtype")
     return parser
 
 
@@ -158,7 +171,85 @@ def cmd_layers(args) -> list:
     return paths + [png, calib]
 
 
-COMMANDS = {"batch": cmd_batch, "ladder": cmd_ladder, "layers": cmd_layers}
+def _ranking(args, model, tok) -> tuple[list[int], str]:
+    """Layer order by decreasing increment: from --calibration, or a `layers` measurement on the selection split."""
+    import json
+
+    from .probes.common import ProbeError, sample_completions
+    from .probes.layers import run_layers
+
+    if args.calibration:
+        try:
+            with open(args.calibration) as f:
+                data = json.load(f)
+            inc = data["increments"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ProbeError(f"--calibration {args.calibration!r}: not a `probe layers` calibration JSON with an "
+                             f"'increments' list ({type(err).__name__}: {err})") from None
+        if len(inc) != model.config.num_hidden_layers:
+            raise ProbeError(f"--calibration {args.calibration!r} has {len(inc)} increments, the model has "
+                             f"{model.config.num_hidden_layers} decoder layers")
+        return sorted(range(len(inc)), key=lambda i: -inc[i]), args.calibration
+    prompts, idx = _load_prompts(args, split="select")
+    data = sample_completions(model, tok, prompts, args.max_new_tokens, args.seed, gsm8k=_is_gsm8k(args))
+    return run_layers(model, data, args.batch_size)["ranking"], f"selection prompts {idx[0]}..{idx[-1]}"
+
+
+def cmd_calibrate(args) -> list:
+    """Search the smallest fp32 layer set meeting --target; write calibrate.json/.md and a calibration JSON."""
+    import json
+    from pathlib import Path
+
+    from .probes.calibrate import markdown, run_calibrate
+    from .probes.common import ProbeError, check_batch_size, load_model, run_info, sample_completions, write_results
+
+    if not 0.0 <= args.target <= 1.0:
+        raise ProbeError(f"--target must be an out-of-band rate in [0, 1], got {args.target}")
+    prompts, idx = _load_prompts(args)  # the evaluation split: the first --num-prompts
+    if args.calibration is None:
+        _load_prompts(args, split="select")  # fail before loading the model unless a disjoint selection split exists
+    check_batch_size(args.batch_size, len(prompts))
+    model, tok = load_model(args.model)
+    ranking, source = _ranking(args, model, tok)
+    data = sample_completions(model, tok, prompts, args.max_new_tokens, args.seed, gsm8k=_is_gsm8k(args))
+    result = run_calibrate(model, data, ranking, args.target, args.batch_size, args.max_layers,
+                           progress=not args.no_progress)
+    payload = {"probe": "calibrate", "info": run_info(args, model, idx, data), "batch_size": args.batch_size,
+               "ranking": ranking, "ranking_source": source, "result": result}
+    paths = write_results(args.out, "calibrate", payload, markdown(payload))
+    calib = Path(args.calibration_out or Path(args.out) / "calibration.json")
+    calib.parent.mkdir(parents=True, exist_ok=True)
+    record = {"guided_fp32_layers": result["guided_fp32_layers"], "model": args.model,
+              "recommended_mode": result["recommended_mode"], "target": args.target, "reached": result["reached"],
+              "ranking": ranking, "ranking_source": source, "eval_prompts": {"path": payload["info"]["prompts"],
+                                                                             "indices": idx},
+              "source": "grpo-ratio probe calibrate"}
+    calib.write_text(json.dumps(record, indent=2) + "\n")
+    return paths + [calib]
+
+
+def cmd_controls(args) -> list:
+    """Sample ragged and equal-length completions, run the four controls, write controls.json/.md."""
+    import copy
+
+    from .probes.common import DTYPES, check_batch_size, load_model, run_info, sample_completions, write_results
+    from .probes.controls import markdown, run_controls
+
+    prompts, idx = _load_prompts(args)
+    check_batch_size(2 * args.batch_size, len(prompts), "2 x --batch-size (control D)")
+    model, tok = load_model(args.model)
+    gsm8k = _is_gsm8k(args)
+    padded = sample_completions(model, tok, prompts, args.max_new_tokens, args.seed, gsm8k=gsm8k)
+    equal = sample_completions(model, tok, prompts, args.max_new_tokens, args.seed, gsm8k=gsm8k, fixed_length=True)
+    m = model if args.dtype == "fp32" else copy.deepcopy(model).to(DTYPES[args.dtype])
+    results = run_controls(m, padded, equal, args.batch_size, progress=not args.no_progress)
+    payload = {"probe": "controls", "info": run_info(args, model, idx, padded), "dtype": args.dtype,
+               "batch_size": args.batch_size, "equal_length_tokens": equal.num_tokens, "results": results}
+    return write_results(args.out, "controls", payload, markdown(payload))
+
+
+COMMANDS = {"batch": cmd_batch, "ladder": cmd_ladder, "layers": cmd_layers, "calibrate": cmd_calibrate,
+            "controls": cmd_controls}
 
 
 def main(argv: list[str] | None = None) -> int:

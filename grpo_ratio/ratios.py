@@ -369,6 +369,39 @@ def _check_is_mode(mode: str, clip_min: float | None, clip_max: float | None) ->
         raise ValueError(f"mode {mode!r} needs vllm_importance_sampling_clip_min or _clip_max")
 
 
+def importance_sampling_weights(
+    log_ratio: torch.Tensor, mask: torch.Tensor, mode: str, clip_min: float | None, clip_max: float | None
+) -> torch.Tensor:
+    """TRL 1.16's vLLM importance-sampling weights (grpo_trainer.py L2659-2707), recomputed from a log-ratio.
+
+    d = nan_to_num((old - sampling) * mask, nan=0), summed over tokens in `sequence_*` modes; w = exp(d); `*_truncate`
+    clamps w to [clip_min, clip_max], `*_mask` sets w outside it to 0. Used when the sampler log-probs change after
+    TRL computed the weights (`truncation_correction="lift_sampler"`).
+
+    Args:
+        log_ratio (`torch.Tensor` of shape (B, T)): logp_old - logp_sampler.
+        mask (`torch.Tensor` of shape (B, T), bool or 0/1): TRL's completion_mask x tool_mask.
+        mode, clip_min, clip_max: TRL's `vllm_importance_sampling_mode` / `_clip_min` / `_clip_max`.
+
+    Returns:
+        (B, T) weights in `token_*` modes, (B, 1) in `sequence_*` modes, in log_ratio's dtype.
+
+    Raises:
+        ValueError: as `importance_sampling_affected`.
+    """
+    _check_2d_same_shape(log_ratio=log_ratio, mask=mask)
+    _check_is_mode(mode, clip_min, clip_max)
+    diff = torch.nan_to_num(log_ratio * mask, nan=0.0)  # (B, T)
+    if mode.startswith("sequence_"):
+        diff = diff.sum(dim=-1, keepdim=True)  # (B, 1)
+    weight = torch.exp(diff)  # (B, T) or (B, 1)
+    if mode.endswith("_truncate"):
+        return torch.clamp(weight, min=clip_min, max=clip_max)
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    return weight.masked_fill((weight < low) | (weight > high), 0.0)
+
+
 def importance_sampling_affected(
     log_ratio: torch.Tensor, mask: torch.Tensor, mode: str, clip_min: float | None, clip_max: float | None
 ) -> torch.Tensor:

@@ -24,9 +24,17 @@ from trl import GRPOTrainer
 
 from .config import RatioGRPOConfig
 from .diagnostics import RatioDiagnostics
+from .ratios import importance_sampling_weights
 from .sampling import SamplerLogprobRecorder, recording_sampler
 from .scoring import OldLogprobScorer
-from .truncation import capture_last_hidden, check_head_is_linear, check_truncation_setup, kept_set_logps_from_hidden
+from .truncation import (
+    VLLMOutputCapture,
+    capture_last_hidden,
+    check_head_is_linear,
+    check_truncation_setup,
+    kept_set_logps_from_hidden,
+    vllm_engine_kwargs,
+)
 
 
 class RatioGRPOTrainer(GRPOTrainer):
@@ -60,7 +68,10 @@ class RatioGRPOTrainer(GRPOTrainer):
                 f"every GRPOConfig field plus old_logprob_mode, guided_fp32_layers, ..."
             )
         check_truncation_setup(args)  # before TRL builds anything (vLLM engines included)
-        super().__init__(model, reward_funcs, args, *pargs, **kwargs)
+        vllm_masks = args.use_vllm and args.truncation_correction != "none"
+        with vllm_engine_kwargs(return_sampling_mask=True) if vllm_masks else contextlib.nullcontext():
+            super().__init__(model, reward_funcs, args, *pargs, **kwargs)
+        self._vllm_capture = VLLMOutputCapture(self.vllm_generation.llm) if vllm_masks else None
         check_head_is_linear(args, self.accelerator.unwrap_model(self.model).config)
         self._old_pass_pending = False  # True inside _generate_and_score_completions until TRL's old pass ran
         self._old_log_kept_mass = None  # (B, T) log M_old of the current generation batch (truncation correction)
@@ -186,6 +197,12 @@ class RatioGRPOTrainer(GRPOTrainer):
     # sampler log-probs without vLLM
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if self._vllm_capture is not None:  # vLLM colocate with a truncation correction: keep the sampling masks
+            completion_ids, logprobs = super()._generate_single_turn(prompt_ids, images, multimodal_fields,
+                                                                     num_generations, has_tool_images)
+            kept = self._vllm_capture.kept_sets(len(completion_ids))
+            self._kept["train" if self.model.training else "eval"] = kept
+            return completion_ids, logprobs
         plain_generate = not (self.use_vllm or self.use_transformers_continuous_batching)
         if not (plain_generate and self.args.record_sampler_logprobs):
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
@@ -245,6 +262,11 @@ class RatioGRPOTrainer(GRPOTrainer):
         valid = output["completion_mask"].bool()  # (B, T)
         lifted = output["sampling_per_token_logps"] + self._old_log_kept_mass * valid  # (B, T)
         output["sampling_per_token_logps"] = lifted
+        if "importance_sampling_ratio" in output:  # vLLM IS correction: TRL computed it from the unlifted log-probs
+            mask = valid if "tool_mask" not in output else valid & output["tool_mask"].bool()
+            output["importance_sampling_ratio"] = importance_sampling_weights(
+                output["old_per_token_logps"] - lifted, mask, self.vllm_importance_sampling_mode,
+                self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max)
 
     # ------------------------------------------------------------------------------------------------------------
     # diagnostics at the first inner step

@@ -18,6 +18,7 @@ forward is neither copied nor repeated. This materialises the (b, T, V) logits o
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 
 import torch
@@ -46,8 +47,7 @@ def check_truncation_setup(args) -> None:
 
     Raises:
         ValueError: a correction without recorded kept sets (`record_sampler_logprobs=False`).
-        NotImplementedError: a correction with vLLM (the kept sets need vLLM's `return_sampling_mask`, which this
-            release does not wire; the correction is refused rather than silently dropped).
+        ValueError: see `check_vllm_truncation_setup` (vLLM server mode, tensor parallelism).
     Warns (UserWarning): truncation is on, sampler log-probs feed the ratio, and the correction is `none`.
     """
     correction = args.truncation_correction
@@ -64,11 +64,8 @@ def check_truncation_setup(args) -> None:
             )
         return
     if args.use_vllm:
-        raise NotImplementedError(
-            f"truncation_correction={correction!r} with use_vllm=True needs vLLM's per-token kept sets "
-            f"(return_sampling_mask), which grpo_ratio does not wire yet; use transformers generation "
-            f"(use_vllm=False) or truncation_correction='none' (docs/truncation.md)"
-        )
+        check_vllm_truncation_setup(args)
+        return
     if not args.record_sampler_logprobs:
         raise ValueError(f"truncation_correction={correction!r} needs the kept sets recorded during generation: set "
                          f"record_sampler_logprobs=True")
@@ -129,3 +126,77 @@ def kept_set_logps_from_hidden(model: nn.Module, hidden: torch.Tensor, tokens: t
             logits = head(hidden)  # (B, T, V)
     mask = kept.sizes.to(logits.device) > 0  # (B, T)
     return kept_set_logprobs(logits, tokens, kept, temperature, mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# vLLM colocate: kept sets from `CompletionOutput.sampling_mask` (engine flag `return_sampling_mask=True`)
+
+
+def check_vllm_truncation_setup(args) -> None:
+    """Start-up checks for a truncation correction with vLLM (trl_grpo_internals.md §8).
+
+    Raises:
+        ValueError: server mode (TRL calls vLLM's OpenAI `/v1/completions`, whose response carries no sampling mask),
+            or tensor parallelism > 1 (the captured outputs would hold other ranks' rows).
+    Warns: top_k is 0: vLLM returns sampling masks only for requests with top_k > 0 (seed notes 1(c)); set e.g.
+        top_k=1024 together with top_p.
+    """
+    if args.truncation_correction == "none" or not args.use_vllm:
+        return
+    if args.vllm_mode != "colocate":
+        raise ValueError(
+            f"truncation_correction={args.truncation_correction!r} with vllm_mode={args.vllm_mode!r}: TRL talks to the "
+            f"vLLM server through /v1/completions, which returns no kept sets. Use vllm_mode='colocate' or "
+            f"truncation_correction='none'."
+        )
+    if args.vllm_tensor_parallel_size != 1:
+        raise ValueError(f"truncation_correction with vLLM colocate supports vllm_tensor_parallel_size=1, got "
+                         f"{args.vllm_tensor_parallel_size}")
+    top_k = (args.generation_kwargs or {}).get("top_k", args.top_k)
+    if not top_k or top_k < 0:
+        warnings.warn("vLLM returns sampling masks only for requests with top_k > 0; set top_k (e.g. 1024) with top_p",
+                      stacklevel=3)
+
+
+@contextlib.contextmanager
+def vllm_engine_kwargs(**extra):
+    """Within the block, TRL's colocate engine is built as `vllm.LLM(..., **extra)` (TRL passes a fixed kwargs list)."""
+    import trl.generation.vllm_generation as vllm_generation
+
+    original = vllm_generation.LLM
+    vllm_generation.LLM = functools.partial(original, **extra)
+    try:
+        yield
+    finally:
+        vllm_generation.LLM = original
+
+
+class VLLMOutputCapture:
+    """Keeps the `RequestOutput`s of the last `llm.generate` call of a vLLM engine (wraps it on the instance)."""
+
+    def __init__(self, llm):
+        self.outputs = None
+        generate = llm.generate
+
+        def capturing_generate(*args, **kwargs):
+            self.outputs = generate(*args, **kwargs)
+            return self.outputs
+
+        llm.generate = capturing_generate
+
+    def kept_sets(self, num_rows: int) -> KeptSets:
+        """KeptSets of the captured completions (one row per CompletionOutput, in TRL's order).
+
+        Raises:
+            RuntimeError: nothing captured, or the row count differs from TRL's completions.
+        """
+        from .sampling import kept_sets_from_vllm
+
+        if self.outputs is None:
+            raise RuntimeError("grpo_ratio: no vLLM outputs captured for this generation batch")
+        kept = kept_sets_from_vllm(self.outputs)
+        self.outputs = None
+        if kept.num_rows != num_rows:
+            raise RuntimeError(f"grpo_ratio: vLLM returned kept sets for {kept.num_rows} completions, TRL kept "
+                               f"{num_rows}")
+        return kept

@@ -27,7 +27,7 @@ def compare(monkeypatch):
 def _tiny_build(**overrides):
     def build(arm, seed, run_dir):
         # tiny_trainer: the same seed-0 tiny model for every arm, 8 prompts, 4 completions per step
-        return tiny_trainer(run_dir, mode=arm, seed=seed, max_steps=2, **overrides)
+        return tiny_trainer(run_dir, mode=arm, seed=seed, **({"max_steps": 2} | overrides))
 
     return build
 

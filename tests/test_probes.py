@@ -190,3 +190,51 @@ def test_layers_probe_writes_calibration_that_config_accepts(tmp_path):
     args = tiny_grpo_args(tmp_path / "run", old_logprob_mode="guided_fp32",
                           guided_fp32_layers=str(tmp_path / "calibration.json"))
     assert args.guided_fp32_layer_ids == calib["guided_fp32_layers"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# probe calibrate
+
+
+def test_calibrate_search_stops_at_first_set_meeting_target(monkeypatch):
+    # measured OOB rate by candidate: bf16 8%, fp32_head 5%, top-1 [2] 3%, top-2 [0, 2] 1%, top-3 0%. With a target of
+    # 1% the search must stop at k = 2 (layers [0, 2]; <= is inclusive) and never try k = 3.
+    from grpo_ratio.probes import calibrate
+
+    rates = {(): 0.08, ("fp32_head",): 0.05, (2,): 0.03, (0, 2): 0.01, (0, 1, 2): 0.0}
+    tried = []
+
+    def fake_measure(model, data, mode, layers, batch_size):
+        key = ("fp32_head",) if mode == "fp32_head" else tuple(layers or ())
+        tried.append(key)
+        return {"oob_rate": rates[key], "seconds": 2.0 if mode == "bf16" else 3.0}
+
+    monkeypatch.setattr(calibrate, "measure", fake_measure)
+    r = calibrate.run_calibrate(None, None, ranking=[2, 0, 1], target=0.01, progress=False)
+    assert tried == [(), ("fp32_head",), (2,), (0, 2)]
+    assert r["reached"] and r["guided_fp32_layers"] == [0, 2] and r["recommended_mode"] == "guided_fp32"
+    assert [s["time_vs_bf16"] for s in r["steps"]] == [1.5, 1.5, 1.5]  # 3 s / 2 s
+    r = calibrate.run_calibrate(None, None, ranking=[2, 0, 1], target=0.0, max_layers=1, progress=False)
+    assert not r["reached"] and r["guided_fp32_layers"] == [2]
+    with pytest.raises(ValueError, match="--target"):
+        calibrate.run_calibrate(None, None, ranking=[0], target=1.5)
+
+
+def test_calibrate_probe_on_tiny_model(tmp_path, capsys):
+    res = _run(tmp_path, "calibrate", "--target", "1.0")
+    r = res["result"]
+    # any rate is <= 100%: fp32_head (k = 0) is the first candidate and is accepted
+    assert r["reached"] and [s["k"] for s in r["steps"]] == [0] and r["recommended_mode"] == "fp32_head"
+    assert res["info"]["prompt_indices"] == list(range(8)) and res["ranking_source"] == "selection prompts 24..31"
+    calib = json.loads((tmp_path / "calibration.json").read_text())
+    assert calib["guided_fp32_layers"] == [] and calib["recommended_mode"] == "fp32_head"
+    # a layer order from a `probe layers` file: increments [0.1, 0.5] rank layer 1 first
+    layers_file = tmp_path / "layers.json"
+    layers_file.write_text(json.dumps({"guided_fp32_layers": [1], "increments": [0.1, 0.5]}))
+    res = _run(tmp_path, "calibrate", "--target", "0.0", "--calibration", str(layers_file))
+    assert res["ranking_source"] == str(layers_file) and res["ranking"] == [1, 0]
+    layers_file.write_text(json.dumps({"guided_fp32_layers": [1], "increments": [0.5]}))  # 1 increment, 2 layers
+    assert main(["probe", "calibrate", *TINY, "--calibration", str(layers_file), "--out", str(tmp_path)]) == 2
+    assert "has 1 increments, the model has 2" in capsys.readouterr().err
+    assert main(["probe", "calibrate", *TINY, "--target", "2", "--out", str(tmp_path)]) == 2
+    assert "--target" in capsys.readouterr().err

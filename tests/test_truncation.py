@@ -90,11 +90,65 @@ def test_bad_truncation_setups(tmp_path, kw, error, match):
         tiny_trainer(tmp_path, "bf16", top_p=0.8, truncation_correction="renormalize", **kw)
 
 
-def test_vllm_with_a_correction_is_refused_at_start_up():
+def _vllm_args(**kw):
     from types import SimpleNamespace
 
+    base = dict(truncation_correction="renormalize", use_vllm=True, record_sampler_logprobs=True,
+                vllm_mode="colocate", vllm_tensor_parallel_size=1, top_k=1024, generation_kwargs=None)
+    return SimpleNamespace(**{**base, **kw})
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(vllm_mode="server"), "/v1/completions"),
+    (dict(vllm_tensor_parallel_size=2), "vllm_tensor_parallel_size=1"),
+])
+def test_vllm_setups_refused_at_start_up(kw, match):
     from grpo_ratio.truncation import check_truncation_setup
 
-    args = SimpleNamespace(truncation_correction="renormalize", use_vllm=True, record_sampler_logprobs=True)
-    with pytest.raises(NotImplementedError, match="return_sampling_mask"):
-        check_truncation_setup(args)
+    with pytest.raises(ValueError, match=match):
+        check_truncation_setup(_vllm_args(**kw))
+
+
+def test_vllm_colocate_without_top_k_warns():
+    from grpo_ratio.truncation import check_truncation_setup
+
+    with pytest.warns(UserWarning, match="top_k > 0"):
+        check_truncation_setup(_vllm_args(top_k=0))
+
+
+def test_vllm_output_capture_gives_kept_sets():
+    # The engine's generate is wrapped on the instance; the RequestOutputs (vLLM's real field names) give the sets.
+    from fixtures_vllm import CompletionOutput, RequestOutput, SamplingMask
+
+    from grpo_ratio.truncation import VLLMOutputCapture
+
+    outputs = [RequestOutput(request_id="0", prompt=None, prompt_token_ids=[5, 6], prompt_logprobs=None,
+                             outputs=[CompletionOutput(index=0, text="", token_ids=[7, 1], cumulative_logprob=None,
+                                                       logprobs=None, sampling_mask=SamplingMask([[7, 8], [1]]))],
+                             finished=True)]
+
+    class Engine:  # stands in for vllm.LLM: only `generate` is touched
+        def generate(self, prompts, sampling_params=None, use_tqdm=False):
+            return outputs
+
+    engine = Engine()
+    capture = VLLMOutputCapture(engine)
+    assert engine.generate([{"prompt_token_ids": [5, 6]}]) is outputs
+    kept = capture.kept_sets(num_rows=1)
+    assert kept.sizes.tolist() == [[2, 1]] and kept.cell_ids(0, 0).tolist() == [7, 8]
+    with pytest.raises(RuntimeError, match="no vLLM outputs captured"):
+        capture.kept_sets(num_rows=1)  # consumed: a stale capture is never reused
+
+
+def test_importance_sampling_weights_match_trl_modes():
+    from grpo_ratio.ratios import importance_sampling_weights
+
+    # log r = [[log 4, log 0.5]] on two valid tokens; sequence modes: product 2.0; clip_max 3.0
+    log_ratio = torch.log(torch.tensor([[4.0, 0.5]]))
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    tt = importance_sampling_weights(log_ratio, mask, "token_truncate", None, 3.0)
+    assert torch.allclose(tt, torch.tensor([[3.0, 0.5]]))
+    tm = importance_sampling_weights(log_ratio, mask, "token_mask", None, 3.0)
+    assert torch.allclose(tm, torch.tensor([[0.0, 0.5]]))
+    sm = importance_sampling_weights(log_ratio, mask, "sequence_mask", None, 3.0)
+    assert torch.allclose(sm, torch.tensor([[2.0]]))

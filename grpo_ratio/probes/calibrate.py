@@ -1,0 +1,80 @@
+"""`grpo-ratio probe calibrate`: the smallest guided fp32 layer set that meets a target out-of-band rate, and its
+cost (seed 004 `selective_fp32.py`, T7/T7b, turned into a search).
+
+Layers are added in decreasing order of their divergence increment (from a `probe layers` calibration file, or
+measured here on the selection split), always with the final norm and LM head in fp32: k = 0 is `fp32_head`, k >= 1
+is `guided_fp32` with the top-k layers. Each candidate is scored on the held-out evaluation split at batch 1 (each
+sequence alone) and batch 8 (the padded batch); the search stops at the first k whose out-of-band rate is <= target.
+The cost is the time of the batch-8 pass relative to the `bf16` mode's, on the same data (one timed pass after an
+untimed one).
+"""
+
+from __future__ import annotations
+
+import time
+
+from tqdm.auto import tqdm
+
+from ..scoring import OldLogprobScorer
+from .common import Completions, compare, pct, pct_ci, score_alone
+
+
+def measure(model, data: Completions, mode: str, layers: list[int] | None, batch_size: int) -> dict:
+    """compare(batch `batch_size`, each sequence alone) for one scoring mode, plus `seconds` of the batch pass."""
+    scorer = OldLogprobScorer(model, mode, layers=layers or None)
+    b1 = score_alone(lambda ids, mask, t: scorer.score(ids, mask, t, batch_size=1), data)  # (B, T); builds copies
+    args = (data.input_ids, data.attention_mask, data.logits_to_keep)
+    bn = scorer.score(*args, batch_size=batch_size)  # (B, T); untimed: the first pass at a shape pays kernel set-up
+    t0 = time.perf_counter()
+    scorer.score(*args, batch_size=batch_size)
+    return {**compare(bn, b1, data.valid), "seconds": time.perf_counter() - t0}
+
+
+def run_calibrate(model, data: Completions, ranking: list[int], target: float, batch_size: int = 8,
+                  max_layers: int | None = None, progress: bool = True) -> dict:
+    """Search k = 0, 1, ... over the top-k layers of `ranking` until the OOB rate is <= `target`.
+
+    Args:
+        model: fp32 weights (TRL's regime; `bf16` = bf16 autocast).
+        ranking: decoder-layer indices by decreasing divergence increment.
+        target: the out-of-band rate to reach, in [0, 1].
+        max_layers: stop after this many layers (default all of `ranking`).
+    Returns:
+        {"bf16": measure(bf16), "steps": [{"k", "layers", **measure, "time_vs_bf16"}], "reached": bool,
+        "guided_fp32_layers": the chosen set (sorted; [] = fp32_head suffices), "recommended_mode"}.
+    Raises:
+        ValueError: target outside [0, 1].
+    """
+    if not 0.0 <= target <= 1.0:
+        raise ValueError(f"--target must be an out-of-band rate in [0, 1], got {target}")
+    base = measure(model, data, "bf16", None, batch_size)
+    steps, reached = [], False
+    limit = len(ranking) if max_layers is None else min(max_layers, len(ranking))
+    for k in tqdm(range(limit + 1), desc="calibrate: layers", disable=not progress):
+        layers = sorted(ranking[:k])
+        res = measure(model, data, "guided_fp32" if k else "fp32_head", layers, batch_size)
+        steps.append({"k": k, "layers": layers, **res, "time_vs_bf16": res["seconds"] / base["seconds"]})
+        if res["oob_rate"] <= target:
+            reached = True
+            break
+    chosen = steps[-1]["layers"]
+    return {"bf16": base, "steps": steps, "reached": reached, "target": target, "guided_fp32_layers": chosen,
+            "recommended_mode": "guided_fp32" if chosen else "fp32_head"}
+
+
+def markdown(payload: dict) -> str:
+    """The search, one row per candidate, and the choice."""
+    info, r = payload["info"], payload["result"]
+    lines = [f"### calibrate: {info['model']} (target OOB <= {pct(r['target'])}, {info['num_tokens']} held-out "
+             f"tokens, batch 1 vs {payload['batch_size']})", "",
+             "| fp32 decoder layers (+ norm, head) | OOB [95% CI] | max abs dlogp | time vs bf16 |",
+             "|---|---|---|---|",
+             f"| bf16 (none, no fp32 head) | {pct_ci(r['bf16'])} | {r['bf16']['max_abs_dlogp']:.2g} | 1.00x |"]
+    for s in r["steps"]:
+        name = ",".join(map(str, s["layers"])) or "none (fp32_head)"
+        lines.append(f"| {name} | {pct_ci(s)} | {s['max_abs_dlogp']:.2g} | {s['time_vs_bf16']:.2f}x |")
+    verdict = (f"reached with {len(r['guided_fp32_layers'])} layer(s): old_logprob_mode='{r['recommended_mode']}'"
+               + (f", guided_fp32_layers='{','.join(map(str, r['guided_fp32_layers']))}'" if r["guided_fp32_layers"]
+                  else "") if r["reached"] else "NOT reached with the layers tried")
+    lines += ["", f"Target {verdict}. Layer order from {payload['ranking_source']}.", ""]
+    return "\n".join(lines)

@@ -1,0 +1,72 @@
+"""`grpo-ratio probe controls`: padding, batch size, or batch membership (seed 004 table T2, `pad_control.py`).
+
+Four comparisons, all with the model's weights cast to one dtype (default bf16) and run natively, log-softmax in fp32:
+
+- A padded ragged: each sequence alone vs the right-padded batch of 8 (TRL's layout; as `probe batch`);
+- B equal-length, no padding: completions of exactly --max-new-tokens (EOS disabled), prompts left-truncated to the
+  shortest prompt, so no row is padded; alone vs batch of 8. B ~ A means padding is not the explanation;
+- C the same sequence x8: sequence 0 of B scored alone vs 8 identical copies scored together. C > 0 means batch size
+  alone suffices;
+- D two groupings of one batch: 2 x 8 sequences of B scored as rows (0..7), (8..15) and as (0, 2, .., 14),
+  (1, 3, .., 15). D > 0 means batch membership matters (the seed found this only for MoE routing).
+"""
+
+from __future__ import annotations
+
+import torch
+from tqdm.auto import tqdm
+
+from .batch import score_native, score_native_alone
+from .common import Completions, compare, pct_ci
+
+
+def regrouped(model, data: Completions, batch_size: int) -> torch.Tensor:
+    """(B, T) log-probs with the rows grouped by stride 2 (even rows, then odd rows) into batches of `batch_size`,
+    returned in the original row order."""
+    B = data.input_ids.size(0)
+    order = torch.cat([torch.arange(0, B, 2), torch.arange(1, B, 2)])  # (B,)
+    logps = score_native(model, data.rows(order), batch_size)  # (B, T) in `order`
+    out = torch.empty_like(logps)
+    out[order] = logps
+    return out
+
+
+def run_controls(model, padded: Completions, equal: Completions, batch_size: int = 8, progress: bool = True) -> dict:
+    """The four controls on `model` in its own dtype; `padded` and `equal` hold >= 2 * batch_size sequences.
+
+    Returns:
+        {"A_padded_ragged", "B_equal_length_no_pad", "C_same_sequence_x8", "D_two_groupings"}: compare(...) each.
+    """
+    results = {}
+    with tqdm(total=4, desc="controls", disable=not progress) as bar:
+        results["A_padded_ragged"] = compare(score_native(model, padded, batch_size),
+                                             score_native_alone(model, padded), padded.valid)
+        bar.update()
+        results["B_equal_length_no_pad"] = compare(score_native(model, equal, batch_size),
+                                                   score_native_alone(model, equal), equal.valid)
+        bar.update()
+        copies = equal.rows([0] * batch_size)  # (batch_size, P+T): one sequence repeated
+        alone = score_native_alone(model, equal.rows([0])).expand(batch_size, -1)  # (batch_size, T)
+        results["C_same_sequence_x8"] = compare(score_native(model, copies, batch_size), alone, copies.valid)
+        bar.update()
+        results["D_two_groupings"] = compare(regrouped(model, equal, batch_size),
+                                             score_native(model, equal, batch_size), equal.valid)
+        bar.update()
+    return results
+
+
+LABELS = {"A_padded_ragged": "A padded ragged, b1 vs b8", "B_equal_length_no_pad": "B equal-length, no pad, b1 vs b8",
+          "C_same_sequence_x8": "C same sequence x8 vs alone", "D_two_groupings": "D two groupings of batch 8"}
+
+
+def markdown(payload: dict) -> str:
+    """One row per control."""
+    info, r = payload["info"], payload["results"]
+    lines = [f"### controls: {info['model']} ({payload['dtype']}, {info['num_sequences']} sequences, "
+             f"<= {info['max_new_tokens']} new tokens)", "",
+             "| control | tokens | OOB [95% CI] | max abs dlogp |", "|---|---|---|---|"]
+    for key, res in r.items():
+        lines.append(f"| {LABELS[key]} | {res['num_tokens']} | {pct_ci(res)} | {res['max_abs_dlogp']:.2g} |")
+    lines += ["", "B ~ A: not the padding. C > 0: batch size alone suffices. D > 0: batch membership matters "
+              "(seed 004: only under MoE routing).", ""]
+    return "\n".join(lines)

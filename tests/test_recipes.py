@@ -1,0 +1,131 @@
+"""Every recipe parses through the real TrlParser into valid configs; trainers/grpo.py fails early and clearly; one
+tiny end-to-end run of its main(). Run: pytest tests/test_recipes.py"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from grpo_ratio.config import SCORING_MODES
+from grpo_ratio.tasks import TASKS
+from grpo_ratio.testing import tiny_model, tiny_tokenizer
+
+
+ROOT = Path(__file__).parents[1]
+RECIPES = sorted((ROOT / "recipes").glob("*/*/*.yaml"))
+SHARED = ROOT.parent / "shared"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+@pytest.fixture
+def grpo(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "trainers"))
+    import grpo
+
+    return grpo
+
+
+@pytest.fixture
+def tiny_dir(tmp_path):
+    """A tiny qwen2 model + chat tokenizer saved with save_pretrained (what resolve_model_path accepts)."""
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tiny_model("qwen2").save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    return str(tmp_path / "tiny")
+
+
+def _parse(grpo, args):
+    return grpo.make_parser().parse_args_and_config(args)  # a fresh parser: it keeps a recipe's values as defaults
+
+
+def test_recipe_grid_is_complete():
+    names = {(p.parent.name, p.stem) for p in RECIPES}
+    assert {(t, m) for t in TASKS for m in SCORING_MODES} <= names  # 2 tasks x 5 modes for SmolLM2-135M
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_recipe_parses_into_valid_configs(grpo, recipe):
+    script_args, training_args, model_args = _parse(grpo, ["--config", str(recipe)])
+    assert training_args.old_logprob_mode == recipe.stem  # file name = arm
+    assert script_args.task == recipe.parent.name  # folder = task
+    assert model_args.model_name_or_path == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert training_args.use_cpu and training_args.bf16  # CPU-friendly, bf16 autocast: the regime under study
+    assert training_args.report_to == ["wandb"] and training_args.logging_steps == 1
+    assert training_args.output_dir.endswith(f"{recipe.parent.name}/{recipe.stem}")
+    if recipe.stem == "guided_fp32":
+        assert all(0 <= i < 30 for i in training_args.guided_fp32_layer_ids)  # SmolLM2-135M has 30 layers
+    text = recipe.read_text()
+    rel = recipe.relative_to(ROOT)
+    assert text.startswith("#") and f"python trainers/grpo.py --config {rel}\n" in text  # launch command
+    assert f"python trainers/grpo.py --config {rel} --" in text  # an override example
+    for header in ("# Model arguments", "# Data", "# GRPO trainer", "# grpo_ratio"):
+        assert f"\n{header}" in text
+
+
+def test_command_line_overrides_recipe(grpo):
+    recipe = str(ROOT / "recipes/smollm2-135m/arithmetic/bf16.yaml")
+    _, training_args, _ = _parse(grpo, ["--config", recipe, "--max_steps", "3", "--old_logprob_mode", "fp32_head"])
+    assert training_args.max_steps == 3 and training_args.old_logprob_mode == "fp32_head"
+
+
+def test_unknown_recipe_key_is_refused(grpo, tmp_path):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text("task: arithmetic\nuse_cpu: true\nold_logprob_mod: fp32_clone\n")  # typo
+    with pytest.raises(ValueError, match="old_logprob_mod"):
+        _parse(grpo, ["--config", str(recipe)])
+
+
+def test_unknown_arm_is_refused(grpo, tmp_path):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text("old_logprob_mode: fp8_clone\nuse_cpu: true\n")
+    with pytest.raises(ValueError, match="allowed: bf16, fp32_clone, fp16_clone, fp32_head, guided_fp32"):
+        _parse(grpo, ["--config", str(recipe)])  # a YAML value bypasses argparse choices: the config checks it
+    with pytest.raises(SystemExit):
+        _parse(grpo, ["--old_logprob_mode", "fp8_clone"])  # on the command line argparse refuses it
+
+
+def test_missing_data_path_fails_before_the_model(grpo, tmp_path):
+    script_args, training_args, model_args = _parse(grpo, [
+        "--task", "gsm8k", "--dataset_path", str(tmp_path / "nope"), "--model_name_or_path", str(tmp_path / "none"),
+        "--output_dir", str(tmp_path / "out"), "--use_cpu", "true"])
+    with pytest.raises(FileNotFoundError, match="no GSM8K file"):  # the data error, not the model one
+        grpo.build_trainer(script_args, training_args, model_args)
+
+
+def test_unreadable_model_is_a_clear_error(grpo, tmp_path):
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{}")  # a directory that looks like a model but is not
+    for path, error, match in [(tmp_path / "none", FileNotFoundError, "not an existing model directory"),
+                               (tmp_path / "broken", OSError, "Cannot read a tokenizer")]:
+        script_args, training_args, model_args = _parse(grpo, [
+            "--task", "arithmetic", "--model_name_or_path", str(path), "--output_dir", str(tmp_path / "out"),
+            "--use_cpu", "true"])
+        with pytest.raises(error, match=match):
+            grpo.build_trainer(script_args, training_args, model_args)
+
+
+def test_main_runs_a_recipe_on_a_tiny_model(grpo, tiny_dir, tmp_path):
+    out = tmp_path / "run"
+    args = _parse(grpo, [
+        "--config", str(ROOT / "recipes/smollm2-135m/arithmetic/fp32_clone.yaml"),
+        "--model_name_or_path", tiny_dir, "--output_dir", str(out), "--report_to", "none",
+        "--max_steps", "1", "--max_completion_length", "8", "--num_examples", "16"])
+    grpo.main(*args)
+    history = json.loads((out / "log_history.json").read_text())
+    assert history[0]["step"] == 1 and "reward" in history[0] and "ratio/new_old/oob_rate" in history[0]
+    assert (out / "metrics.png").stat().st_size > 0
+    assert (out / "model.safetensors").is_file()
+
+
+@pytest.mark.skipif(not (SHARED / "data" / "gsm8k").is_dir(), reason="needs ../shared/data/gsm8k")
+def test_gsm8k_recipe_data_path_resolves_from_repo_root(grpo, monkeypatch):
+    from grpo_ratio.tasks import load_task
+
+    monkeypatch.chdir(ROOT)  # recipes are launched from the repository root
+    script_args, _, _ = _parse(grpo, ["--config", "recipes/smollm2-135m/gsm8k/bf16.yaml"])
+    dataset, rewards = load_task(script_args.task, **grpo.task_kwargs(script_args))
+    assert len(dataset) == 2048 and rewards[0].__name__ == "gsm8k_lenient_reward"
