@@ -21,8 +21,8 @@ from torch import nn
 
 
 def merged_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The module's weights as plain tensors, with active PEFT LoRA adapters merged in (W + delta), without touching
-    the module. For a non-PEFT module this is `module.state_dict()` (tensors shared, not copied).
+    """The module's weights as plain tensors, with active PEFT LoRA adapters merged in (W + delta, in fp32), without
+    touching the module. For a non-PEFT module this is `module.state_dict()` (tensors shared, not copied).
 
     Keys are those of the base model (PEFT prefixes `base_model.model.` and `.base_layer` removed).
     """
@@ -36,9 +36,11 @@ def merged_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
         if hasattr(sub, "base_layer") and hasattr(sub, "get_delta_weight"):
             weight = sub.base_layer.weight.detach()
             if not getattr(sub, "merged", False) and not getattr(sub, "disable_adapters", False):
+                # merge in fp32: one rounding, in the copy's dtype, instead of a bf16 merge then a cast
+                weight = weight.float()
                 for adapter in sub.active_adapters:
                     if adapter in getattr(sub, "lora_A", {}):
-                        weight = weight + sub.get_delta_weight(adapter).to(weight.dtype)
+                        weight = weight + sub.get_delta_weight(adapter).float()
             state[f"{name}.weight" if name else "weight"] = weight
             if getattr(sub.base_layer, "bias", None) is not None:
                 state[f"{name}.bias"] = sub.base_layer.bias.detach()

@@ -128,7 +128,8 @@ def tiny_grpo_args(output_dir, **overrides):
     return RatioGRPOConfig(**kwargs)
 
 
-def tiny_trainer(output_dir, mode: str = "bf16", arch: str = "qwen2", trainer_cls=None, model=None, **overrides):
+def tiny_trainer(output_dir, mode: str = "bf16", arch: str = "qwen2", trainer_cls=None, model=None, peft_config=None,
+                 **overrides):
     """A RatioGRPOTrainer (or, with `trainer_cls=trl.GRPOTrainer`, stock TRL on an equivalent plain GRPOConfig) on a
     tiny model, 8 plain-text prompts and `letter_reward`; `overrides` go to `tiny_grpo_args`."""
     from trl import GRPOConfig, GRPOTrainer
@@ -148,4 +149,5 @@ def tiny_trainer(output_dir, mode: str = "bf16", arch: str = "qwen2", trainer_cl
         args=args,
         train_dataset=tiny_prompts(8),
         processing_class=tiny_tokenizer(),
+        peft_config=peft_config,
     )

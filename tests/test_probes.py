@@ -3,6 +3,7 @@ seconds, the pure pieces on literal tensors, the error cases; one slow test on S
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -83,6 +84,9 @@ def test_batch_probe_controls_on_tiny_model(batch_result):
     # fp32 moves log-probs by rounding only (~1e-7 on a 2-layer model), far inside the band
     assert r["fp32"]["b1_vs_b8"]["num_oob"] == 0
     assert r["fp32"]["b1_vs_b8"]["max_abs_dlogp"] < 1e-4
+    # batch 1 is unpadded, batch 8 left-padded (other positions, other attention lengths): the rounding of each dtype
+    # shows; bf16 keeps 8 significand bits against fp32's 24, so its log-probs move by far more
+    assert r["bf16"]["b1_vs_b8"]["max_abs_dlogp"] > 10 * r["fp32"]["b1_vs_b8"]["max_abs_dlogp"]
     assert "| bf16 |" in (out / "batch.md").read_text()
 
 
@@ -238,3 +242,40 @@ def test_calibrate_probe_on_tiny_model(tmp_path, capsys):
     assert "has 1 increments, the model has 2" in capsys.readouterr().err
     assert main(["probe", "calibrate", *TINY, "--target", "2", "--out", str(tmp_path)]) == 2
     assert "--target" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# probe controls
+
+
+def test_controls_probe_on_tiny_model(tmp_path, capsys):
+    res = _run(tmp_path, "controls")  # 16 prompts, 6 new tokens
+    r = res["results"]
+    assert res["equal_length_tokens"] == 16 * 6  # B: EOS disabled, exactly 6 tokens per sequence, all valid
+    assert r["B_equal_length_no_pad"]["num_tokens"] == 16 * 6
+    assert r["C_same_sequence_x8"]["num_tokens"] == 8 * 6  # 8 copies of one 6-token completion
+    # D: a dense model computes each row independently of which rows share its batch; same shapes, same kernels
+    assert r["D_two_groupings"]["num_oob"] == 0 and r["D_two_groupings"]["max_abs_dlogp"] == 0.0
+    assert main(["probe", "controls", *TINY, "--num-prompts", "8", "--out", str(tmp_path)]) == 2  # D needs 16
+    assert "2 x --batch-size" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the real model
+
+
+GSM8K_TEST = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not GSM8K_TEST.is_file(), reason="needs ../shared/data/gsm8k/test.jsonl")
+def test_batch_probe_smollm2_gsm8k(tmp_path):
+    # shared/README.md: SmolLM2-135M-Instruct, 8 GSM8K test prompts, 64 tokens: 5.10% bf16, 0.00% fp32, rerun 0.
+    # Asserted loosely (sampling here need not match that run token for token): bf16 > 1%, fp32 at least 10x lower.
+    rc = main(["probe", "batch", "--prompts", str(GSM8K_TEST), "--num-prompts", "8", "--max-new-tokens", "64",
+               "--dtypes", "bf16,fp32", "--no-progress", "--out", str(tmp_path)])
+    assert rc == 0
+    r = json.loads((tmp_path / "batch.json").read_text())["results"]
+    assert r["bf16"]["b1_vs_b8"]["oob_rate"] > 0.01
+    assert r["fp32"]["b1_vs_b8"]["oob_rate"] <= r["bf16"]["b1_vs_b8"]["oob_rate"] / 10
+    assert r["bf16"]["rerun"]["num_oob"] == 0 and r["bf16"]["rerun"]["max_abs_dlogp"] == 0.0

@@ -65,8 +65,8 @@ def run_calibrate(model, data: Completions, ranking: list[int], target: float, b
 def markdown(payload: dict) -> str:
     """The search, one row per candidate, and the choice."""
     info, r = payload["info"], payload["result"]
-    lines = [f"### calibrate: {info['model']} (target OOB <= {pct(r['target'])}, {info['num_tokens']} held-out "
-             f"tokens, batch 1 vs {payload['batch_size']})", "",
+    lines = [(f"### calibrate: {info['model']} (target OOB <= {pct(r['target'])}, {info['num_tokens']} held-out "
+             f"tokens, batch 1 vs {payload['batch_size']})"), "",
              "| fp32 decoder layers (+ norm, head) | OOB [95% CI] | max abs dlogp | time vs bf16 |",
              "|---|---|---|---|",
              f"| bf16 (none, no fp32 head) | {pct_ci(r['bf16'])} | {r['bf16']['max_abs_dlogp']:.2g} | 1.00x |"]

@@ -190,8 +190,8 @@ def sample_completions(model, tokenizer, prompts: list[str], max_new_tokens: int
         shortest = min(len(e) for e in enc)
         enc = [e[-shortest:] for e in enc]  # left-truncate: keep the end of each prompt, next to the completion
     eos = eos_ids(model, tokenizer)
-    gen_kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
-                      pad_token_id=tokenizer.pad_token_id)
+    gen_kwargs = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "max_new_tokens": max_new_tokens,
+                      "pad_token_id": tokenizer.pad_token_id}
     if fixed_length:
         gen_kwargs.update(min_new_tokens=max_new_tokens, eos_token_id=None)
     torch.manual_seed(seed)

@@ -62,11 +62,11 @@ LABELS = {"A_padded_ragged": "A padded ragged, b1 vs b8", "B_equal_length_no_pad
 def markdown(payload: dict) -> str:
     """One row per control."""
     info, r = payload["info"], payload["results"]
-    lines = [f"### controls: {info['model']} ({payload['dtype']}, {info['num_sequences']} sequences, "
-             f"<= {info['max_new_tokens']} new tokens)", "",
+    lines = [(f"### controls: {info['model']} ({payload['dtype']}, {info['num_sequences']} sequences, "
+             f"<= {info['max_new_tokens']} new tokens)"), "",
              "| control | tokens | OOB [95% CI] | max abs dlogp |", "|---|---|---|---|"]
     for key, res in r.items():
         lines.append(f"| {LABELS[key]} | {res['num_tokens']} | {pct_ci(res)} | {res['max_abs_dlogp']:.2g} |")
-    lines += ["", "B ~ A: not the padding. C > 0: batch size alone suffices. D > 0: batch membership matters "
-              "(seed 004: only under MoE routing).", ""]
+    lines += ["", ("B ~ A: not the padding. C > 0: batch size alone suffices. D > 0: batch membership matters "
+              "(seed 004: only under MoE routing)."), ""]
     return "\n".join(lines)

@@ -64,8 +64,8 @@ def markdown(payload: dict) -> str:
     info, r = payload["info"], payload["results"]
     bs = payload["batch_size"]
     layers = payload.get("guided_fp32_layers")
-    lines = [f"### ladder: {info['model']} ({info['num_sequences']} sequences, {info['num_tokens']} completion tokens, "
-             f"fp32 weights, batch 1 vs {bs})", "",
+    lines = [(f"### ladder: {info['model']} ({info['num_sequences']} sequences, {info['num_tokens']} completion tokens, "
+             f"fp32 weights, batch 1 vs {bs})"), "",
              f"| mode | OOB b1 vs b{bs} [95% CI] | max abs dlogp | time vs bf16 | extra memory vs bf16 model |",
              "|---|---|---|---|---|"]
     for mode, res in r.items():

@@ -171,9 +171,9 @@ def plot(result: dict, path, title: str) -> None:
 def markdown(payload: dict) -> str:
     """Per-layer divergence and increment, the chosen layers first."""
     info, r = payload["info"], payload["result"]
-    lines = [f"### layers: {info['model']} ({r['num_positions']} positions, selection prompts "
+    lines = [(f"### layers: {info['model']} ({r['num_positions']} positions, selection prompts "
              f"{info['prompt_indices'][0]}..{info['prompt_indices'][-1]}, regime {payload['regime']}, batch 1 vs "
-             f"{payload['batch_size']})", "",
+             f"{payload['batch_size']})"), "",
              f"guided_fp32_layers (top {r['top_k']} by increment): `{','.join(map(str, r['guided_fp32_layers']))}`",
              "", "| layer | divergence after | increment | rank |", "|---|---|---|---|",
              f"| input | {r['divergence'][0]:.3e} | - | - |"]
@@ -181,8 +181,8 @@ def markdown(payload: dict) -> str:
     for i, inc in enumerate(r["increments"]):
         lines.append(f"| {i} | {r['divergence'][i + 1]:.3e} | {inc:+.3e} | {rank[i]} |")
     lines += [f"| final norm | {r['norm_divergence']:.3e} | - | - |", "",
-              "div = mean over scored positions of ||h_b1 - h_bN|| / (||h_b1|| + 1e-6), captured at each decoder "
-              "layer's output (the final norm separately).", ""]
+              ("div = mean over scored positions of ||h_b1 - h_bN|| / (||h_b1|| + 1e-6), captured at each decoder "
+              "layer's output (the final norm separately)."), ""]
     return "\n".join(lines)
 
 

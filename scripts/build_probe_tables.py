@@ -1,0 +1,70 @@
+"""Regenerate the result tables of docs/probes.md from the committed probe results (no number is typed by hand).
+
+    python scripts/build_probe_tables.py            # rewrite the block between the markers in docs/probes.md
+    python scripts/build_probe_tables.py --check    # exit 1 if docs/probes.md is out of date (CI)
+
+Every `results/probes/<run>/<probe>.json` is rendered by the probe's own `markdown()` function (the same code that
+wrote `<probe>.md` next to it), runs in name order, probes in the order batch, ladder, layers, calibrate, controls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from grpo_ratio.probes import batch, calibrate, controls, ladder, layers
+
+
+ROOT = Path(__file__).resolve().parent.parent
+RENDER = {"batch": batch.markdown, "ladder": ladder.markdown, "layers": layers.markdown,
+          "calibrate": calibrate.markdown, "controls": controls.markdown}
+BEGIN, END = "<!-- probe-tables:begin (scripts/build_probe_tables.py) -->", "<!-- probe-tables:end -->"
+
+
+def tables(results_dir: Path) -> str:
+    """The markdown of every result JSON under `results_dir`, grouped by run directory."""
+    parts = []
+    for run in sorted(p for p in results_dir.iterdir() if p.is_dir()):
+        for probe, render in RENDER.items():
+            path = run / f"{probe}.json"
+            if path.is_file():
+                parts.append(f"Source: `{path.relative_to(ROOT)}`\n\n" + render(json.loads(path.read_text())))
+    return "\n".join(parts)
+
+
+def rebuild(doc: str, block: str) -> str:
+    """`doc` with the text between the markers replaced by `block`.
+
+    Raises:
+        ValueError: the markers are missing.
+    """
+    if BEGIN not in doc or END not in doc:
+        raise ValueError(f"docs/probes.md lacks the markers {BEGIN!r} ... {END!r}")
+    head, rest = doc.split(BEGIN, 1)
+    tail = rest.split(END, 1)[1]
+    return f"{head}{BEGIN}\n\n{block}\n{END}{tail}"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--results", default=str(ROOT / "results" / "probes"))
+    p.add_argument("--doc", default=str(ROOT / "docs" / "probes.md"))
+    p.add_argument("--check", action="store_true", help="fail if the doc is not what this script would write")
+    a = p.parse_args(argv)
+    doc_path = Path(a.doc)
+    old = doc_path.read_text()
+    new = rebuild(old, tables(Path(a.results)))
+    if a.check:
+        if new != old:
+            print(f"{doc_path} is out of date: run python scripts/build_probe_tables.py", file=sys.stderr)
+            return 1
+        return 0
+    doc_path.write_text(new)
+    print(f"wrote {doc_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
