@@ -36,13 +36,17 @@ TRUNCATION = [
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
 
 
-def run_setting(setting: dict, steps: int, prompts: int, generations: int, tokens: int, data: str) -> dict:
+def run_setting(setting: dict, steps: int, prompts: int, generations: int, tokens: int, data: str,
+                task: str = "gsm8k") -> dict:
     from grpo_ratio import RatioGRPOConfig, RatioGRPOTrainer
     from grpo_ratio.models import resolve_model
     from grpo_ratio.tasks import load_task
 
     model, tokenizer = resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
-    dataset, rewards = load_task("gsm8k", dataset_path=data, split="test", num_examples=prompts * steps)
+    if task == "gsm8k":
+        dataset, rewards = load_task("gsm8k", dataset_path=data, split="test", num_examples=prompts * steps)
+    else:  # arithmetic: rewards vary within a group, so advantages (and clip flips) are non-zero
+        dataset, rewards = load_task("arithmetic", num_examples=prompts * steps)
     kwargs = {k: v for k, v in setting.items() if k != "name"}
     args = RatioGRPOConfig(
         output_dir=tempfile.mkdtemp(), use_cpu=True, bf16=True, seed=0, max_steps=steps, logging_steps=1,
@@ -100,6 +104,7 @@ def main(argv=None):
     p.add_argument("--generations", type=int, default=4, help="completions per prompt")
     p.add_argument("--tokens", type=int, default=48, help="max_completion_length")
     p.add_argument("--data", default=str(DEFAULT_DATA), help="GSM8K JSONL (test split)")
+    p.add_argument("--task", choices=["gsm8k", "arithmetic"], default="gsm8k")
     p.add_argument("--out", default="results/ratio_smollm2.json")
     p.add_argument("--render", default=None, help="print the markdown of an existing JSON and exit")
     a = p.parse_args(argv)
@@ -110,11 +115,11 @@ def main(argv=None):
     chosen = ["precision", "truncation"] if a.table == "both" else [a.table]
     results = {"command": "python benchmarks/ratio_smollm2.py " + " ".join(argv or []),
                "config": f"{a.steps} step(s) x {a.prompts} prompts x {a.generations} completions, <= {a.tokens} "
-                         f"tokens, bf16 autocast, CPU", "runs": []}
+                         f"tokens, {a.task} prompts, bf16 autocast, CPU", "runs": []}
     for table in chosen:
         for setting in tables[table]:
             print(f"[{table}] {setting}", flush=True)
-            run = run_setting(setting, a.steps, a.prompts, a.generations, a.tokens, a.data)
+            run = run_setting(setting, a.steps, a.prompts, a.generations, a.tokens, a.data, a.task)
             results["runs"].append({"table": table, **run})
             Path(a.out).parent.mkdir(parents=True, exist_ok=True)
             Path(a.out).write_text(json.dumps(results, indent=1))  # keep what is done if a later run fails
