@@ -67,6 +67,12 @@ def _mean(rows, key):
     return sum(values) / len(values) if values else float("nan")
 
 
+def _fmt(rows, key, spec):
+    """Formatted mean of a logged key, or '-' where no row logged it (the metric is absent, not zero)."""
+    value = _mean(rows, key)
+    return "-" if value != value else format(value, spec)
+
+
 def render(results: dict) -> str:
     out = [f"Command: `{results['command']}` ({results['config']})", ""]
     prec = [r for r in results["runs"] if r["table"] == "precision"]
@@ -79,7 +85,7 @@ def render(results: dict) -> str:
                 f"| {r['setting']['old_logprob_mode']} | {int(sum(x['ratio/new_old/num_tokens'] for x in rows))} | "
                 f"{_mean(rows, 'ratio/new_old/oob_rate'):.2%} | {_mean(rows, 'ratio/new_old/mean_abs_log_ratio'):.2e} | "
                 f"{_mean(rows, 'ratio/old_sampler/oob_rate'):.2%} | {_mean(rows, 'ratio/old_sampler/mean'):.4f} | "
-                f"{_mean(rows, 'ratio/clip_flip_rate'):.2%} | {_mean(rows, 'ratio/fp16_fallback_rows'):.0f} |")
+                f"{_fmt(rows, 'ratio/clip_flip_rate', '.2%')} | {_fmt(rows, 'ratio/fp16_fallback_rows', '.0f')} |")
         out.append("")
     trunc = [r for r in results["runs"] if r["table"] == "truncation"]
     if trunc:
