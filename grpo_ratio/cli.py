@@ -70,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     ly.add_argument("--regime", choices=["autocast", "bf16"], default="autocast",
                     help="autocast: fp32 weights under bf16 autocast (TRL's default); bf16: weights cast to bf16")
     ly.add_argument("--calibration-out", default=None, help="calibration JSON path; default OUT/calibration.json")
-    cb = sub.add_parser("calibrate", help="smallest fp32 layer set (by increment, plus norm and head) meeting --target "
-                                          "on held-out prompts, with its cost")
+    cb = sub.add_parser("calibrate", help="smallest fp32 layer set (by increment, plus norm and head) meeting "
+                                          "--target on held-out prompts, with its cost")
     _common(cb)
     cb.add_argument("--target", type=float, default=0.01, help="out-of-band rate to reach (default 0.01 = 1%%)")
     cb.add_argument("--calibration", default=None,
@@ -83,12 +83,19 @@ def build_parser() -> argparse.ArgumentParser:
                                          "same sequence x8, two groupings)")
     _common(ct, num_prompts=16)
     ct.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="weights cast to this dtype")
+    gr = sub.add_parser("greedy", help="exact agreement of greedy decoding across bf16 / fp16 / fp32 (seed 000)")
+    _common(gr)
+    gr.add_argument("--dtypes", default="bf16,fp16,fp32", help="comma-separated subset of bf16,fp16,fp32; the "
+                                                             "first is the reference and is also decoded twice")
     return parser
 
 
 def _load_prompts(args, split: str = "eval"):
-    from .probes.common import read_prompts, select_prompts
+    """The prompts of a split (`eval`: the first --num-prompts, `select`: the last), and their indices."""
+    from .probes.common import ProbeError, read_prompts, select_prompts
 
+    if args.max_new_tokens < 1:
+        raise ProbeError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     prompts = BUILTIN_PROMPTS if args.prompts is None else read_prompts(args.prompts)
     return select_prompts(prompts, args.num_prompts, split)
 
@@ -99,19 +106,22 @@ def _is_gsm8k(args) -> bool:
 
 def cmd_batch(args) -> list:
     """Sample once, score at batch 1 / 8 (/ 32) per dtype, write batch.json and batch.md."""
+    from .probes import common
     from .probes.batch import markdown, run_batch
-    from .probes.common import check_batch_size, load_model, run_info, sample_completions, write_results
 
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    if not dtypes or any(d not in common.DTYPES for d in dtypes):
+        raise common.ProbeError(f"--dtypes {args.dtypes!r}: expected a comma-separated subset of bf16, fp16, fp32")
     sizes = [args.batch_size] + ([32] if args.with_32 else [])
     prompts, idx = _load_prompts(args)
     for s in sizes:
-        check_batch_size(s, len(prompts), "--batch-size" if s == args.batch_size else "--with-32")
-    model, tok = load_model(args.model)
-    data = sample_completions(model, tok, prompts, args.max_new_tokens, args.seed, gsm8k=_is_gsm8k(args))
-    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+        common.check_batch_size(s, len(prompts), "--batch-size" if s == args.batch_size else "--with-32")
+    model, tok = common.load_model(args.model)
+    data = common.sample_completions(model, tok, prompts, args.max_new_tokens, args.seed, gsm8k=_is_gsm8k(args))
     results = run_batch(model, data, sizes, dtypes, progress=not args.no_progress)
-    payload = {"probe": "batch", "info": run_info(args, model, idx, data), "batch_sizes": sizes, "results": results}
-    return write_results(args.out, "batch", payload, markdown(payload))
+    payload = {"probe": "batch", "info": common.run_info(args, model, idx, data), "batch_sizes": sizes,
+               "results": results}
+    return common.write_results(args.out, "batch", payload, markdown(payload))
 
 
 def _guided_layers(spec, model) -> list[int] | None:
@@ -248,8 +258,24 @@ def cmd_controls(args) -> list:
     return write_results(args.out, "controls", payload, markdown(payload))
 
 
+def cmd_greedy(args) -> list:
+    """Greedy-decode each prompt alone per dtype; write greedy.json/.md."""
+    from .probes import common
+    from .probes.greedy import markdown, run_greedy
+
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    if not dtypes or any(d not in common.DTYPES for d in dtypes) or len(set(dtypes)) != len(dtypes):
+        raise common.ProbeError(f"--dtypes {args.dtypes!r}: expected distinct entries of bf16, fp16, fp32")
+    prompts, idx = _load_prompts(args)
+    model, tok = common.load_model(args.model)
+    result = run_greedy(model, tok, prompts, args.max_new_tokens, tuple(dtypes), _is_gsm8k(args),
+                        progress=not args.no_progress)
+    payload = {"probe": "greedy", "info": common.run_info(args, model, idx), "dtypes": dtypes, "result": result}
+    return common.write_results(args.out, "greedy", payload, markdown(payload))
+
+
 COMMANDS = {"batch": cmd_batch, "ladder": cmd_ladder, "layers": cmd_layers, "calibrate": cmd_calibrate,
-            "controls": cmd_controls}
+            "controls": cmd_controls, "greedy": cmd_greedy}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,7 @@
     python scripts/build_probe_tables.py --check    # exit 1 if docs/probes.md is out of date (CI)
 
 Every `results/probes/<run>/<probe>.json` is rendered by the probe's own `markdown()` function (the same code that
-wrote `<probe>.md` next to it), runs in name order, probes in the order batch, ladder, layers, calibrate, controls.
+wrote `<probe>.md` next to it), runs in name order, probes in the order batch, ladder, layers, calibrate, controls, greedy.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import json
 import sys
 from pathlib import Path
 
-from grpo_ratio.probes import batch, calibrate, controls, ladder, layers
+from grpo_ratio.probes import batch, calibrate, controls, greedy, ladder, layers
 
 
 ROOT = Path(__file__).resolve().parent.parent
 RENDER = {"batch": batch.markdown, "ladder": ladder.markdown, "layers": layers.markdown,
-          "calibrate": calibrate.markdown, "controls": controls.markdown}
+          "calibrate": calibrate.markdown, "controls": controls.markdown, "greedy": greedy.markdown}
 BEGIN, END = "<!-- probe-tables:begin (scripts/build_probe_tables.py) -->", "<!-- probe-tables:end -->"
 
 

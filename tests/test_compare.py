@@ -33,8 +33,9 @@ def _tiny_build(**overrides):
 
 
 def test_two_arms_match_step_one_and_summarize(compare, tmp_path):
-    result = compare.run_comparison(["bf16", "fp32_clone"], [0], _tiny_build(), name="cmp", output_root=tmp_path,
-                                    last_k=2, show=False)
+    result = compare.run_comparison(
+        ["bf16", "fp32_clone"], [0], _tiny_build(), name="cmp", output_root=tmp_path, last_k=2, show=False
+    )
     bf16, fp32 = result.runs
     # same seed -> same data order and RNG state at the first generate: identical step-1 completions
     assert len(bf16.first_completions) == 4  # 1 prompt x num_generations=4 per step
@@ -64,12 +65,18 @@ def test_two_arms_match_step_one_and_summarize(compare, tmp_path):
 
 def test_summarize_literal_histories(compare):
     def run(arm, seed, rewards):
-        rows = [{"step": i + 1, "reward": r, "ratio/new_old/oob_rate": 0.1 * (arm != "bf16")}
-                for i, r in enumerate(rewards)]
+        rows = [
+            {"step": i + 1, "reward": r, "ratio/new_old/oob_rate": 0.1 * (arm != "bf16")}
+            for i, r in enumerate(rewards)
+        ]
         return compare.RunResult(arm, seed, rows + [{"train_loss": 0.0}], [], [], "")
 
-    runs = [run("bf16", 0, [0.1, 0.2, 0.3, 0.5]), run("fp16_clone", 0, [0.0, 0.0, 0.4, 0.6]),
-            run("bf16", 1, [0.2, 0.2, 0.2, 0.2]), run("fp16_clone", 1, [0.0, 0.0, 0.0, 0.3])]
+    runs = [
+        run("bf16", 0, [0.1, 0.2, 0.3, 0.5]),
+        run("fp16_clone", 0, [0.0, 0.0, 0.4, 0.6]),
+        run("bf16", 1, [0.2, 0.2, 0.2, 0.2]),
+        run("fp16_clone", 1, [0.0, 0.0, 0.0, 0.3]),
+    ]
     summary = compare.summarize(runs, last_k=2)
     rows = {(r["arm"], r["seed"]): r for r in summary["runs"]}
     # last 2 rewards: bf16 s0 (0.3+0.5)/2 = 0.4; fp16 s0 (0.4+0.6)/2 = 0.5; bf16 s1 0.2; fp16 s1 (0+0.3)/2 = 0.15
@@ -90,8 +97,9 @@ def test_wandb_runs_are_grouped_and_named(compare, tmp_path):
     from wandb.proto import wandb_internal_pb2 as pb
     from wandb_offline import _payloads
 
-    compare.run_comparison(["bf16"], [3], _tiny_build(report_to=["wandb"], max_steps=1), name="grp",
-                           output_root=tmp_path, show=False)
+    compare.run_comparison(
+        ["bf16"], [3], _tiny_build(report_to=["wandb"], max_steps=1), name="grp", output_root=tmp_path, show=False
+    )
     (path,) = (tmp_path / "grp" / "bf16-s3").glob("wandb/offline-run-*/run-*.wandb")  # WANDB_MODE=offline
     runs = []
     for payload in _payloads(path):
@@ -109,7 +117,7 @@ def test_repeated_arms_are_refused(compare, tmp_path):
 
 def test_load_recipe_applies_overrides_then_run_fields(compare, tmp_path):
     recipe = str(RECIPES / "arithmetic" / "fp16_clone.yaml")
-    script_args, training_args, model_args = compare.load_recipe(recipe, 7, tmp_path / "r", ["--max_steps", "3"])
+    script_args, training_args, _ = compare.load_recipe(recipe, 7, tmp_path / "r", ["--max_steps", "3"])
     assert training_args.old_logprob_mode == "fp16_clone"
     assert (training_args.seed, training_args.max_steps) == (7, 3)
     assert training_args.output_dir == str(tmp_path / "r") and training_args.run_name == "fp16_clone-s7"

@@ -102,6 +102,10 @@ def test_batch_probe_errors(tmp_path, capsys):
     assert "no-such-model" in capsys.readouterr().err
     assert main(["probe", "batch", *TINY, "--with-32", "--out", str(tmp_path)]) == 2  # 32 > the 8 prompts
     assert "--with-32=32" in capsys.readouterr().err
+    assert main(["probe", "batch", *TINY, "--dtypes", "bf16,int8", "--out", str(tmp_path)]) == 2
+    assert "--dtypes 'bf16,int8'" in capsys.readouterr().err
+    assert main(["probe", "batch", "--model", "tiny", "--max-new-tokens", "0", "--out", str(tmp_path)]) == 2
+    assert "--max-new-tokens must be >= 1" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -279,3 +283,58 @@ def test_batch_probe_smollm2_gsm8k(tmp_path):
     assert r["bf16"]["b1_vs_b8"]["oob_rate"] > 0.01
     assert r["fp32"]["b1_vs_b8"]["oob_rate"] <= r["bf16"]["b1_vs_b8"]["oob_rate"] / 10
     assert r["bf16"]["rerun"]["num_oob"] == 0 and r["bf16"]["rerun"]["max_abs_dlogp"] == 0.0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# probe greedy
+
+
+def test_greedy_agreement_literal():
+    from grpo_ratio.probes.greedy import agreement, first_divergence
+
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 9]) == 2  # one stopped early: they differ where the shorter ends
+    a = [{"tokens": [1, 2, 3], "margins": [0.5, 0.01, 2.0]}, {"tokens": [4, 4], "margins": [1.0, 3.0]}]
+    b = [{"tokens": [1, 7, 3], "margins": [0.5, 0.2, 2.0]}, {"tokens": [4, 4], "margins": [1.0, 3.0]}]
+    r = agreement(a, b)
+    # 1 of 2 prompts identical; the divergent one flips at step 1, where a's top-2 margin is 0.01
+    assert (r["num_agree"], r["ear"], r["first_divergence"], r["margin_at_divergence"]) == (1, 0.5, [1], [0.01])
+    assert r["median_margin_all_steps"] == 1.0  # median of 0.5, 0.01, 2.0, 1.0, 3.0
+
+
+def test_greedy_probe_on_tiny_model(tmp_path, capsys):
+    res = _run(tmp_path, "greedy", "--dtypes", "bf16,fp32")
+    pairs = res["result"]["pairs"]
+    assert set(pairs) == {"bf16_vs_bf16_rerun", "bf16_vs_fp32"}
+    assert pairs["bf16_vs_bf16_rerun"]["ear"] == 1.0  # within-format control: greedy bf16 twice is identical
+    assert all(len(t) <= 6 for t in res["result"]["tokens"]["fp32"])
+    assert main(["probe", "greedy", *TINY, "--dtypes", "bf16,bf16", "--out", str(tmp_path)]) == 2
+    assert "distinct" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# docs/probes.md is generated from results/probes/
+
+
+def test_probe_tables_are_up_to_date():
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    script = root / "scripts" / "build_probe_tables.py"
+    proc = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_probe_tables_rebuild_replaces_only_the_marked_block():
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("build_probe_tables", root / "scripts" / "build_probe_tables.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    doc = f"intro\n{mod.BEGIN}\nold table\n{mod.END}\noutro\n"
+    assert mod.rebuild(doc, "new table") == f"intro\n{mod.BEGIN}\n\nnew table\n{mod.END}\noutro\n"
+    with pytest.raises(ValueError, match="markers"):
+        mod.rebuild("no markers", "x")

@@ -38,8 +38,11 @@ def tiny_dir(tmp_path):
     return str(tmp_path / "tiny")
 
 
-def _parse(grpo, args):
-    return grpo.make_parser().parse_args_and_config(args)  # a fresh parser: it keeps a recipe's values as defaults
+def _parse(grpo, args, **flags):
+    """Parse `args` plus `--key value` for each of `flags`, with a fresh parser (it keeps a recipe's values as its
+    defaults, so a reused parser would leak one recipe into the next)."""
+    extra = [str(x) for key, value in flags.items() for x in (f"--{key}", value)]
+    return grpo.make_parser().parse_args_and_config([*args, *extra])
 
 
 def test_recipe_grid_is_complete():
@@ -89,9 +92,15 @@ def test_unknown_arm_is_refused(grpo, tmp_path):
 
 
 def test_missing_data_path_fails_before_the_model(grpo, tmp_path):
-    script_args, training_args, model_args = _parse(grpo, [
-        "--task", "gsm8k", "--dataset_path", str(tmp_path / "nope"), "--model_name_or_path", str(tmp_path / "none"),
-        "--output_dir", str(tmp_path / "out"), "--use_cpu", "true"])
+    script_args, training_args, model_args = _parse(
+        grpo,
+        [],
+        task="gsm8k",
+        dataset_path=tmp_path / "nope",
+        model_name_or_path=tmp_path / "none",
+        output_dir=tmp_path / "out",
+        use_cpu="true",
+    )
     with pytest.raises(FileNotFoundError, match="no GSM8K file"):  # the data error, not the model one
         grpo.build_trainer(script_args, training_args, model_args)
 
@@ -99,21 +108,31 @@ def test_missing_data_path_fails_before_the_model(grpo, tmp_path):
 def test_unreadable_model_is_a_clear_error(grpo, tmp_path):
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "config.json").write_text("{}")  # a directory that looks like a model but is not
-    for path, error, match in [(tmp_path / "none", FileNotFoundError, "not an existing model directory"),
-                               (tmp_path / "broken", OSError, "Cannot read a tokenizer")]:
-        script_args, training_args, model_args = _parse(grpo, [
-            "--task", "arithmetic", "--model_name_or_path", str(path), "--output_dir", str(tmp_path / "out"),
-            "--use_cpu", "true"])
+    cases = [
+        (tmp_path / "none", FileNotFoundError, "not an existing model directory"),
+        (tmp_path / "broken", OSError, "Cannot read a tokenizer"),
+    ]
+    for path, error, match in cases:
+        script_args, training_args, model_args = _parse(
+            grpo, [], task="arithmetic", model_name_or_path=path, output_dir=tmp_path / "out", use_cpu="true"
+        )
         with pytest.raises(error, match=match):
             grpo.build_trainer(script_args, training_args, model_args)
 
 
 def test_main_runs_a_recipe_on_a_tiny_model(grpo, tiny_dir, tmp_path):
     out = tmp_path / "run"
-    args = _parse(grpo, [
-        "--config", str(ROOT / "recipes/smollm2-135m/arithmetic/fp32_clone.yaml"),
-        "--model_name_or_path", tiny_dir, "--output_dir", str(out), "--report_to", "none",
-        "--max_steps", "1", "--max_completion_length", "8", "--num_examples", "16"])
+    recipe = ROOT / "recipes/smollm2-135m/arithmetic/fp32_clone.yaml"
+    args = _parse(
+        grpo,
+        ["--config", str(recipe)],
+        model_name_or_path=tiny_dir,
+        output_dir=out,
+        report_to="none",
+        max_steps=1,
+        max_completion_length=8,
+        num_examples=16,
+    )
     grpo.main(*args)
     history = json.loads((out / "log_history.json").read_text())
     assert history[0]["step"] == 1 and "reward" in history[0] and "ratio/new_old/oob_rate" in history[0]

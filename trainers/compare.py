@@ -30,9 +30,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from transformers import TrainerCallback, set_seed
-
 from grpo import build_trainer, make_parser, plot_metrics  # trainers/ is on sys.path when run as a script
+from transformers import TrainerCallback, set_seed
 
 
 RATIO_COLUMNS = {  # summary column -> logged key (mean over the run's logged steps)
@@ -80,10 +79,11 @@ class Comparison:
     matched_first_rollouts: dict[int, bool] = field(default_factory=dict)
 
 
-def last_k_mean(history: list[dict], key: str = "reward", k: int = 10) -> float | None:
-    """Mean of `key` over the last `k` log rows that have it (fewer if the run logged fewer); None if none has it."""
+def last_k_mean(history: list[dict], key: str = "reward", k: int | None = 10) -> float | None:
+    """Mean of `key` over the last `k` log rows that have it (fewer if the run logged fewer; every row when `k` is
+    None); None if no row has it."""
     values = [row[key] for row in history if row.get(key) is not None]
-    return statistics.fmean(values[-k:]) if values else None
+    return statistics.fmean(values[-k:] if k else values) if values else None
 
 
 def summarize(runs: Sequence[RunResult], last_k: int = 10, baseline: str = "bf16") -> dict:
@@ -101,9 +101,13 @@ def summarize(runs: Sequence[RunResult], last_k: int = 10, baseline: str = "bf16
     for r in runs:
         base = reward.get((baseline, r.seed))
         mine = reward[(r.arm, r.seed)]
-        row = {"arm": r.arm, "seed": r.seed, "reward_last_k": mine,
-               "diff_vs_baseline": None if base is None or mine is None else mine - base}
-        row.update({col: last_k_mean(r.history, key, k=len(r.history) or 1) for col, key in RATIO_COLUMNS.items()})
+        row = {
+            "arm": r.arm,
+            "seed": r.seed,
+            "reward_last_k": mine,
+            "diff_vs_baseline": None if base is None or mine is None else mine - base,
+        }
+        row.update({col: last_k_mean(r.history, key, k=None) for col, key in RATIO_COLUMNS.items()})
         rows.append(row)
     arms = {}
     for arm in dict.fromkeys(r.arm for r in runs):  # first-seen order
@@ -127,26 +131,39 @@ def print_summary(summary: dict, name: str) -> None:
         return "-" if x is None else (f"{x:+.4f}" if signed else f"{x:.4f}")
 
     k, base = summary["last_k"], summary["baseline"]
-    table = Table(title=f"{name}: mean reward over the last {k} logged steps")
-    for col in ["arm", "seed", "reward", f"- {base}", *RATIO_COLUMNS, "seed spread"]:
-        table.add_column(col, justify="left" if col == "arm" else "right")
+    table = Table(title=f"{name}: mean reward over the last {k} logged steps (ratio columns: mean over all steps)")
+    table.add_column("arm", no_wrap=True, min_width=11)
+    for col in ["seed", "reward", f"- {base}", *RATIO_COLUMNS, "seed spread"]:
+        table.add_column(col, justify="right")
     for row in summary["runs"]:
         ratios = [fmt(row[c]) for c in RATIO_COLUMNS]
-        table.add_row(row["arm"], str(row["seed"]), fmt(row["reward_last_k"]),
-                      fmt(row["diff_vs_baseline"], True), *ratios, "")
+        table.add_row(
+            row["arm"], str(row["seed"]), fmt(row["reward_last_k"]), fmt(row["diff_vs_baseline"], True), *ratios, ""
+        )
     table.add_section()
     for arm, stats in summary["arms"].items():
-        table.add_row(arm, f"mean of {stats['num_seeds']}", fmt(stats["mean"]),
-                      fmt(stats["mean_diff_vs_baseline"], True), *[""] * len(RATIO_COLUMNS), fmt(stats["spread"]))
-    Console().print(table)
+        table.add_row(
+            arm,
+            f"all {stats['num_seeds']}",
+            fmt(stats["mean"]),
+            fmt(stats["mean_diff_vs_baseline"], True),
+            *[""] * len(RATIO_COLUMNS),
+            fmt(stats["spread"]),
+        )
+    Console(width=max(Console().width, 120)).print(table)  # not the 80 columns rich assumes without a terminal
 
 
 def _start_wandb(name: str, arm: str, seed: int, run_dir: Path):
     import wandb
 
     os.environ.setdefault("WANDB_MODE", "offline")
-    return wandb.init(project=os.environ.get("WANDB_PROJECT", "grpo-ratio"), group=name, name=f"{arm}-s{seed}",
-                      dir=str(run_dir), config={"arm": arm, "seed": seed, "comparison": name})
+    return wandb.init(
+        project=os.environ.get("WANDB_PROJECT", "grpo-ratio"),
+        group=name,
+        name=f"{arm}-s{seed}",
+        dir=str(run_dir),
+        config={"arm": arm, "seed": seed, "comparison": name},
+    )
 
 
 def _run_one(arm: str, seed: int, build: Callable, name: str, run_dir: Path) -> RunResult:
@@ -163,8 +180,9 @@ def _run_one(arm: str, seed: int, build: Callable, name: str, run_dir: Path) -> 
     finally:
         if wandb_run is not None:
             wandb_run.finish()
-    result = RunResult(arm, seed, list(trainer.state.log_history), recorder.prompts, recorder.completions,
-                       str(run_dir))
+    result = RunResult(
+        arm, seed, list(trainer.state.log_history), recorder.prompts, recorder.completions, str(run_dir)
+    )
     (run_dir / "log_history.json").write_text(json.dumps(result.history, indent=1))
     (run_dir / "first_rollouts.json").write_text(
         json.dumps({"prompts": result.first_prompts, "completions": result.first_completions}, indent=1)
@@ -255,8 +273,15 @@ def main(argv: Sequence[str] | None = None) -> Comparison:
     for seed in args.seeds:  # parse every recipe first: a bad key or value fails before any training
         for r in recipes.values():
             load_recipe(r, seed, Path(args.output_root) / args.name / "check", overrides)
-    return run_comparison(list(recipes), args.seeds, recipe_builder(recipes, overrides), name=args.name,
-                          output_root=args.output_root, last_k=args.last_k, baseline=args.baseline)
+    return run_comparison(
+        list(recipes),
+        args.seeds,
+        recipe_builder(recipes, overrides),
+        name=args.name,
+        output_root=args.output_root,
+        last_k=args.last_k,
+        baseline=args.baseline,
+    )
 
 
 if __name__ == "__main__":

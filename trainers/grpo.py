@@ -2,7 +2,10 @@
 
     python trainers/grpo.py --config recipes/smollm2-135m/arithmetic/fp32_clone.yaml
     python trainers/grpo.py --config recipes/smollm2-135m/arithmetic/bf16.yaml --max_steps 3 --seed 1
-    accelerate launch --num_processes 2 trainers/grpo.py --config recipes/smollm2-135m/gsm8k/fp16_clone.yaml
+    accelerate launch --multi_gpu --num_processes 2 trainers/grpo.py --config recipes/smollm2-135m/gsm8k/fp16_clone.yaml
+
+(`--multi_gpu` also on CPU, where it means two gloo processes; `--cpu --num_processes 2` starts two independent
+single-process runs instead.)
 
 Every `RatioGRPOConfig` (= `trl.GRPOConfig` + grpo_ratio) field, every `trl.ModelConfig` field and the task fields of
 `GRPOScriptArguments` are flags; a flag on the command line overrides the recipe's value. An unknown recipe key, an
@@ -106,11 +109,11 @@ def build_trainer(script_args, training_args, model_args, callbacks=None) -> Rat
     ################
     model_path = resolve_model_path(model_args.model_name_or_path or DEFAULT_MODEL, revision=model_args.model_revision)
     tokenizer = load_tokenizer(model_path, require_chat_template=True)  # the tasks' prompts are conversational
-    model_init_kwargs = dict(
-        trust_remote_code=training_args.trust_remote_code,
-        attn_implementation=model_args.attn_implementation,
-        dtype=model_args.dtype,
-    )
+    model_init_kwargs = {
+        "trust_remote_code": training_args.trust_remote_code,
+        "attn_implementation": model_args.attn_implementation,
+        "dtype": model_args.dtype,
+    }
     model_init_kwargs.update(training_args.model_init_kwargs or {})
     training_args.model_init_kwargs = model_init_kwargs
 

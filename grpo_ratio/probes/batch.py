@@ -78,7 +78,8 @@ def markdown(payload: dict) -> str:
     head = ["dtype", "tokens"] + [f"b1 vs b{s} OOB [95% CI]" for s in sizes] + \
         [f"max abs dlogp b1 vs b{s}" for s in sizes] + [f"b1 padded vs b{sizes[0]} OOB", "max abs dlogp"] + \
         ["b1 rerun OOB", "rerun max abs dlogp", "seconds"]
-    lines = [(f"### batch: {info['model']} ({info['num_sequences']} sequences, {info['num_tokens']} completion tokens, "
+    lines = [(f"### batch: {info['model']} ({info['num_sequences']} sequences, {info['num_tokens']} completion "
+              "tokens, "
              f"<= {info['max_new_tokens']} new tokens, seed {info['seed']})"), "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for dtype, res in r.items():
@@ -93,6 +94,7 @@ def markdown(payload: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", ("Share of valid completion tokens whose importance ratio exp(logp_bN - logp_b1) lies outside "
               "[0.9, 1.1] (strict; non-finite counts as out of band), weights cast to the dtype and run without "
-              "autocast, log-softmax in fp32. b1: each sequence alone, unpadded; bN: the right-padded batch in TRL's layout; "
+              "autocast, log-softmax in fp32. b1: each sequence alone, unpadded; bN: the right-padded batch in "
+              "TRL's layout; "
               "b1 padded: the padded rows one at a time (TRL at per_device_train_batch_size=1). Rerun: b1 twice."), ""]
     return "\n".join(lines)

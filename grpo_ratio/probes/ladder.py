@@ -1,11 +1,11 @@
 """`grpo-ratio probe ladder`: the precision ladder of the old-logprob scoring modes (seed 004 tables T7/T7b).
 
 Every scoring mode of `grpo_ratio.scoring.OldLogprobScorer` scores the same sampled completions at batch 1 (each
-sequence alone, unpadded) and at batch 8 (the right-padded batch in TRL's layout), on a model with fp32 weights (TRL's default regime: fp32 weights, bf16 autocast, so `bf16` is the trainer's
-own pass). Reported per mode: the out-of-band rate of exp(logp_b8 - logp_b1) with a Wilson 95% interval, max |dlogp|,
-the time of the batch-8 pass relative to `bf16` (median of `repeats` passes timed round-robin so that machine load
-hits every mode alike, as benchmarks/old_pass.py), and the memory the mode's copies add, relative to the policy held
-in bf16.
+sequence alone, unpadded) and at batch 8 (the right-padded batch in TRL's layout), on a model with fp32 weights
+(TRL's default regime: fp32 weights, bf16 autocast, so `bf16` is the trainer's own pass). Reported per mode: the
+out-of-band rate of exp(logp_b8 - logp_b1) with a Wilson 95% interval, max |dlogp|, the time of the batch-8 pass
+relative to `bf16` (median of `repeats` passes timed round-robin so that machine load hits every mode alike, as
+benchmarks/old_pass.py), and the memory the mode's copies add, relative to the policy held in bf16.
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ def markdown(payload: dict) -> str:
     info, r = payload["info"], payload["results"]
     bs = payload["batch_size"]
     layers = payload.get("guided_fp32_layers")
-    lines = [(f"### ladder: {info['model']} ({info['num_sequences']} sequences, {info['num_tokens']} completion tokens, "
+    lines = [(f"### ladder: {info['model']} ({info['num_sequences']} sequences, {info['num_tokens']} completion "
+              "tokens, "
              f"fp32 weights, batch 1 vs {bs})"), "",
              f"| mode | OOB b1 vs b{bs} [95% CI] | max abs dlogp | time vs bf16 | extra memory vs bf16 model |",
              "|---|---|---|---|---|"]

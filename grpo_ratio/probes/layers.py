@@ -119,7 +119,8 @@ def regime_model(model, regime: str):
     return model, OldLogprobScorer(model, "bf16")  # fp32 weights: bf16 autocast; bf16 weights: native
 
 
-def run_layers(model, data: Completions, batch_size: int = 8, regime: str = "autocast", top_k: int | None = None) -> dict:
+def run_layers(model, data: Completions, batch_size: int = 8, regime: str = "autocast",
+               top_k: int | None = None) -> dict:
     """Per-depth divergence between batch 1 and `batch_size`, per-layer increments and the top-k layers.
 
     Returns:
