@@ -88,7 +88,8 @@ class RatioGRPOConfig(GRPOConfig):
     ratio_band_low / ratio_band_high (`float`, *optional*, defaults to `0.9` / `1.1`):
         A ratio r is out of band when r < low or r > high.
     clip_flip_every (`int`, *optional*, defaults to `1`):
-        Run the policy's own scoring pass for `ratio/clip_flip_rate` every N generation batches (0 = never).
+        Compute `ratio/clip_flip_rate` on every N-th optimizer update (0 = never: the metric is absent). It needs the
+        policy's own log-probs, which at the first inner step are the training forward's: no extra pass.
     """
 
     old_logprob_mode: str = field(
@@ -135,8 +136,8 @@ class RatioGRPOConfig(GRPOConfig):
     clip_flip_every: int = field(
         default=1,
         metadata={
-            "help": "Run the policy's own scoring pass for ratio/clip_flip_rate every N generation batches "
-            "(0 = never; the metric is then absent). Costs one extra forward pass when it runs."
+            "help": "Compute ratio/clip_flip_rate on every N-th optimizer update (0 = never; the metric is then "
+            "absent). No extra forward: at the first inner step the training forward is the policy's own pass."
         },
     )
 
