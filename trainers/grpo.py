@@ -206,6 +206,7 @@ def main(script_args, training_args, model_args):
         trainer.save_model(str(out))
     wandb_dir = wandb_run_dir() if "wandb" in training_args.report_to else None
     if trainer.accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)  # save_strategy "no" and no final save: nothing created it yet
         (out / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
         drawn = plot_metrics({training_args.run_name: trainer.state.log_history}, out / "metrics.png")
         trainer.accelerator.print(f"Log history: {out / 'log_history.json'}")
