@@ -284,9 +284,9 @@ def main(argv: list[str] | None = None) -> int:
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = build_parser().parse_args(argv)
-    torch.set_grad_enabled(False)
     try:
-        paths = COMMANDS[args.probe](args)
+        with torch.no_grad():  # scoped: main() also runs in-process (tests, notebooks); never flip global state
+            paths = COMMANDS[args.probe](args)
     except ProbeError as err:
         print(f"grpo-ratio probe {args.probe}: error: {err}", file=sys.stderr)
         return 2

@@ -68,6 +68,7 @@ def test_wandb_offline_and_tensorboard_hold_the_keys(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     import wandb
 
+    wandb.teardown()  # a wandb singleton left by an earlier test in this process would keep its own run directory
     trainer = _trainer(tmp_path / "out", "fp16_clone", report_to=["wandb", "tensorboard"], run_name="fp16-s0")
     trainer.train()
     wandb.finish()

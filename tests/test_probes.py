@@ -69,7 +69,7 @@ def test_trl_layout_masks():
 @pytest.fixture(scope="module")
 def batch_result(tmp_path_factory):
     out = tmp_path_factory.mktemp("batch")
-    return _run(out, "batch"), out
+    return _run(out, "batch", "--dtypes", "bf16,fp32"), out
 
 
 def test_batch_probe_controls_on_tiny_model(batch_result):
@@ -77,7 +77,8 @@ def test_batch_probe_controls_on_tiny_model(batch_result):
     r = res["results"]
     n = res["info"]["num_tokens"]
     assert 0 < n <= 8 * 6  # 8 sequences of at most 6 valid completion tokens
-    for dtype in ("bf16", "fp16", "fp32"):
+    assert list(r) == ["bf16", "fp32"]
+    for dtype in ("bf16", "fp32"):
         assert r[dtype]["b1_vs_b8"]["num_tokens"] == n  # every dtype scores the same valid tokens
     # the rerun control: the same batch shape twice is bit-identical (seed 004: 0 tokens moved)
     assert r["bf16"]["rerun"]["num_oob"] == 0 and r["bf16"]["rerun"]["max_abs_dlogp"] == 0.0
@@ -253,14 +254,14 @@ def test_calibrate_probe_on_tiny_model(tmp_path, capsys):
 
 
 def test_controls_probe_on_tiny_model(tmp_path, capsys):
-    res = _run(tmp_path, "controls")  # 16 prompts, 6 new tokens
+    res = _run(tmp_path, "controls", "--num-prompts", "8", "--batch-size", "4")  # D: 2 groupings of 2 x 4 rows
     r = res["results"]
-    assert res["equal_length_tokens"] == 16 * 6  # B: EOS disabled, exactly 6 tokens per sequence, all valid
-    assert r["B_equal_length_no_pad"]["num_tokens"] == 16 * 6
-    assert r["C_same_sequence_x8"]["num_tokens"] == 8 * 6  # 8 copies of one 6-token completion
+    assert res["equal_length_tokens"] == 8 * 6  # B: EOS disabled, exactly 6 tokens per sequence, all valid
+    assert r["B_equal_length_no_pad"]["num_tokens"] == 8 * 6
+    assert r["C_same_sequence_x8"]["num_tokens"] == 4 * 6  # batch-size (4) copies of one 6-token completion
     # D: a dense model computes each row independently of which rows share its batch; same shapes, same kernels
     assert r["D_two_groupings"]["num_oob"] == 0 and r["D_two_groupings"]["max_abs_dlogp"] == 0.0
-    assert main(["probe", "controls", *TINY, "--num-prompts", "8", "--out", str(tmp_path)]) == 2  # D needs 16
+    assert main(["probe", "controls", *TINY, "--num-prompts", "8", "--out", str(tmp_path)]) == 2  # 2 x 8 > 8
     assert "2 x --batch-size" in capsys.readouterr().err
 
 
@@ -304,7 +305,7 @@ def test_greedy_agreement_literal():
 
 
 def test_greedy_probe_on_tiny_model(tmp_path, capsys):
-    res = _run(tmp_path, "greedy", "--dtypes", "bf16,fp32")
+    res = _run(tmp_path, "greedy", "--dtypes", "bf16,fp32", "--num-prompts", "4")
     pairs = res["result"]["pairs"]
     assert set(pairs) == {"bf16_vs_bf16_rerun", "bf16_vs_fp32"}
     assert pairs["bf16_vs_bf16_rerun"]["ear"] == 1.0  # within-format control: greedy bf16 twice is identical
@@ -317,23 +318,23 @@ def test_greedy_probe_on_tiny_model(tmp_path, capsys):
 # docs/probes.md is generated from results/probes/
 
 
-def test_probe_tables_are_up_to_date():
-    import subprocess
-    import sys
+def _build_script():
+    import importlib.util
 
-    root = Path(__file__).resolve().parents[1]
-    script = root / "scripts" / "build_probe_tables.py"
-    proc = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
+    path = Path(__file__).resolve().parents[1] / "scripts" / "build_probe_tables.py"
+    spec = importlib.util.spec_from_file_location("build_probe_tables", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_probe_tables_are_up_to_date(capsys):
+    # docs/probes.md and every results/probes/*/<probe>.md are what the committed JSON renders to
+    assert _build_script().main(["--check"]) == 0, capsys.readouterr().err
 
 
 def test_probe_tables_rebuild_replaces_only_the_marked_block():
-    import importlib.util
-
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("build_probe_tables", root / "scripts" / "build_probe_tables.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _build_script()
     doc = f"intro\n{mod.BEGIN}\nold table\n{mod.END}\noutro\n"
     assert mod.rebuild(doc, "new table") == f"intro\n{mod.BEGIN}\n\nnew table\n{mod.END}\noutro\n"
     with pytest.raises(ValueError, match="markers"):

@@ -67,6 +67,7 @@ def markdown(payload: dict) -> str:
              "| control | tokens | OOB [95% CI] | max abs dlogp |", "|---|---|---|---|"]
     for key, res in r.items():
         lines.append(f"| {LABELS[key]} | {res['num_tokens']} | {pct_ci(res)} | {res['max_abs_dlogp']:.2g} |")
-    lines += ["", ("B ~ A: not the padding. C > 0: batch size alone suffices. D > 0: batch membership matters "
-              "(seed 004: only under MoE routing)."), ""]
+    lines += ["", ("Reading: B ~ A means padding is not the cause, B << A that it is; C > 0 means batch size alone "
+                   "suffices; D > 0 means batch membership matters (seed 004, on GPUs: B ~ A, C > 0, D > 0 only "
+                   "under MoE routing)."), ""]
     return "\n".join(lines)
