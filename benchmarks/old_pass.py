@@ -5,7 +5,8 @@ For a model in TRL's default regime (fp32 weights, bf16 autocast) and, with --we
 old pass; times are the median of --repeats runs after one warm-up (which also builds any copy).
 
     python benchmarks/old_pass.py --model tiny                 # seconds
-    python benchmarks/old_pass.py --model smollm2 --rows 8 --tokens 64 --repeats 1   # minutes on 2 CPU cores
+    python benchmarks/old_pass.py --model smollm2 --json results/old_pass_smollm2_fp32.json   # minutes on 2 CPU cores
+    python benchmarks/old_pass.py --render results/old_pass_smollm2_fp32.json   # the markdown table of a result
 
 Extra memory is the bytes held by the mode's copies (parameters and buffers), which is what a mode adds to training;
 activation memory of one chunk is the same order for every mode and is not counted.
@@ -14,12 +15,13 @@ activation memory of one chunk is the same order for every mode and is not count
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
-from rich.console import Console
-from rich.table import Table
 
 from grpo_ratio.config import SCORING_MODES
 from grpo_ratio.scoring import OldLogprobScorer, model_anatomy
@@ -62,6 +64,19 @@ def run(model, modes, layers, ids, mask, tokens, batch_size, repeats):
     return {m: (statistics.median(times[m]), scorers[m].extra_bytes()) for m in modes}
 
 
+def render(result: dict) -> str:
+    """Markdown table of one benchmark result (the JSON --json writes)."""
+    lines = [f"`{result['command']}` — {result['label']}, {result['weights']} weights, B={result['rows']} "
+             f"T={result['tokens']} chunk={result['batch_size']}, guided layers {result['layers']} of "
+             f"{result['num_layers']}, {result['threads']} threads, median of {result['repeats']}", "",
+             "| mode | time (s) | time / bf16 | extra MB | extra / bf16-size model |", "|---|---|---|---|---|"]
+    t_bf16 = result["modes"]["bf16"]["seconds"]
+    for mode, r in result["modes"].items():
+        lines.append(f"| {mode} | {r['seconds']:.3f} | {r['seconds'] / t_bf16:.2f}x | {r['extra_bytes'] / 2**20:.1f} "
+                     f"| {r['extra_bytes'] / result['bf16_model_bytes']:.2f}x |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny", help="'tiny', 'smollm2', or a model path / hub id")
@@ -73,7 +88,12 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=4, help="rows per forward chunk (per_device_train_batch_size)")
     p.add_argument("--layers", default=None, help="guided_fp32 layers, e.g. '0,1,2,3'; default: first quarter")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", default=None, help="also write the result to this JSON file")
+    p.add_argument("--render", default=None, help="print the markdown table of a result JSON and exit")
     a = p.parse_args(argv)
+    if a.render:
+        print(render(json.loads(Path(a.render).read_text())))
+        return
     torch.manual_seed(0)
     model, label = load(a.model, a.weights)
     model.eval()
@@ -81,18 +101,17 @@ def main(argv=None):
     layers = [int(x) for x in a.layers.split(",")] if a.layers else list(range(max(1, L // 4)))
     ids, mask = batch(model, a.rows, a.prompt_len, a.tokens)
     res = run(model, SCORING_MODES, layers, ids, mask, a.tokens, a.batch_size, a.repeats)
-    params = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    table = Table(title=f"old pass, {label}, {a.weights} weights, B={a.rows} T={a.tokens} chunk={a.batch_size}, "
-                        f"guided layers {layers} of {L}")
-    for col in ("mode", "time (s)", "time / bf16", "extra MB", "extra / bf16 model"):
-        table.add_column(col, justify="right")
-    t_bf16 = res["bf16"][0]
-    bf16_bytes = sum(t.numel() * 2 for t in model.state_dict().values())  # the policy held in bf16
-    for mode, (t, extra) in res.items():
-        table.add_row(mode, f"{t:.3f}", f"{t / t_bf16:.2f}x", f"{extra / 2**20:.1f}", f"{extra / bf16_bytes:.2f}x")
-    Console(width=140).print(table)
-    print(f"policy weights as stored: {params / 2**20:.1f} MB; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads")
+    result = {
+        "command": "python benchmarks/old_pass.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "label": label, "weights": a.weights, "rows": a.rows, "tokens": a.tokens, "batch_size": a.batch_size,
+        "layers": layers, "num_layers": L, "threads": torch.get_num_threads(), "repeats": a.repeats,
+        "torch": torch.__version__, "bf16_model_bytes": sum(t.numel() * 2 for t in model.state_dict().values()),
+        "modes": {m: {"seconds": t, "extra_bytes": extra} for m, (t, extra) in res.items()},
+    }
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(result, indent=1))
+    print(render(result))
 
 
 if __name__ == "__main__":
