@@ -1,0 +1,271 @@
+"""`grpo-ratio probe invariance`: bitwise invariance of the old log-probs, per scoring mode (seed 001, DetLLM's
+zero-tolerance test harness: rerun, alone vs random co-prompts, prefill vs token-by-token; logits chain-hashed).
+
+Completions are sampled once (`common.sample_completions`), then, for each `old_logprob_mode` of
+`grpo_ratio.scoring.OldLogprobScorer` on an fp32-weights model (TRL's regime: `bf16` = bf16 autocast), the fp32
+log-probs of the completion tokens are compared BIT FOR BIT (not within a tolerance) in three checks:
+
+- rerun: each sequence scored alone (batch 1, no padding) twice;
+- co-batch k: each sequence alone vs inside a random co-batch of k sequences (its neighbours are other prompts of the
+  set, drawn with `torch.Generator().manual_seed(seed)`, the same groups for every mode), laid out as TRL lays out a
+  batch (prompts left-padded, completions right-padded to the group's longest);
+- decode: the teacher-forced full pass (prefill of prompt + completion, batch 1) vs token-by-token decoding with the
+  KV cache: the prompt prefilled, then each completion token fed alone with `past_key_values`, in the same precision
+  context as the mode (its autocast, its fp16 copy, its fp32 layers); a mode that cannot decode is reported as such.
+
+The equal rate is the share of valid completion tokens whose fp32 log-prob bit patterns are identical. The chain hash
+of a mode is sha256 chained over the sequences in order, each link over the little-endian fp32 bytes of that
+sequence's valid batch-1 log-probs, so two machines that scored the same tokens (`tokens_sha256`) can compare.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import time
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from .. import scoring
+from ..scoring import OldLogprobScorer
+from .common import Completions, compare, layout_trl, score_alone
+
+
+MODES = ("bf16", "fp32_clone", "fp16_clone", "fp32_head", "guided_fp32")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# pure pieces
+
+
+def bitwise_equal(logp_a: torch.Tensor, logp_b: torch.Tensor, valid: torch.Tensor) -> dict:
+    """Bitwise agreement of two fp32 log-prob tensors over the valid tokens, plus `compare`'s out-of-band summary.
+
+    Args:
+        logp_a, logp_b: (B, T) fp32 log-probs of the same tokens under two computations.
+        valid: (B, T) bool.
+    Returns:
+        {"num_equal", "equal_rate" (num_equal / num_tokens; nan when no token), **compare(logp_a, logp_b, valid)}.
+        -0.0 and +0.0 differ bitwise and count as unequal; two NaNs with the same bits count as equal.
+    Raises:
+        ValueError: a tensor is not fp32 (the bit patterns of another dtype are not the ones hashed).
+    """
+    if logp_a.dtype != torch.float32 or logp_b.dtype != torch.float32:
+        raise ValueError(f"bitwise_equal needs fp32 log-probs, got {logp_a.dtype} and {logp_b.dtype}")
+    same = (logp_a.view(torch.int32) == logp_b.view(torch.int32)) & valid  # (B, T)
+    res = compare(logp_a, logp_b, valid)
+    n_equal = int(same.sum())
+    return {"num_equal": n_equal, "equal_rate": n_equal / res["num_tokens"] if res["num_tokens"] else float("nan"),
+            **res}
+
+
+def chain_hash(logps: torch.Tensor, valid: torch.Tensor) -> str:
+    """sha256 chain over the sequences: h_0 = 32 zero bytes, h_i = sha256(h_{i-1} || bytes_i), where bytes_i are the
+    little-endian fp32 bytes of row i's valid log-probs in token order; returns h_B in hex (64 characters).
+
+    Args:
+        logps: (B, T) fp32 log-probs.
+        valid: (B, T) bool; invalid positions are not hashed, so padding values cannot change the hash.
+    Raises:
+        ValueError: `logps` is not fp32.
+    """
+    if logps.dtype != torch.float32:
+        raise ValueError(f"chain_hash needs fp32 log-probs, got {logps.dtype}")
+    h = bytes(32)
+    for row, keep in zip(logps.cpu(), valid.cpu(), strict=True):
+        h = hashlib.sha256(h + row[keep].numpy().astype("<f4").tobytes()).digest()
+    return h.hex()
+
+
+def tokens_hash(data: Completions) -> str:
+    """sha256 of the valid completion ids (int64 little-endian, rows chained as `chain_hash`): equal on two machines
+    iff they scored the same tokens, the precondition for comparing their log-prob chain hashes."""
+    ids = data.input_ids[:, -data.logits_to_keep:]  # (B, T)
+    h = bytes(32)
+    for row, keep in zip(ids, data.valid, strict=True):
+        h = hashlib.sha256(h + row[keep].numpy().astype("<i8").tobytes()).digest()
+    return h.hex()
+
+
+def co_batch_groups(num_rows: int, size: int, seed: int) -> list[tuple[list[int], list[int]]]:
+    """Random co-batches covering every row once: a seeded permutation cut into groups of `size`; a short last group
+    is filled with neighbours drawn from the other rows (scored but not measured there).
+
+    Returns:
+        [(rows of the batch, in batch order; the rows measured in it)], each batch exactly `size` rows.
+    Raises:
+        ValueError: size outside [1, num_rows].
+    """
+    if not 1 <= size <= num_rows:
+        raise ValueError(f"co-batch size {size} must be between 1 and the number of sequences ({num_rows})")
+    gen = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(num_rows, generator=gen).tolist()
+    groups = []
+    for start in range(0, num_rows, size):
+        measured = perm[start:start + size]
+        others = [i for i in perm if i not in measured]
+        fill = [others[j] for j in torch.randperm(len(others), generator=gen)[:size - len(measured)].tolist()]
+        rows = measured + fill
+        order = torch.randperm(size, generator=gen).tolist()  # the measured rows do not always come first
+        groups.append(([rows[j] for j in order], measured))
+    return groups
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# scoring in the three layouts
+
+
+def _parts(data: Completions, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row i's unpadded prompt ids (p_i,) and completion ids (t_i,)."""
+    ids, _, t_i = data.alone(i)
+    return ids[0, :-t_i], ids[0, -t_i:]
+
+
+def score_co_batches(scorer: OldLogprobScorer, data: Completions, groups, pad_id: int, eos: list[int]) -> torch.Tensor:
+    """(B, T) fp32 log-probs of each row scored inside its co-batch (one forward per group), in `data`'s layout
+    (0 past each row's completion)."""
+    out = torch.zeros(data.valid.shape)  # (B, T)
+    for rows, measured in groups:
+        parts = [_parts(data, i) for i in rows]
+        batch = layout_trl([p for p, _ in parts], [c for _, c in parts], pad_id, eos)
+        logps = scorer.score(batch.input_ids, batch.attention_mask, batch.logits_to_keep)  # (k, T_group)
+        for pos, i in enumerate(rows):
+            if i in measured:
+                t_i = len(parts[pos][1])
+                out[i, :t_i] = logps[pos, :t_i]
+    return out
+
+
+def _decode_forward(model, input_ids, attention_mask, logits_to_keep: int) -> torch.Tensor:
+    """Drop-in for `scoring._plain_forward` on one unpadded row: the first S - (logits_to_keep - 1) tokens prefilled
+    with the KV cache, then each remaining token fed alone with `past_key_values`.
+
+    input_ids (1, S) -> logits (1, logits_to_keep, V) at the same positions the teacher-forced pass returns.
+    """
+    if input_ids.size(0) != 1 or not bool(attention_mask.all()):
+        raise ValueError("token-by-token decode scores one unpadded sequence at a time")
+    n_fed = logits_to_keep - 1  # completion tokens fed one by one; the prefill's last logit predicts the first
+    prefix = input_ids[:, :input_ids.size(1) - n_fed]  # (1, p)
+    out = type(model).forward(model, input_ids=prefix, use_cache=True, logits_to_keep=1)
+    logits, cache = [out.logits], out.past_key_values  # [(1, 1, V)]
+    for j in range(prefix.size(1), input_ids.size(1)):
+        out = type(model).forward(model, input_ids=input_ids[:, j:j + 1], past_key_values=cache, use_cache=True)
+        logits.append(out.logits[:, -1:])
+        cache = out.past_key_values
+    return torch.cat(logits, dim=1)  # (1, logits_to_keep, V)
+
+
+@contextlib.contextmanager
+def decoding(scorer: OldLogprobScorer):
+    """Within this context `scorer.score` decodes token by token with the KV cache instead of one teacher-forced pass.
+
+    Every mode reaches the model through `scoring._plain_forward`, inside the mode's own precision context (its
+    autocast, its fp16 copy, its patched fp32 layers/norm/head); swapping that one function keeps the context exactly
+    and changes only prefill-at-once into prefill-then-decode. Restored on exit.
+    """
+    del scorer  # the swap is module-wide; the argument documents which scorer the context is for
+    original = scoring._plain_forward
+    scoring._plain_forward = _decode_forward
+    try:
+        yield
+    finally:
+        scoring._plain_forward = original
+
+
+def score_decode(scorer: OldLogprobScorer, data: Completions) -> torch.Tensor:
+    """(B, T) fp32 log-probs from prefill + token-by-token decode, each sequence alone (as `score_alone`)."""
+    with decoding(scorer):
+        return score_alone(lambda ids, mask, t: scorer.score(ids, mask, t, batch_size=1), data)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the probe
+
+
+def run_mode(model, data: Completions, mode: str, layers: list[int] | None, groups: dict, pad_id: int,
+             eos: list[int]) -> dict:
+    """The three checks for one mode. Returns {"rerun", "co_batch_{k}" for each k, "decode": bitwise_equal(...) each
+    (decode: or {"supported": False, "reason"}), "chain_hash", "seconds"}."""
+    t0 = time.perf_counter()
+    scorer = OldLogprobScorer(model, mode, layers=layers if mode == "guided_fp32" else None)
+    alone = score_alone(lambda ids, mask, t: scorer.score(ids, mask, t, batch_size=1), data)  # (B, T)
+    res = {"rerun": bitwise_equal(score_alone(lambda ids, mask, t: scorer.score(ids, mask, t, batch_size=1), data),
+                                  alone, data.valid)}
+    for k, g in groups.items():
+        res[f"co_batch_{k}"] = bitwise_equal(score_co_batches(scorer, data, g, pad_id, eos), alone, data.valid)
+    try:
+        res["decode"] = {"supported": True, **bitwise_equal(score_decode(scorer, data), alone, data.valid)}
+    except (ValueError, TypeError, RuntimeError, NotImplementedError) as err:  # a model whose forward has no cache
+        res["decode"] = {"supported": False, "reason": f"{type(err).__name__}: {err}"}
+    res["chain_hash"] = chain_hash(alone, data.valid)
+    res["seconds"] = time.perf_counter() - t0
+    return res
+
+
+def run_invariance(model, data: Completions, pad_id: int, eos: list[int], layers: list[int] | None = None,
+                   co_batch_sizes=(2, 8), seed: int = 1234, modes=MODES, progress: bool = True) -> dict:
+    """Every check for every mode on `model` (fp32 weights, not modified).
+
+    Args:
+        data: the sampled completions (B sequences).
+        pad_id, eos: the tokenizer's pad id and the EOS id(s), to lay out co-batches as TRL does.
+        layers: guided_fp32's decoder layers; None skips `guided_fp32` (recorded as skipped).
+        co_batch_sizes: sizes k of the random co-batches, each in [2, B].
+        seed: seeds the co-batch groups (the same groups for every mode).
+    Returns:
+        {"modes": {mode: run_mode(...)} (guided_fp32 without layers: {"skipped": reason}),
+         "co_batches": {k: [[rows in batch order], ...]}, "tokens_sha256": tokens_hash(data)}.
+    Raises:
+        ValueError: an unknown mode, or a co-batch size outside [2, B].
+    """
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise ValueError(f"modes {bad} unknown; allowed: {', '.join(MODES)}")
+    B = data.input_ids.size(0)
+    bad = [k for k in co_batch_sizes if not 2 <= k <= B]
+    if bad:
+        raise ValueError(f"co-batch sizes {bad} must be between 2 and the number of sequences ({B})")
+    groups = {k: co_batch_groups(B, k, seed + k) for k in co_batch_sizes}
+    results = {}
+    for mode in tqdm(modes, desc="invariance: modes", disable=not progress):
+        if mode == "guided_fp32" and not layers:
+            results[mode] = {"skipped": "no --layers given"}
+            continue
+        results[mode] = run_mode(model, data, mode, layers, groups, pad_id, eos)
+    return {"modes": results, "co_batches": {str(k): [rows for rows, _ in g] for k, g in groups.items()},
+            "tokens_sha256": tokens_hash(data)}
+
+
+def _rate(res: dict) -> str:
+    if not res.get("supported", True):
+        return "cannot decode"
+    return f"{100 * res['equal_rate']:.2f}% ({res['max_abs_dlogp']:.2g})"
+
+
+def markdown(payload: dict) -> str:
+    """One row per mode: the bitwise-equal rate (and max abs dlogp) of each check, and the batch-1 chain hash."""
+    info, r = payload["info"], payload["result"]
+    sizes = list(r["co_batches"])
+    head = ["mode", "tokens", "rerun"] + [f"alone vs co-batch {k}" for k in sizes] + \
+        ["prefill vs decode", "batch-1 chain hash", "seconds"]
+    lines = [(f"### invariance: {info['model']} ({info['num_sequences']} sequences, {info['num_tokens']} completion "
+              f"tokens, <= {info['max_new_tokens']} new tokens, seed {info['seed']}, fp32 weights)"), "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for mode, res in r["modes"].items():
+        if "skipped" in res:
+            lines.append("| " + " | ".join([mode, "-", f"skipped: {res['skipped']}"] + ["-"] * (len(head) - 3)) + " |")
+            continue
+        cells = [mode, str(res["rerun"]["num_tokens"]), _rate(res["rerun"])]
+        cells += [_rate(res[f"co_batch_{k}"]) for k in sizes] + [_rate(res["decode"])]
+        cells += [f"`{res['chain_hash'][:12]}`", f"{res['seconds']:.1f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    layers = payload.get("guided_fp32_layers")
+    lines += ["", ("Bitwise-equal rate: share of valid completion tokens whose fp32 log-prob has the same bits in both "
+                   "computations (in brackets: max abs dlogp). Rerun: each sequence alone, twice; co-batch k: alone "
+                   "vs inside a random batch of k sequences (TRL's padding); decode: teacher-forced prefill vs "
+                   "prompt prefill + token-by-token decode with the KV cache, same precision context. "
+                   f"guided_fp32 layers: {layers}. Chain hash: first 12 hex digits of the sha256 chain over the "
+                   f"batch-1 log-probs (full value in the JSON); tokens sha256 `{r['tokens_sha256'][:12]}`."), ""]
+    return "\n".join(lines)
