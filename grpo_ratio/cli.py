@@ -5,6 +5,7 @@
     grpo-ratio probe layers ...      # writes DIR/calibration.json for RatioGRPOConfig(guided_fp32_layers=...)
     grpo-ratio probe calibrate --target 0.01 ...
     grpo-ratio probe controls ...
+    grpo-ratio probe invariance --layers results/probes/smollm2-calibration.json ...
 
 Each probe writes `DIR/<probe>.json` and `DIR/<probe>.md` (and a PNG where a plot helps). docs/probes.md explains them.
 """
@@ -28,6 +29,8 @@ _TOPICS = ["the ocean is salty", "the sky is blue", "leaves change colour", "bre
            "clouds float", "milk curdles", "batteries run down", "sugar dissolves", "bridges sway",
            "thunder follows lightning", "bubbles are round"]
 BUILTIN_PROMPTS = [f"Explain in two sentences why {t}." for t in _TOPICS]
+# grpo_ratio.probes.invariance.MODES, spelled out so that `--help` does not import the probes
+INVARIANCE_MODES = ("bf16", "fp32_clone", "fp16_clone", "fp32_head", "guided_fp32")
 
 
 def _common(p: argparse.ArgumentParser, num_prompts: int = 8, max_new_tokens: int = 64) -> None:
@@ -46,7 +49,7 @@ def _common(p: argparse.ArgumentParser, num_prompts: int = 8, max_new_tokens: in
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """`grpo-ratio probe {batch,ladder,layers,calibrate,controls}` with their options."""
+    """`grpo-ratio probe {batch,ladder,layers,calibrate,controls,greedy,invariance}` with their options."""
     parser = argparse.ArgumentParser(prog="grpo-ratio", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     top = parser.add_subparsers(dest="command", required=True)
@@ -87,6 +90,16 @@ def build_parser() -> argparse.ArgumentParser:
     _common(gr)
     gr.add_argument("--dtypes", default="bf16,fp16,fp32", help="comma-separated subset of bf16,fp16,fp32; the "
                                                              "first is the reference and is also decoded twice")
+    iv = sub.add_parser("invariance", help="bitwise checks of each scoring mode's log-probs: rerun, alone vs random "
+                                           "co-batches, prefill vs token-by-token decode; chain hash (seed 001)")
+    _common(iv, max_new_tokens=32)
+    iv.add_argument("--layers", default=None,
+                    help="guided_fp32 layers: comma-separated indices or a calibration JSON (probe layers/calibrate); "
+                         "without it guided_fp32 is skipped")
+    iv.add_argument("--co-batch-sizes", default="2,8",
+                    help="sizes of the random co-batches, comma-separated, each in [2, --num-prompts] (--batch-size "
+                         "is not used by this probe)")
+    iv.add_argument("--modes", default=",".join(INVARIANCE_MODES), help="comma-separated subset of the scoring modes")
     return parser
 
 
@@ -274,8 +287,45 @@ def cmd_greedy(args) -> list:
     return common.write_results(args.out, "greedy", payload, markdown(payload))
 
 
+def _int_list(text: str, flag: str) -> list[int]:
+    """`"2,8"` -> [2, 8]; raises ProbeError naming `flag` on anything else."""
+    from .probes.common import ProbeError
+
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values:
+        raise ProbeError(f"{flag} {text!r}: expected comma-separated integers, e.g. 2,8")
+    return values
+
+
+def cmd_invariance(args) -> list:
+    """Sample once, run the bitwise checks for each scoring mode, write invariance.json/.md."""
+    from .probes import common
+    from .probes.invariance import MODES, markdown, run_invariance
+
+    sizes = _int_list(args.co_batch_sizes, "--co-batch-sizes")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or any(m not in MODES for m in modes):
+        raise common.ProbeError(f"--modes {args.modes!r}: expected a comma-separated subset of {', '.join(MODES)}")
+    prompts, idx = _load_prompts(args)
+    for k in sizes:
+        if k < 2:
+            raise common.ProbeError(f"--co-batch-sizes: {k} is not a co-batch; each size must be >= 2")
+        common.check_batch_size(k, len(prompts), "--co-batch-sizes")
+    model, tok = common.load_model(args.model)
+    layers = _guided_layers(args.layers, model)
+    data = common.sample_completions(model, tok, prompts, args.max_new_tokens, args.seed, gsm8k=_is_gsm8k(args))
+    result = run_invariance(model, data, tok.pad_token_id, common.eos_ids(model, tok), layers, sizes, args.seed,
+                            tuple(modes), progress=not args.no_progress)
+    payload = {"probe": "invariance", "info": common.run_info(args, model, idx, data), "guided_fp32_layers": layers,
+               "layers_source": args.layers, "result": result}
+    return common.write_results(args.out, "invariance", payload, markdown(payload))
+
+
 COMMANDS = {"batch": cmd_batch, "ladder": cmd_ladder, "layers": cmd_layers, "calibrate": cmd_calibrate,
-            "controls": cmd_controls, "greedy": cmd_greedy}
+            "controls": cmd_controls, "greedy": cmd_greedy, "invariance": cmd_invariance}
 
 
 def main(argv: list[str] | None = None) -> int:

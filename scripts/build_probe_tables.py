@@ -4,7 +4,8 @@
     python scripts/build_probe_tables.py --check    # exit 1 if docs/probes.md or a <probe>.md is out of date (CI)
 
 Every `results/probes/<run>/<probe>.json` is rendered by the probe's own `markdown()` function (the same code that
-wrote `<probe>.md` next to it), runs in name order, probes in the order batch, ladder, layers, calibrate, controls, greedy.
+wrote `<probe>.md` next to it), runs in name order, probes in the order batch, ladder, layers, calibrate, controls,
+greedy, invariance.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ import json
 import sys
 from pathlib import Path
 
-from grpo_ratio.probes import batch, calibrate, controls, greedy, ladder, layers
+from grpo_ratio.probes import batch, calibrate, controls, greedy, invariance, ladder, layers
 
 
 ROOT = Path(__file__).resolve().parent.parent
 RENDER = {"batch": batch.markdown, "ladder": ladder.markdown, "layers": layers.markdown,
-          "calibrate": calibrate.markdown, "controls": controls.markdown, "greedy": greedy.markdown}
+          "calibrate": calibrate.markdown, "controls": controls.markdown, "greedy": greedy.markdown,
+          "invariance": invariance.markdown}
 BEGIN, END = "<!-- probe-tables:begin (scripts/build_probe_tables.py) -->", "<!-- probe-tables:end -->"
 
 

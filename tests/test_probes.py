@@ -339,3 +339,101 @@ def test_probe_tables_rebuild_replaces_only_the_marked_block():
     assert mod.rebuild(doc, "new table") == f"intro\n{mod.BEGIN}\n\nnew table\n{mod.END}\noutro\n"
     with pytest.raises(ValueError, match="markers"):
         mod.rebuild("no markers", "x")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# probe invariance
+
+
+def test_bitwise_equal_counts_bits_not_values():
+    from grpo_ratio.probes.invariance import bitwise_equal
+
+    a = torch.tensor([[-1.0, -2.0, 0.0, -3.0]])
+    b = a.clone()
+    b.view(torch.int32)[0, 1] ^= 1  # -2.0 -> its neighbour one ulp away (2^-22 larger in magnitude)
+    b[0, 2] = -0.0  # equal as numbers, different bits (sign)
+    b[0, 3] = -7.0  # an invalid position: not counted
+    valid = torch.tensor([[True, True, True, False]])
+    r = bitwise_equal(a, b, valid)
+    # 3 valid tokens, only -1.0 keeps its bits -> 1 of 3; the largest |dlogp| is the ulp of 2.0, 2^-22
+    assert (r["num_tokens"], r["num_equal"]) == (3, 1) and r["equal_rate"] == pytest.approx(1 / 3, abs=1e-12)
+    assert r["max_abs_dlogp"] == 2.0 ** -22 and r["num_oob"] == 0
+    with pytest.raises(ValueError, match="fp32"):
+        bitwise_equal(a.double(), b.double(), valid)
+
+
+def test_chain_hash_is_stable_and_moves_with_one_bit():
+    import hashlib
+
+    from grpo_ratio.probes.invariance import chain_hash
+
+    logps = torch.tensor([[-0.5, -1.25, 9.0], [-2.0, 9.0, 9.0]])
+    valid = torch.tensor([[True, True, False], [True, False, False]])
+    h = chain_hash(logps, valid)
+    # by hand: h1 = sha256(32 zero bytes || le-fp32(-0.5, -1.25)), h2 = sha256(h1 || le-fp32(-2.0)); 9.0 is invalid
+    h1 = hashlib.sha256(bytes(32) + bytes.fromhex("000000bf0000a0bf")).digest()
+    assert h == hashlib.sha256(h1 + bytes.fromhex("000000c0")).hexdigest()
+    assert chain_hash(logps.clone(), valid) == h  # the same bits hash the same on a second call
+    other = logps.clone()
+    other[1, 2] = 0.0  # invalid positions (padding) do not enter the hash
+    assert chain_hash(other, valid) == h
+    other.view(torch.int32)[1, 0] ^= 1  # one bit of one valid log-prob
+    assert chain_hash(other, valid) != h
+    swapped = torch.tensor([[-2.0, 9.0, 9.0], [-0.5, -1.25, 9.0]])  # the same values, rows in the other order
+    assert chain_hash(swapped, valid.flip(0)) != h
+
+
+def test_co_batch_groups_cover_each_row_once():
+    from grpo_ratio.probes.invariance import co_batch_groups
+
+    groups = co_batch_groups(5, 2, seed=3)
+    # 5 rows in batches of 2: 3 batches; the last measures 1 row and carries 1 neighbour drawn from the others
+    assert len(groups) == 3 and all(len(rows) == 2 and len(set(rows)) == 2 for rows, _ in groups)
+    measured = sorted(i for _, m in groups for i in m)
+    assert measured == [0, 1, 2, 3, 4] and all(set(m) <= set(rows) for rows, m in groups)
+    assert co_batch_groups(5, 2, seed=3) == groups  # seeded
+    with pytest.raises(ValueError, match="co-batch size"):
+        co_batch_groups(4, 5, seed=0)
+
+
+@pytest.fixture(scope="module")
+def invariance_result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("invariance")
+    return _run(out, "invariance", "--num-prompts", "4", "--co-batch-sizes", "2,4", "--layers", "0")
+
+
+def test_invariance_probe_on_tiny_model(invariance_result):
+    modes = invariance_result["result"]["modes"]
+    assert list(modes) == ["bf16", "fp32_clone", "fp16_clone", "fp32_head", "guided_fp32"]
+    n = invariance_result["info"]["num_tokens"]
+    for mode, r in modes.items():
+        # the same computation twice on one machine: every bit equal (CPU kernels are run-to-run deterministic)
+        assert r["rerun"]["num_tokens"] == n and r["rerun"]["equal_rate"] == 1.0, mode
+        assert r["decode"]["supported"] and r["decode"]["num_tokens"] == n, mode
+        assert len(r["chain_hash"]) == 64
+    fp32 = modes["fp32_clone"]
+    # fp32 is not batch invariant either: a co-batch pads the sequence (left-padded prompt, so shifted rotary
+    # positions and a longer masked attention row), which changes the order of the reductions but not the maths.
+    # On the tiny model some tokens keep their bits and some move by rounding only: |dlogp| within ~10 fp32 ulps of
+    # |logp| ~ log(300) = 5.7 (ulp 2^-21 = 4.8e-7, so < 5e-6). Decoding with the KV cache reorders the same way.
+    for check in ("co_batch_2", "co_batch_4", "decode"):
+        assert 0.0 < fp32[check]["equal_rate"] < 1.0, check
+        assert fp32[check]["max_abs_dlogp"] < 5e-6, check
+    # bf16 autocast rounds each matmul's output to 8 bits of mantissa, so the same reordering moves more tokens
+    assert modes["bf16"]["co_batch_4"]["equal_rate"] < fp32["co_batch_4"]["equal_rate"]
+    assert len({r["chain_hash"] for r in modes.values()}) == 5  # each mode's log-probs differ somewhere
+
+
+def test_invariance_hash_is_stable_across_runs_and_errors(tmp_path, capsys, invariance_result):
+    # a second run of the probe (sampling and scoring again) reproduces the fp32 chain hash bit for bit
+    again = _run(tmp_path, "invariance", "--num-prompts", "4", "--co-batch-sizes", "2", "--modes", "fp32_clone")
+    first = invariance_result["result"]
+    assert again["result"]["tokens_sha256"] == first["tokens_sha256"]
+    assert again["result"]["modes"]["fp32_clone"]["chain_hash"] == first["modes"]["fp32_clone"]["chain_hash"]
+    assert list(again["result"]["modes"]) == ["fp32_clone"]
+    skipped = _run(tmp_path, "invariance", "--num-prompts", "2", "--co-batch-sizes", "2", "--modes", "guided_fp32")
+    assert skipped["result"]["modes"]["guided_fp32"] == {"skipped": "no --layers given"}
+    for extra, message in [(["--co-batch-sizes", "1"], "must be >= 2"), (["--co-batch-sizes", "16"], "between 1"),
+                           (["--co-batch-sizes", "a"], "comma-separated integers"), (["--modes", "fp8"], "subset")]:
+        assert main(["probe", "invariance", *TINY, *extra, "--out", str(tmp_path)]) == 2
+        assert message in capsys.readouterr().err

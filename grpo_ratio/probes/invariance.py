@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import time
 
-import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -138,34 +138,40 @@ def score_co_batches(scorer: OldLogprobScorer, data: Completions, groups, pad_id
     return out
 
 
-def _decode_forward(model, input_ids, attention_mask, logits_to_keep: int) -> torch.Tensor:
-    """Drop-in for `scoring._plain_forward` on one unpadded row: the first S - (logits_to_keep - 1) tokens prefilled
-    with the KV cache, then each remaining token fed alone with `past_key_values`.
+def _cache_kwarg(model) -> str:
+    """The forward's KV-cache argument: `cache` (transformers >= 5.x) or the older `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
 
-    input_ids (1, S) -> logits (1, logits_to_keep, V) at the same positions the teacher-forced pass returns.
+
+def _decode_forward(model, input_ids, attention_mask, logits_to_keep: int) -> torch.Tensor:
+    """Drop-in for `scoring._plain_forward` on one unpadded row: the first S - logits_to_keep tokens prefilled with
+    the KV cache, then each of the last `logits_to_keep` tokens fed alone with the cache.
+
+    input_ids (1, S) -> logits (1, logits_to_keep + 1, V) at the positions the teacher-forced pass returns (the
+    `_plain_forward` contract: one more than the completion, the last is dropped by the caller).
     """
     if input_ids.size(0) != 1 or not bool(attention_mask.all()):
         raise ValueError("token-by-token decode scores one unpadded sequence at a time")
-    n_fed = logits_to_keep - 1  # completion tokens fed one by one; the prefill's last logit predicts the first
-    prefix = input_ids[:, :input_ids.size(1) - n_fed]  # (1, p)
+    key = _cache_kwarg(model)
+    prefix = input_ids[:, :input_ids.size(1) - logits_to_keep]  # (1, p): its last logit predicts completion token 0
     out = type(model).forward(model, input_ids=prefix, use_cache=True, logits_to_keep=1)
-    logits, cache = [out.logits], out.past_key_values  # [(1, 1, V)]
+    logits = [out.logits]  # [(1, 1, V)]
     for j in range(prefix.size(1), input_ids.size(1)):
-        out = type(model).forward(model, input_ids=input_ids[:, j:j + 1], past_key_values=cache, use_cache=True)
-        logits.append(out.logits[:, -1:])
-        cache = out.past_key_values
-    return torch.cat(logits, dim=1)  # (1, logits_to_keep, V)
+        cache = out.cache if hasattr(out, "cache") else out.past_key_values  # a Cache may be falsy (len 0)
+        out = type(model).forward(model, input_ids=input_ids[:, j:j + 1], use_cache=True, **{key: cache})
+        logits.append(out.logits[:, -1:])  # (1, 1, V)
+    return torch.cat(logits, dim=1)  # (1, logits_to_keep + 1, V)
 
 
 @contextlib.contextmanager
-def decoding(scorer: OldLogprobScorer):
-    """Within this context `scorer.score` decodes token by token with the KV cache instead of one teacher-forced pass.
+def decoding():
+    """Within this context `OldLogprobScorer.score` decodes token by token with the KV cache instead of one
+    teacher-forced pass.
 
     Every mode reaches the model through `scoring._plain_forward`, inside the mode's own precision context (its
     autocast, its fp16 copy, its patched fp32 layers/norm/head); swapping that one function keeps the context exactly
     and changes only prefill-at-once into prefill-then-decode. Restored on exit.
     """
-    del scorer  # the swap is module-wide; the argument documents which scorer the context is for
     original = scoring._plain_forward
     scoring._plain_forward = _decode_forward
     try:
@@ -176,7 +182,7 @@ def decoding(scorer: OldLogprobScorer):
 
 def score_decode(scorer: OldLogprobScorer, data: Completions) -> torch.Tensor:
     """(B, T) fp32 log-probs from prefill + token-by-token decode, each sequence alone (as `score_alone`)."""
-    with decoding(scorer):
+    with decoding():
         return score_alone(lambda ids, mask, t: scorer.score(ids, mask, t, batch_size=1), data)
 
 
