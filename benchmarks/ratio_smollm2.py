@@ -3,9 +3,9 @@
 Two tables, each setting a real `RatioGRPOTrainer.train()` of --steps steps on GSM8K test prompts (same seed, so
 every setting samples the same step-1 rollouts; bf16 autocast, transformers generate):
 - precision: old_logprob_mode bf16 / fp32_clone / fp16_clone at top_p=1: out-of-band rates of new/old and
-  old/sampler, clip flips (issue 3);
+  old/sampler, clip flips;
 - truncation: an untruncated control, top_p=0.8 and top_k=20, each with truncation_correction=renormalize: mean
-  old/sampler ratio before correction vs mean kept mass, and after correction (issue 4).
+  old/sampler ratio before correction vs mean kept mass, and after correction.
 
     python benchmarks/ratio_smollm2.py --out results/ratio_smollm2.json      # ~15-25 min on 2 CPU cores
     python benchmarks/ratio_smollm2.py --table precision --steps 1           # one table

@@ -21,6 +21,7 @@ _LAZY = {
     "OldLogprobScorer": "scoring",
     "score_completion_logprobs": "scoring",
     "RatioGRPOTrainer": "trainer",
+    "resolve_model_path": "models",
 }
 __all__ = list(_LAZY)
 

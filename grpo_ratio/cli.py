@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 import sys
 
 import torch
@@ -44,7 +45,7 @@ def _common(p: argparse.ArgumentParser, num_prompts: int = 8, max_new_tokens: in
     p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="completion tokens sampled at most")
     p.add_argument("--batch-size", type=int, default=8, help="the larger batch compared with batch 1")
     p.add_argument("--seed", type=int, default=1234, help="torch.manual_seed before sampling (seed 004: 1234)")
-    p.add_argument("--out", default="probe-results", help="output directory")
+    p.add_argument("--out", default="probe-results", help="output directory (default: ./probe-results)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -340,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     except ProbeError as err:
         print(f"grpo-ratio probe {args.probe}: error: {err}", file=sys.stderr)
         return 2
+    for path in paths:
+        if str(path).endswith(".md"):
+            print(Path(path).read_text())  # the table, so a terminal run shows the result
     for path in paths:
         print(f"wrote {path}")
     return 0

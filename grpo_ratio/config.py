@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig
@@ -53,8 +54,17 @@ def parse_layer_spec(spec) -> list[int] | None:
             raise ValueError(f"guided_fp32_layers: {x!r} is not an integer layer index") from None
         if i < 0 or str(x).strip() not in (str(i), f"+{i}") and not isinstance(x, int):
             raise ValueError(f"guided_fp32_layers: {x!r} is not a non-negative integer layer index")
+        if i in layers:
+            raise ValueError(f"guided_fp32_layers: layer {i} is listed twice")
         layers.append(i)
-    return sorted(set(layers))
+    return sorted(layers)
+
+
+def _sampling_truncated(args) -> bool:
+    """Whether top_p < 1, top_k > 0 or min_p > 0, in the config or in `generation_kwargs`."""
+    gen = args.generation_kwargs or {}
+    top_p, top_k, min_p = gen.get("top_p", args.top_p), gen.get("top_k", args.top_k), gen.get("min_p", args.min_p)
+    return (top_p is not None and top_p < 1.0) or bool(top_k) or bool(min_p)
 
 
 @dataclass
@@ -169,5 +179,14 @@ class RatioGRPOConfig(GRPOConfig):
                 f"ratio band must satisfy 0 < ratio_band_low < 1 < ratio_band_high, got "
                 f"[{self.ratio_band_low}, {self.ratio_band_high}]"
             )
-        if self.clip_flip_every < 0:
-            raise ValueError(f"clip_flip_every must be >= 0 (0 = never), got {self.clip_flip_every}")
+        for name in ("record_sampler_logprobs", "ratio_diagnostics"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if isinstance(self.clip_flip_every, bool) or not isinstance(self.clip_flip_every, int) or self.clip_flip_every < 0:
+            raise ValueError(f"clip_flip_every must be an integer >= 0 (0 = never), got {self.clip_flip_every!r}")
+        if self.truncation_correction != "none" and not _sampling_truncated(self):
+            warnings.warn(
+                f"truncation_correction={self.truncation_correction!r} has no effect: sampling is not truncated "
+                f"(top_p=1, top_k=0, no min_p); ratio/kept_mass_mean will be 1",
+                stacklevel=2,
+            )

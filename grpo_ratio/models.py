@@ -10,7 +10,7 @@ Order (`resolve_model_path`):
 
 A local directory is what TRL needs: `GRPOTrainer` re-loads the reference model from `model.config.name_or_path`
 when `beta != 0` (trl_grpo_internals.md §5, obstacle 3), so an in-memory model converted from GGUF would fail there.
-Source: issue 6; /work/shared/README.md (the GGUF route, `quantization_config`/`hf_quantizer` pitfall).
+Source: the project brief; shared/README.md (the GGUF route, `quantization_config`/`hf_quantizer` pitfall).
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .config import _sampling_truncated
 from .sampling import KeptSets, kept_set_logprobs
 
 
@@ -35,11 +36,7 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling",
 def truncation_active(args) -> bool:
     """Whether sampling truncates the distribution (top_p < 1, top_k > 0 or min_p > 0, in the config or in
     `generation_kwargs`)."""
-    gen = args.generation_kwargs or {}
-    top_p = gen.get("top_p", args.top_p)
-    top_k = gen.get("top_k", args.top_k)
-    min_p = gen.get("min_p", args.min_p)
-    return (top_p is not None and top_p < 1.0) or bool(top_k) or bool(min_p)
+    return _sampling_truncated(args)
 
 
 def check_truncation_setup(args) -> None:

@@ -8,7 +8,7 @@ Field names and order follow vLLM's own definitions:
   prompt_logprobs, outputs, finished, metrics=None, ...`. (The brief listed RequestOutput without
   `prompt_logprobs`; vLLM has it between `prompt_token_ids` and `outputs`.)
 - `sampling_mask: SamplingMask | None = None` on CompletionOutput and `SamplingMask(token_ids: list[list[int]])`:
-  vLLM 0.28+ / 0.33 with the engine flag `return_sampling_mask` (/work/shared/reference/trl_grpo_internals.md section 8,
+  vLLM 0.28+ / 0.33 with the engine flag `return_sampling_mask` (shared/reference/trl_grpo_internals.md section 8,
   read from the vllm 0.33.0 wheel; the stored upstream snapshot predates the field, so it was also checked in a
   vendored copy of vllm/outputs.py: "Each inner list contains the vocabulary token IDs that survived top-k / top-p /
   min-p filtering for the corresponding generated token").

@@ -27,6 +27,9 @@ def test_defaults_are_trl_behaviour(tmp_path):
     (dict(truncation_correction="clip"), "allowed: none, renormalize, lift_sampler"),
     (dict(ratio_band_low=1.2), "ratio band"),
     (dict(clip_flip_every=-1), "clip_flip_every"),
+    (dict(clip_flip_every=0.5), "clip_flip_every must be an integer"),
+    (dict(ratio_diagnostics="no"), "ratio_diagnostics must be True or False"),
+    (dict(old_logprob_mode="guided_fp32", guided_fp32_layers="1,1"), "layer 1 is listed twice"),
 ])
 def test_bad_values_fail_at_config_time(tmp_path, kw, match):
     with pytest.raises(ValueError, match=match):
@@ -34,7 +37,7 @@ def test_bad_values_fail_at_config_time(tmp_path, kw, match):
 
 
 def test_layer_specs(tmp_path):
-    assert parse_layer_spec("3, 1,1") == [1, 3]
+    assert parse_layer_spec("3, 1") == [1, 3]
     assert parse_layer_spec([2, 0]) == [0, 2]
     calib = tmp_path / "calib.json"
     calib.write_text(json.dumps({"guided_fp32_layers": [0, 1, 29]}))
@@ -53,3 +56,8 @@ def test_fields_are_cli_flags_and_yaml_keys(tmp_path):
     assert cfg.old_logprob_mode == "fp16_clone" and cfg.ratio_band_high == 1.2
     with pytest.raises(SystemExit):  # argparse refuses a value outside `choices`
         TrlParser((RatioGRPOConfig,)).parse_args_and_config(["--config", str(yaml), "--old_logprob_mode", "fp8"])
+
+
+def test_correction_without_truncation_warns(tmp_path):
+    with pytest.warns(UserWarning, match="has no effect: sampling is not truncated"):
+        _cfg(tmp_path, truncation_correction="renormalize")

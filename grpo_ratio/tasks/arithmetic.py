@@ -1,5 +1,5 @@
 """An embedded, seeded arithmetic task: small additions a 135M instruct model can learn to answer in a few dozen
-GRPO steps on CPU (issue 6). No download; the same `seed` always gives the same problems.
+GRPO steps on CPU. No download; the same `seed` always gives the same problems.
 
 Prompt (conversational): system `ARITHMETIC_SYSTEM_PROMPT`, user "What is 7 + 5?". The gold answer is the result as a
 decimal string. Two TRL reward functions with partial credit, so a group of completions rarely has zero reward

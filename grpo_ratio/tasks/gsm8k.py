@@ -1,5 +1,5 @@
 """GSM8K (grade-school math word problems) with the prompt, gold answers and rewards of the batch-logprob-gap GRPO
-runs (seed 004; /work/shared/reference/seed_systems.md §1(e)).
+runs (seed 004; shared/reference/seed_systems.md §1(e)).
 
 - Data: a local JSONL file or folder (`{split}.jsonl`, fields `question`/`answer`), else the hub id `openai/gsm8k`
   (config "main") through `datasets`.
@@ -54,7 +54,8 @@ def _read_raw(dataset_path: str | None, split: str) -> Dataset:
     if not file.is_file():
         raise FileNotFoundError(
             f"dataset_path={dataset_path!r}: no GSM8K file at {str(file)!r}; expected a .jsonl file with fields "
-            f"'question' and 'answer', or a folder holding {split}.jsonl"
+            f"'question' and 'answer', or a folder holding {split}.jsonl. Pass --dataset_path <your GSM8K folder or "
+            f".jsonl>, or remove dataset_path to load openai/gsm8k from the Hugging Face Hub"
         )
     return load_dataset("json", data_files=str(file), split="train")  # a single-file json dataset has split "train"
 
