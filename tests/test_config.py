@@ -61,3 +61,13 @@ def test_fields_are_cli_flags_and_yaml_keys(tmp_path):
 def test_correction_without_truncation_warns(tmp_path):
     with pytest.warns(UserWarning, match="has no effect: sampling is not truncated"):
         _cfg(tmp_path, truncation_correction="renormalize")
+
+
+@pytest.mark.parametrize("version", ["1.15.2", "1.17.0", "2.0.0"])
+def test_untested_trl_is_refused_at_import(version, monkeypatch):
+    from grpo_ratio._compat import check_trl_version
+
+    monkeypatch.delenv("GRPO_RATIO_SKIP_TRL_CHECK", raising=False)
+    with pytest.raises(ImportError, match=r"trl>=1\.16\.0,<1\.17\.0"):
+        check_trl_version(version)
+    check_trl_version("1.16.0")  # the tested release passes
