@@ -32,16 +32,17 @@ def _fp32_reference(model, ids, mask, temperature):
     return completion_logprobs_from_logits(logits, ids[:, -T:], temperature)
 
 
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
 @pytest.mark.parametrize("tie", [False, True])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_modes_on_fp32_weights(arch, tie):
+def test_modes_on_fp32_weights(arch, tie, temperature):
     # TRL's default: fp32 weights, bf16 autocast. fp32 modes run the policy's own weights, outside autocast.
     model = tiny_model(arch, tie_word_embeddings=tie)
     ids, mask = _batch()
-    ref = _fp32_reference(model, ids, mask, 0.7)
+    ref = _fp32_reference(model, ids, mask, temperature)
     L = len(model_anatomy(model).layers)
     score = lambda mode, layers=None: score_completion_logprobs(  # noqa: E731
-        model, ids, mask, T, mode=mode, temperature=0.7, layers=layers, batch_size=2)
+        model, ids, mask, T, mode=mode, temperature=temperature, layers=layers, batch_size=2)
     assert (score("fp32_clone") - ref).abs().max() <= 1e-5
     assert (score("guided_fp32", range(L)) - ref).abs().max() <= 1e-5  # every layer + head = all fp32
     bf16_gap = (score("bf16") - ref).abs().max()
