@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     _common(gr)
     gr.add_argument("--dtypes", default="bf16,fp16,fp32", help="comma-separated subset of bf16,fp16,fp32; the "
                                                              "first is the reference and is also decoded twice")
+    gr.add_argument("--tau", type=float, default=None,
+                    help="margin-gated fp32 head (seed 000): recompute lm_head in fp32 where the top-two logit margin "
+                         "is below TAU ('inf': every step); reports EAR vs an fp32 decode with and without the gate")
     iv = sub.add_parser("invariance", help="bitwise checks of each scoring mode's log-probs: rerun, alone vs random "
                                            "co-batches, prefill vs token-by-token decode; chain hash (seed 001)")
     _common(iv, max_new_tokens=32)
@@ -273,17 +276,20 @@ def cmd_controls(args) -> list:
 
 
 def cmd_greedy(args) -> list:
-    """Greedy-decode each prompt alone per dtype; write greedy.json/.md."""
+    """Greedy-decode per dtype at batch 1 and --batch-size (and gated with --tau); write greedy.json/.md."""
     from .probes import common
     from .probes.greedy import markdown, run_greedy
 
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     if not dtypes or any(d not in common.DTYPES for d in dtypes) or len(set(dtypes)) != len(dtypes):
         raise common.ProbeError(f"--dtypes {args.dtypes!r}: expected distinct entries of bf16, fp16, fp32")
+    if args.tau is not None and not args.tau >= 0:
+        raise common.ProbeError(f"--tau {args.tau}: must be >= 0 (a top-two logit margin; inf gates every step)")
     prompts, idx = _load_prompts(args)
+    common.check_batch_size(args.batch_size, len(prompts))
     model, tok = common.load_model(args.model)
     result = run_greedy(model, tok, prompts, args.max_new_tokens, tuple(dtypes), _is_gsm8k(args),
-                        progress=not args.no_progress)
+                        progress=not args.no_progress, batch_size=args.batch_size, tau=args.tau)
     payload = {"probe": "greedy", "info": common.run_info(args, model, idx), "dtypes": dtypes, "result": result}
     return common.write_results(args.out, "greedy", payload, markdown(payload))
 

@@ -1,8 +1,10 @@
 """Tests of `grpo-ratio probe ...` (grpo_ratio/cli.py, grpo_ratio/probes/): each probe on a tiny random model in
 seconds, the pure pieces on literal tensors, the error cases; one slow test on SmolLM2-135M."""
 
+import copy
 import json
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -305,13 +307,74 @@ def test_greedy_agreement_literal():
 
 
 def test_greedy_probe_on_tiny_model(tmp_path, capsys):
-    res = _run(tmp_path, "greedy", "--dtypes", "bf16,fp32", "--num-prompts", "4")
-    pairs = res["result"]["pairs"]
-    assert set(pairs) == {"bf16_vs_bf16_rerun", "bf16_vs_fp32"}
-    assert pairs["bf16_vs_bf16_rerun"]["ear"] == 1.0  # within-format control: greedy bf16 twice is identical
-    assert all(len(t) <= 6 for t in res["result"]["tokens"]["fp32"])
+    res = _run(tmp_path, "greedy", "--dtypes", "bf16,fp32", "--num-prompts", "4", "--batch-size", "4", "--tau", "inf")
+    r = res["result"]
+    assert set(r["pairs"]) == {"bf16_vs_bf16_rerun", "bf16_vs_fp32", "bf16_b1_vs_b4", "fp32_b1_vs_b4"}
+    assert r["pairs"]["bf16_vs_bf16_rerun"]["ear"] == 1.0  # within-format control: greedy bf16 twice is identical
+    assert all(len(t) <= 6 for t in r["tokens"]["fp32"])
+    assert r["gate"]["bf16"]["fired_share"] == 1.0  # tau = inf: every finite margin is below it, every step fires
+    assert r["margins"]["bf16"]["num_steps"] == sum(len(t) for t in r["tokens"]["bf16"])
     assert main(["probe", "greedy", *TINY, "--dtypes", "bf16,bf16", "--out", str(tmp_path)]) == 2
     assert "distinct" in capsys.readouterr().err
+    assert main(["probe", "greedy", *TINY, "--tau", "-1", "--out", str(tmp_path)]) == 2
+    assert "--tau" in capsys.readouterr().err
+
+
+_GREEDY_TEXTS = ["the quick 0", "what is 1", "solve the 2", "a b c 3", "brown fox 4", "lazy dog 5", "answer is 6",
+                 "give the 7"]  # 4 to 8 tokens each: a batch of 8 left-pads every row but the longest
+
+
+def test_greedy_batch8_vs_batch1_fp32_on_tiny_model():
+    from grpo_ratio.probes.greedy import agreement, greedy_decode
+    from grpo_ratio.testing import tiny_model, tiny_tokenizer
+
+    model, tok = tiny_model("qwen2").eval(), tiny_tokenizer()
+    alone = greedy_decode(model, tok, _GREEDY_TEXTS, 12)
+    batched = greedy_decode(model, tok, _GREEDY_TEXTS, 12, batch_size=8)
+    # fp32: left padding moves the logits by rounding only (~1e-7), while the smallest top-2 margin of this model is
+    # ~1e-3; by seed 000's flip condition a token changes only when the perturbation of the margin exceeds the
+    # margin, so no step can flip and every prompt must agree
+    moves = [abs(p - q) for x, y in zip(alone, batched) for p, q in zip(x["margins"], y["margins"])]
+    smallest = min(m for x in alone for m in x["margins"])
+    assert max(moves) < 1e-5 < smallest
+    assert agreement(alone, batched)["ear"] == 1.0
+    # the loop (prefill + KV-cache steps) is the same decode as HF generate, prompt by prompt
+    for text, run in zip(_GREEDY_TEXTS, alone):
+        ids = tok(text, return_tensors="pt", add_special_tokens=False)
+        gen = model.generate(**ids, do_sample=False, max_new_tokens=12, pad_token_id=0)
+        assert gen[0, ids["input_ids"].size(1):].tolist() == run["tokens"]
+
+
+def test_greedy_margin_gate_limits_on_tiny_model():
+    from grpo_ratio.probes.greedy import fired_share, greedy_decode
+    from grpo_ratio.testing import tiny_model, tiny_tokenizer
+
+    # seed 1: a model where the fp32 head changes at least one bf16 decision, so the checks below can tell a gated
+    # decode from an ungated one (asserted, not assumed)
+    model, tok = tiny_model("qwen2", seed=1, dtype=torch.bfloat16).eval(), tiny_tokenizer()
+    plain = greedy_decode(model, tok, _GREEDY_TEXTS, 10)
+    # tau = 0: no margin is < 0, the gate never fires, the decode is the ungated one exactly
+    off = greedy_decode(model, tok, _GREEDY_TEXTS, 10, tau=0.0)
+    assert [r["tokens"] for r in off] == [r["tokens"] for r in plain]
+    assert [r["margins"] for r in off] == [r["margins"] for r in plain] and fired_share(off) == 0.0
+    # tau = inf: every step fires, i.e. an fp32-head decode; the reference is HF generate on a copy whose lm_head is an
+    # fp32 Linear holding the same (bf16-rounded) weight and upcasting its input
+    gated = greedy_decode(model, tok, _GREEDY_TEXTS, 10, tau=math.inf)
+    assert fired_share(gated) == 1.0
+    assert [r["tokens"] for r in gated] != [r["tokens"] for r in plain]
+    ref = copy.deepcopy(model)
+    ref.lm_head = torch.nn.Linear(64, 300, bias=False)
+    ref.lm_head.weight.data = model.lm_head.weight.detach().float()
+    ref.lm_head.register_forward_pre_hook(lambda mod, args: (args[0].float(),))
+    for text, run in zip(_GREEDY_TEXTS, gated):
+        ids = tok(text, return_tensors="pt", add_special_tokens=False)
+        gen = ref.generate(**ids, do_sample=False, max_new_tokens=10, pad_token_id=0)
+        assert gen[0, ids["input_ids"].size(1):].tolist() == run["tokens"]
+    # in between: the gate fires exactly at the steps whose recorded bf16 margin is below tau
+    tau = statistics.median(m for r in plain for m in r["margins"])
+    mid = greedy_decode(model, tok, _GREEDY_TEXTS, 10, tau=tau)
+    assert all(r["fired"] == [m < tau for m in r["margins"]] for r in mid)
+    assert 0.0 < fired_share(mid) < 1.0  # the smallest margin is below the median, the largest is not
 
 
 # ---------------------------------------------------------------------------------------------------------------------
