@@ -5,9 +5,8 @@ RatioGRPOTrainer wraps three private methods of `trl.GRPOTrainer`: `_generate_an
 order of the calls inside them change between TRL releases, so an untested release is refused at import.
 """
 
-from packaging.version import Version
-
 import trl
+from packaging.version import Version
 
 
 TESTED_TRL = (Version("1.16.0"), Version("1.17.0"))  # [low, high)

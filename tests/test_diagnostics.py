@@ -7,10 +7,10 @@ import glob
 
 import pytest
 import torch
+from wandb_offline import read_offline_run
 
 from grpo_ratio.testing import tiny_model
 from grpo_ratio.testing import tiny_trainer as _trainer
-from wandb_offline import read_offline_run
 
 
 def _steps(trainer):

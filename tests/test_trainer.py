@@ -7,7 +7,7 @@ import pytest
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
-from grpo_ratio import RatioGRPOConfig, RatioGRPOTrainer
+from grpo_ratio import RatioGRPOTrainer
 from grpo_ratio.scoring import completion_logprobs_from_logits
 from grpo_ratio.testing import letter_reward, tiny_model, tiny_prompts, tiny_tokenizer, tiny_trainer
 
