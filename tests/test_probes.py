@@ -23,6 +23,12 @@ def _run(tmp_path, probe, *extra):
     return json.loads((tmp_path / f"{probe}.json").read_text())
 
 
+def _assert_png(path):
+    """A non-empty PNG file: the 8-byte PNG signature and more than a header."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000, path
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # pure pieces
 
@@ -91,6 +97,7 @@ def test_batch_probe_controls_on_tiny_model(batch_result):
     # shows; bf16 keeps 8 significand bits against fp32's 24, so its log-probs move by far more
     assert r["bf16"]["b1_vs_b8"]["max_abs_dlogp"] > 10 * r["fp32"]["b1_vs_b8"]["max_abs_dlogp"]
     assert "| bf16 |" in (out / "batch.md").read_text()
+    _assert_png(out / "batch.png")
 
 
 def test_batch_probe_errors(tmp_path, capsys):
@@ -126,6 +133,7 @@ def test_ladder_probe_on_tiny_model(tmp_path):
     # parameter, the size of the policy in bf16 (tiny untied qwen2: no non-parameter state besides rotary buffers)
     assert r["fp32_clone"]["extra_bytes"] == r["fp32_head"]["extra_bytes"] == r["guided_fp32"]["extra_bytes"] == 0
     assert r["fp16_clone"]["extra_vs_bf16_model"] == pytest.approx(1.0, rel=0.01)
+    _assert_png(tmp_path / "ladder.png")
 
 
 def test_ladder_probe_layer_errors(tmp_path, capsys):
@@ -197,7 +205,7 @@ def test_layers_probe_writes_calibration_that_config_accepts(tmp_path):
     calib = json.loads((tmp_path / "calibration.json").read_text())
     assert calib["guided_fp32_layers"] == res["result"]["guided_fp32_layers"] and len(calib["increments"]) == 2
     assert calib["selection_prompts"]["indices"] == list(range(24, 32))  # last 8 of the 32 built-in prompts
-    assert (tmp_path / "layers.png").stat().st_size > 0
+    _assert_png(tmp_path / "layers.png")
     args = tiny_grpo_args(tmp_path / "run", old_logprob_mode="guided_fp32",
                           guided_fp32_layers=str(tmp_path / "calibration.json"))
     assert args.guided_fp32_layer_ids == calib["guided_fp32_layers"]
@@ -239,6 +247,7 @@ def test_calibrate_probe_on_tiny_model(tmp_path, capsys):
     assert res["info"]["prompt_indices"] == list(range(8)) and res["ranking_source"] == "selection prompts 24..31"
     calib = json.loads((tmp_path / "calibration.json").read_text())
     assert calib["guided_fp32_layers"] == [] and calib["recommended_mode"] == "fp32_head"
+    _assert_png(tmp_path / "calibrate.png")
     # a layer order from a `probe layers` file: increments [0.1, 0.5] rank layer 1 first
     layers_file = tmp_path / "layers.json"
     layers_file.write_text(json.dumps({"guided_fp32_layers": [1], "increments": [0.1, 0.5]}))
@@ -292,6 +301,34 @@ def test_batch_probe_smollm2_gsm8k(tmp_path):
 # probe greedy
 
 
+def test_probe_paths_list_the_png(tmp_path):
+    # write_results draws `{name}.png` with the probe's plot_payload and lists it after the JSON and markdown;
+    # a probe without plot_payload (controls) writes no PNG. Payload by hand: 2 dtypes x 2 batch sizes, 10 of 100
+    # tokens out of band each; a calibrate search of two steps.
+    from grpo_ratio.probes.common import write_results
+
+    c = {"oob_rate": 0.1, "oob_ci95": list(wilson_interval(10, 100))}
+    payload = {"info": {"model": "m"}, "batch_sizes": [8, 32],
+               "results": {d: {"b1_vs_b8": c, "b1_vs_b32": c} for d in ("bf16", "fp32")}}
+    paths = write_results(tmp_path, "batch", payload, "md")
+    assert [p.name for p in paths] == ["batch.json", "batch.md", "batch.png"]
+    _assert_png(paths[2])
+    calib = {"info": {"model": "m"}, "batch_size": 8,
+             "result": {"target": 0.05, "bf16": c, "steps": [{"k": 0, **c}, {"k": 1, "oob_rate": 0.04, "oob_ci95": list(wilson_interval(4, 100))}]}}
+    _assert_png(write_results(tmp_path, "calibrate", calib, "md")[2])
+    assert [p.name for p in write_results(tmp_path, "controls", {}, "md")] == ["controls.json", "controls.md"]
+    assert not (tmp_path / "controls.png").exists()
+
+
+def test_greedy_margin_bins_log_only_over_two_decades():
+    from grpo_ratio.probes.greedy import margin_bins
+
+    # positive margins 1e-3 .. 10 span 4 decades: 5 log-spaced edges 1e-3, 1e-2, 1e-1, 1, 10 (the 0 tie is left out)
+    bins, log_x = margin_bins([0.0, 1e-3, 0.5, 10.0], num=4)
+    assert log_x and bins == pytest.approx([1e-3, 1e-2, 1e-1, 1.0, 10.0], rel=1e-9)
+    assert margin_bins([0.5, 2.0, 40.0], num=4) == (4, False)  # 40 / 0.5 = 80 < 100: linear bins
+
+
 def test_greedy_agreement_literal():
     from grpo_ratio.probes.greedy import agreement, first_divergence
 
@@ -314,6 +351,8 @@ def test_greedy_probe_on_tiny_model(tmp_path, capsys):
     assert all(len(t) <= 6 for t in r["tokens"]["fp32"])
     assert r["gate"]["bf16"]["fired_share"] == 1.0  # tau = inf: every finite margin is below it, every step fires
     assert r["margins"]["bf16"]["num_steps"] == sum(len(t) for t in r["tokens"]["bf16"])
+    assert len(r["margin_values"]["bf16"]) == r["margins"]["bf16"]["num_steps"]  # one margin per decoding step
+    _assert_png(tmp_path / "greedy.png")
     assert main(["probe", "greedy", *TINY, "--dtypes", "bf16,bf16", "--out", str(tmp_path)]) == 2
     assert "distinct" in capsys.readouterr().err
     assert main(["probe", "greedy", *TINY, "--tau", "-1", "--out", str(tmp_path)]) == 2

@@ -22,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..scoring import score_completion_logprobs
-from .common import DTYPES, Completions, compare, pct, pct_ci, score_alone
+from .common import DTYPES, Completions, compare, pct, pct_ci, pyplot, rate_errors, save_png, score_alone
 
 
 def score_native(model, data: Completions, batch_size: int) -> torch.Tensor:
@@ -69,6 +69,28 @@ def run_batch(model, data: Completions, batch_sizes=(8,), dtypes=("bf16", "fp16"
         results[name] = res
         del m
     return results
+
+
+def plot_payload(payload: dict, path) -> bool:
+    """Grouped bars: per dtype, the out-of-band rate (percent) of batch 1 vs each batch size, with the Wilson 95%
+    interval as error bars; saved as a PNG at `path`. Returns True (a figure was written)."""
+    plt = pyplot()
+    r, sizes = payload["results"], payload["batch_sizes"]
+    dtypes = list(r)
+    width = 0.8 / len(sizes)
+    fig, ax = plt.subplots(figsize=(max(4.5, 1.6 * len(dtypes)), 3.5))
+    for j, s in enumerate(sizes):
+        rates, err = rate_errors([r[d][f"b1_vs_b{s}"] for d in dtypes])
+        x = [i + (j - (len(sizes) - 1) / 2) * width for i in range(len(dtypes))]
+        ax.bar(x, rates, width, yerr=err, capsize=3, label=f"b1 vs b{s}")
+    ax.set_xticks(range(len(dtypes)), dtypes)
+    ax.set_xlabel("weight dtype (no autocast)")
+    ax.set_ylabel("out-of-band tokens (%)")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+    ax.set_title(f"{payload['info']['model']}\nratio outside [0.9, 1.1], Wilson 95% CI", fontsize=9)
+    save_png(fig, path)
+    return True
 
 
 def markdown(payload: dict) -> str:

@@ -16,7 +16,7 @@ import time
 from tqdm.auto import tqdm
 
 from ..scoring import OldLogprobScorer
-from .common import Completions, compare, pct, pct_ci, score_alone
+from .common import Completions, compare, pct, pct_ci, pyplot, rate_errors, save_png, score_alone
 
 
 def measure(model, data: Completions, mode: str, layers: list[int] | None, batch_size: int) -> dict:
@@ -60,6 +60,28 @@ def run_calibrate(model, data: Completions, ranking: list[int], target: float, b
     chosen = steps[-1]["layers"]
     return {"bf16": base, "steps": steps, "reached": reached, "target": target, "guided_fp32_layers": chosen,
             "recommended_mode": "guided_fp32" if chosen else "fp32_head"}
+
+
+def plot_payload(payload: dict, path) -> bool:
+    """The search: out-of-band rate (percent, Wilson 95% error bars) against the number k of fp32 decoder layers
+    (k = 0: fp32_head), with the target and the bf16 mode as horizontal lines; saved as a PNG at `path`. Returns
+    True."""
+    plt = pyplot()
+    r = payload["result"]
+    ks = [s["k"] for s in r["steps"]]
+    rates, err = rate_errors(r["steps"])
+    fig, ax = plt.subplots(figsize=(5.5, 3.5))
+    ax.errorbar(ks, rates, yerr=err, fmt="o-", capsize=3, label="fp32 head + top-k layers")
+    ax.axhline(100 * r["target"], color="tab:red", linestyle="--", label=f"target {pct(r['target'])}")
+    ax.axhline(100 * r["bf16"]["oob_rate"], color="tab:gray", linestyle=":", label="bf16 (no fp32)")
+    ax.set_xticks(ks)
+    ax.set_xlabel("fp32 decoder layers k (+ final norm and LM head)")
+    ax.set_ylabel(f"out-of-band tokens, b1 vs b{payload['batch_size']} (%)")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+    ax.set_title(f"{payload['info']['model']}: guided fp32 calibration", fontsize=9)
+    save_png(fig, path)
+    return True
 
 
 def markdown(payload: dict) -> str:

@@ -12,6 +12,7 @@ Method (seed 004, batch-logprob-gap, and shared/reference/seed_systems.md §1(a)
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 from dataclasses import dataclass
@@ -304,13 +305,47 @@ def pct_ci(c: dict) -> str:
 
 
 def write_results(out: str | Path, name: str, payload: dict, markdown: str) -> list[Path]:
-    """Write `{out}/{name}.json` and `{out}/{name}.md`; returns the paths written."""
+    """Write `{out}/{name}.json`, `{out}/{name}.md` and, when the probe module `grpo_ratio.probes.{name}` defines
+    `plot_payload(payload, path) -> bool`, `{out}/{name}.png` (the issue's "results JSON, a markdown table and PNG
+    plots"); returns the paths written."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"{name}.json", out / f"{name}.md"]
     paths[0].write_text(json.dumps(payload, indent=2) + "\n")
     paths[1].write_text(markdown)
+    png = out / f"{name}.png"
+    plot_payload = getattr(importlib.import_module(f"{__package__}.{name}"), "plot_payload", None)
+    if plot_payload is not None and plot_payload(payload, png):
+        paths.append(png)
     return paths
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files only, no display); callers close their figures."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_png(fig, path: str | Path) -> None:
+    """Lay out, save `fig` as a PNG at 120 dpi and close it (pyplot keeps every open figure alive)."""
+    plt = pyplot()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, format="png")
+    plt.close(fig)
+
+
+def rate_errors(results: list[dict]) -> tuple[list[float], list[list[float]]]:
+    """Out-of-band rates in percent and their asymmetric Wilson 95% error bars ([below, above], percent) for
+    matplotlib's `yerr`, from `compare` dicts."""
+    rates = [100 * c["oob_rate"] for c in results]
+    # max(0, .): the interval contains the rate, but rounding may put an end 1e-17 inside it; matplotlib rejects < 0
+    below = [max(0.0, r - 100 * c["oob_ci95"][0]) for r, c in zip(rates, results, strict=True)]
+    above = [max(0.0, 100 * c["oob_ci95"][1] - r) for r, c in zip(rates, results, strict=True)]
+    return rates, [below, above]
 
 
 def run_info(args, model, prompt_idx: list[int], data: Completions | None = None) -> dict:

@@ -29,7 +29,7 @@ import statistics
 import torch
 from tqdm.auto import tqdm
 
-from .common import DTYPES, ProbeError, eos_ids, format_prompt, pct, wilson_interval
+from .common import DTYPES, ProbeError, eos_ids, format_prompt, pct, pyplot, save_png, wilson_interval
 
 
 MARGIN_THRESHOLDS = (0.0, 0.1, 0.5, 1.0)  # margin-distribution table: share of steps with margin <= 0, < 0.1, ...
@@ -220,10 +220,50 @@ def run_greedy(model, tokenizer, prompts: list[str], max_new_tokens: int, dtypes
         pairs[f"{d}_b1_vs_b{batch_size}"] = agreement(runs[d], runs[f"{d}_b{batch_size}"])
     result = {"batch_size": batch_size, "pairs": pairs,
               "margins": {d: margin_distribution(runs[d]) for d in todo},
+              # every step's top-two margin, for the histogram of `plot_payload` (4 significant digits suffice)
+              "margin_values": {d: [float(f"{m:.4g}") for r in runs[d] for m in r["margins"]] for d in todo},
               "tokens": {k: [r["tokens"] for r in v] for k, v in runs.items()}}
     if tau is not None and low:
         result["gate"] = _gate(runs, low, tau)
     return result
+
+
+def margin_bins(values: list[float], num: int = 40) -> tuple[list[float] | int, bool]:
+    """Histogram bins for top-two margins: log-spaced over the positive margins when they span more than two decades
+    (margins near 0 are the interesting ones; zeros, exact ties, are then left out), else `num` linear bins.
+
+    Returns (bins for `ax.hist`, whether the x axis is logarithmic).
+    """
+    positive = [m for m in values if m > 0 and math.isfinite(m)]
+    if positive and max(positive) / min(positive) > 100:
+        lo, hi = math.log10(min(positive)), math.log10(max(positive))
+        return [10 ** (lo + (hi - lo) * i / num) for i in range(num + 1)], True
+    return num, False
+
+
+def plot_payload(payload: dict, path) -> bool:
+    """Histogram of the top-two logit margins of each dtype's batch-1 greedy decoding (all steps, step counts),
+    log-scaled x when the margins span more than two decades; saved as a PNG at `path`. Returns False (nothing
+    written) for a result without `margin_values` (written before they were recorded)."""
+    values = payload["result"].get("margin_values")
+    if not values:
+        return False
+    plt = pyplot()
+    finite = {d: [m for m in v if math.isfinite(m)] for d, v in values.items()}
+    bins, log_x = margin_bins([m for v in finite.values() for m in v])
+    fig, ax = plt.subplots(figsize=(5.5, 3.5))
+    for d, v in finite.items():
+        tied = sum(m <= 0 for m in v)
+        label = f"{d} ({len(v)} steps" + (f", {tied} tied at 0 not shown)" if log_x and tied else ")")
+        ax.hist([m for m in v if m > 0] if log_x else v, bins=bins, histtype="step", linewidth=1.5, label=label)
+    if log_x:
+        ax.set_xscale("log")
+    ax.set_xlabel("top-two logit margin z(v1) - z(v2)")
+    ax.set_ylabel("decoding steps")
+    ax.legend(fontsize=8)
+    ax.set_title(f"{payload['info']['model']}: greedy top-two margins, batch 1", fontsize=9)
+    save_png(fig, path)
+    return True
 
 
 def _ear(p: dict) -> str:

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from ..config import SCORING_MODES
 from ..scoring import OldLogprobScorer
-from .common import Completions, compare, pct_ci, score_alone
+from .common import Completions, compare, pct_ci, pyplot, rate_errors, save_png, score_alone
 
 
 def run_ladder(model, data: Completions, batch_size: int = 8, layers: list[int] | None = None, repeats: int = 1,
@@ -57,6 +57,24 @@ def run_ladder(model, data: Completions, batch_size: int = 8, layers: list[int] 
         results[mode] = {**compare(bn[mode], b1[mode], data.valid), "seconds": t, "time_vs_bf16": t / t_bf16,
                          "extra_bytes": extra, "extra_vs_bf16_model": extra / bf16_model_bytes}
     return results
+
+
+def plot_payload(payload: dict, path) -> bool:
+    """Cost against accuracy: one labelled point per scoring mode, out-of-band rate (percent, Wilson 95% error bar)
+    against the batch pass's time relative to `bf16`; saved as a PNG at `path`. Returns True."""
+    plt = pyplot()
+    r = payload["results"]
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for mode, res in r.items():
+        rates, err = rate_errors([res])
+        ax.errorbar([res["time_vs_bf16"]], rates, yerr=err, fmt="o", capsize=3)
+        ax.annotate(mode, (res["time_vs_bf16"], rates[0]), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    ax.set_xlabel(f"time of the batch-{payload['batch_size']} pass / bf16's")
+    ax.set_ylabel(f"out-of-band tokens, b1 vs b{payload['batch_size']} (%)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"{payload['info']['model']}: precision ladder of the old-logprob modes", fontsize=9)
+    save_png(fig, path)
+    return True
 
 
 def markdown(payload: dict) -> str:
