@@ -26,3 +26,6 @@ def test_two_process_run(tmp_path, mode):
     assert result["checksums"][0] == result["checksums"][1]  # DDP kept both ranks' weights identical
     steps = [row for row in result["history"] if "loss" in row]
     assert len(steps) == 2 and all(row["num_tokens"] > 0 for row in steps)
+    # ratio metrics are reduced over both ranks: 2 completions per rank x 2 ranks = 4 completions per step
+    assert all(row["ratio/new_old/num_tokens"] == row["completions/mean_length"] * 4 for row in steps)
+    assert all(row["ratio/fp16_fallback_rows"] == 0 for row in steps)
