@@ -84,3 +84,25 @@ def test_wandb_offline_and_tensorboard_hold_the_keys(tmp_path, monkeypatch):
     acc = EventAccumulator(events)
     acc.Reload()
     assert {"train/reward", "train/ratio/new_old/oob_rate", "train/ratio/fp16_fallback_rows"} <= set(acc.Tags()["scalars"])
+
+
+def test_diagnostics_report_vllm_importance_sampling_masking(tmp_path):
+    # vLLM's IS correction cannot run on CPU; feed RatioDiagnostics the micro-batch TRL would build with it on.
+    from grpo_ratio.diagnostics import RatioDiagnostics
+    from grpo_ratio.testing import tiny_grpo_args
+
+    args = tiny_grpo_args(tmp_path)  # TRL defaults: sequence_mask, clip_max 3.0, clip_min None
+    diag = RatioDiagnostics(args, accelerator=type("Acc", (), {"num_processes": 1, "device": "cpu"})(),
+                            eos_token_ids=[1])
+    old = torch.zeros(2, 3)
+    # row 0: sampler log-probs log(1/2) each -> product of ratios 2^3 = 8 > 3: the whole sequence is masked;
+    # row 1: ratios 1 -> kept. 3 valid tokens per row.
+    sampler = torch.tensor([[-0.6931472] * 3, [0.0] * 3])
+    inputs = {"completion_ids": torch.tensor([[5, 6, 7], [5, 6, 7]]), "completion_mask": torch.ones(2, 3),
+              "advantages": torch.tensor([1.0, -1.0]), "old_per_token_logps": old,
+              "sampling_per_token_logps": sampler, "importance_sampling_ratio": torch.ones(2, 1)}
+    diag.update(inputs, train_logps=old, mode_is_policy=True)
+    metrics = diag.flush()
+    assert metrics["ratio/is_masked_seq_frac"] == 0.5 and metrics["ratio/is_masked_token_frac"] == 0.5
+    assert metrics["ratio/old_sampler/oob_rate"] == 0.5  # r = 2 on row 0's 3 tokens, 1 on row 1's
+    assert diag.flush() == {}  # reset after a flush: nothing is logged twice
