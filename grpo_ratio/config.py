@@ -60,7 +60,7 @@ def parse_layer_spec(spec) -> list[int] | None:
     return sorted(layers)
 
 
-def _sampling_truncated(args) -> bool:
+def sampling_truncated(args) -> bool:
     """Whether top_p < 1, top_k > 0 or min_p > 0, in the config or in `generation_kwargs`."""
     gen = args.generation_kwargs or {}
     top_p, top_k, min_p = gen.get("top_p", args.top_p), gen.get("top_k", args.top_k), gen.get("min_p", args.min_p)
@@ -184,7 +184,7 @@ class RatioGRPOConfig(GRPOConfig):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if isinstance(self.clip_flip_every, bool) or not isinstance(self.clip_flip_every, int) or self.clip_flip_every < 0:
             raise ValueError(f"clip_flip_every must be an integer >= 0 (0 = never), got {self.clip_flip_every!r}")
-        if self.truncation_correction != "none" and not _sampling_truncated(self):
+        if self.truncation_correction != "none" and not sampling_truncated(self):
             warnings.warn(
                 f"truncation_correction={self.truncation_correction!r} has no effect: sampling is not truncated "
                 f"(top_p=1, top_k=0, no min_p); ratio/kept_mass_mean will be 1",

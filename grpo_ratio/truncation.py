@@ -25,18 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import _sampling_truncated
+from .config import sampling_truncated
 from .sampling import KeptSets, kept_set_logprobs
 
 
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier",
                      "lm_head_multiplier")
-
-
-def truncation_active(args) -> bool:
-    """Whether sampling truncates the distribution (top_p < 1, top_k > 0 or min_p > 0, in the config or in
-    `generation_kwargs`)."""
-    return _sampling_truncated(args)
 
 
 def check_truncation_setup(args) -> None:
@@ -52,7 +46,7 @@ def check_truncation_setup(args) -> None:
         sampler_in_ratio = (args.use_vllm and args.vllm_importance_sampling_correction) or (
             args.off_policy_mask_threshold is not None
         )
-        if truncation_active(args) and sampler_in_ratio:
+        if sampling_truncated(args) and sampler_in_ratio:
             warnings.warn(
                 "top_p/top_k/min_p truncate sampling and sampler log-probs feed the importance ratio, but "
                 "truncation_correction='none': the ratio carries the kept mass (seed 004 T11: 51.8% of tokens out of "

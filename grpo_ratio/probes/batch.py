@@ -22,7 +22,17 @@ import torch
 from tqdm.auto import tqdm
 
 from ..scoring import score_completion_logprobs
-from .common import DTYPES, Completions, compare, pct, pct_ci, pyplot, rate_errors, save_png, score_alone
+from .common import (
+    DTYPES,
+    Completions,
+    compare,
+    finish_oob_plot,
+    pct,
+    pct_ci,
+    pyplot,
+    rate_errors,
+    score_alone,
+)
 
 
 def score_native(model, data: Completions, batch_size: int) -> torch.Tensor:
@@ -85,12 +95,8 @@ def plot_payload(payload: dict, path) -> bool:
         ax.bar(x, rates, width, yerr=err, capsize=3, label=f"b1 vs b{s}")
     ax.set_xticks(range(len(dtypes)), dtypes)
     ax.set_xlabel("weight dtype (no autocast)")
-    ax.set_ylabel("out-of-band tokens (%)")
-    ax.set_ylim(bottom=0)
-    ax.legend(fontsize=8)
-    ax.set_title(f"{payload['info']['model']}\nratio outside [0.9, 1.1], Wilson 95% CI", fontsize=9)
-    save_png(fig, path)
-    return True
+    return finish_oob_plot(fig, ax, path, "out-of-band tokens (%)",
+                           f"{payload['info']['model']}\nratio outside [0.9, 1.1], Wilson 95% CI")
 
 
 def markdown(payload: dict) -> str:

@@ -16,7 +16,7 @@ import time
 from tqdm.auto import tqdm
 
 from ..scoring import OldLogprobScorer
-from .common import Completions, compare, pct, pct_ci, pyplot, rate_errors, save_png, score_alone
+from .common import Completions, compare, finish_oob_plot, pct, pct_ci, pyplot, rate_errors, score_alone
 
 
 def measure(model, data: Completions, mode: str, layers: list[int] | None, batch_size: int) -> dict:
@@ -76,12 +76,8 @@ def plot_payload(payload: dict, path) -> bool:
     ax.axhline(100 * r["bf16"]["oob_rate"], color="tab:gray", linestyle=":", label="bf16 (no fp32)")
     ax.set_xticks(ks)
     ax.set_xlabel("fp32 decoder layers k (+ final norm and LM head)")
-    ax.set_ylabel(f"out-of-band tokens, b1 vs b{payload['batch_size']} (%)")
-    ax.set_ylim(bottom=0)
-    ax.legend(fontsize=8)
-    ax.set_title(f"{payload['info']['model']}: guided fp32 calibration", fontsize=9)
-    save_png(fig, path)
-    return True
+    return finish_oob_plot(fig, ax, path, f"out-of-band tokens, b1 vs b{payload['batch_size']} (%)",
+                           f"{payload['info']['model']}: guided fp32 calibration")
 
 
 def markdown(payload: dict) -> str:

@@ -338,6 +338,18 @@ def save_png(fig, path: str | Path) -> None:
     plt.close(fig)
 
 
+def finish_oob_plot(fig, ax, path: str | Path, ylabel: str, title: str, legend: bool = True) -> bool:
+    """The common end of an out-of-band-rate plot: y label (percent, from 0), optional legend, title, PNG at `path`.
+    Returns True (a figure was written), as `plot_payload` functions do."""
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(bottom=0)
+    if legend:
+        ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=9)
+    save_png(fig, path)
+    return True
+
+
 def rate_errors(results: list[dict]) -> tuple[list[float], list[list[float]]]:
     """Out-of-band rates in percent and their asymmetric Wilson 95% error bars ([below, above], percent) for
     matplotlib's `yerr`, from `compare` dicts."""

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from ..config import SCORING_MODES
 from ..scoring import OldLogprobScorer
-from .common import Completions, compare, pct_ci, pyplot, rate_errors, save_png, score_alone
+from .common import Completions, compare, finish_oob_plot, pct_ci, pyplot, rate_errors, score_alone
 
 
 def run_ladder(model, data: Completions, batch_size: int = 8, layers: list[int] | None = None, repeats: int = 1,
@@ -70,11 +70,8 @@ def plot_payload(payload: dict, path) -> bool:
         ax.errorbar([res["time_vs_bf16"]], rates, yerr=err, fmt="o", capsize=3)
         ax.annotate(mode, (res["time_vs_bf16"], rates[0]), textcoords="offset points", xytext=(5, 4), fontsize=8)
     ax.set_xlabel(f"time of the batch-{payload['batch_size']} pass / bf16's")
-    ax.set_ylabel(f"out-of-band tokens, b1 vs b{payload['batch_size']} (%)")
-    ax.set_ylim(bottom=0)
-    ax.set_title(f"{payload['info']['model']}: precision ladder of the old-logprob modes", fontsize=9)
-    save_png(fig, path)
-    return True
+    return finish_oob_plot(fig, ax, path, f"out-of-band tokens, b1 vs b{payload['batch_size']} (%)",
+                           f"{payload['info']['model']}: precision ladder of the old-logprob modes", legend=False)
 
 
 def markdown(payload: dict) -> str:
