@@ -184,9 +184,53 @@ class RatioGRPOConfig(GRPOConfig):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if isinstance(self.clip_flip_every, bool) or not isinstance(self.clip_flip_every, int) or self.clip_flip_every < 0:
             raise ValueError(f"clip_flip_every must be an integer >= 0 (0 = never), got {self.clip_flip_every!r}")
-        if self.truncation_correction != "none" and not sampling_truncated(self):
-            warnings.warn(
-                f"truncation_correction={self.truncation_correction!r} has no effect: sampling is not truncated "
-                f"(top_p=1, top_k=0, no min_p); ratio/kept_mass_mean will be 1",
-                stacklevel=2,
+        self._check_truncation()
+
+    def _check_truncation(self) -> None:
+        """Config-only checks of `truncation_correction` against the generation backend and the sampling fields.
+
+        Raises:
+            ValueError: a correction without recorded kept sets (`record_sampler_logprobs=False` on the
+                transformers path); with vLLM, server mode (TRL calls vLLM's OpenAI `/v1/completions`, whose response
+                carries no sampling mask) or tensor parallelism > 1 (the captured outputs would hold other ranks'
+                rows).
+        Warns (UserWarning): a correction where sampling is not truncated; truncation feeding the ratio uncorrected;
+            vLLM with top_k = 0 (vLLM returns sampling masks only for requests with top_k > 0).
+        """
+        correction = self.truncation_correction
+        if correction == "none":
+            sampler_in_ratio = (self.use_vllm and self.vllm_importance_sampling_correction) or (
+                self.off_policy_mask_threshold is not None
             )
+            if sampling_truncated(self) and sampler_in_ratio:
+                warnings.warn(
+                    "top_p/top_k/min_p truncate sampling and sampler log-probs feed the importance ratio, but "
+                    "truncation_correction='none': the ratio carries the kept mass (at top_p=0.8 about half the tokens "
+                    "leave [0.9, 1.1]). Set truncation_correction='renormalize' or 'lift_sampler'.",
+                    stacklevel=3,
+                )
+            return
+        if not sampling_truncated(self):
+            warnings.warn(
+                f"truncation_correction={correction!r} has no effect: sampling is not truncated "
+                f"(top_p=1, top_k=0, no min_p); ratio/kept_mass_mean will be 1",
+                stacklevel=3,
+            )
+        if not self.use_vllm:
+            if not self.record_sampler_logprobs:
+                raise ValueError(f"truncation_correction={correction!r} needs the kept sets recorded during "
+                                 f"generation: set record_sampler_logprobs=True")
+            return
+        if self.vllm_mode != "colocate":
+            raise ValueError(
+                f"truncation_correction={correction!r} with vllm_mode={self.vllm_mode!r}: TRL talks to the "
+                f"vLLM server through /v1/completions, which returns no kept sets. Use vllm_mode='colocate' or "
+                f"truncation_correction='none'."
+            )
+        if self.vllm_tensor_parallel_size != 1:
+            raise ValueError(f"truncation_correction with vLLM colocate supports vllm_tensor_parallel_size=1, got "
+                             f"{self.vllm_tensor_parallel_size}")
+        top_k = (self.generation_kwargs or {}).get("top_k", self.top_k)
+        if not top_k or top_k < 0:
+            warnings.warn("vLLM returns sampling masks only for requests with top_k > 0; set top_k (e.g. 1024) with "
+                          "top_p", stacklevel=3)

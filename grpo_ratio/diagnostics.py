@@ -14,6 +14,7 @@ generation, where new/old must be 1 (seed 004, "it is the identity by constructi
 - `ratio/old_sampler_corrected/*`, `ratio/kept_mass_mean`: with a truncation correction, the ratio after it
   (p_old,S(g) / q_S(g) for both corrections) and the old policy's mean mass on the kept sets.
 - `ratio/is_*`: share of tokens/sequences TRL's vLLM importance-sampling correction truncated or masked.
+- `ratio/fp16_fallback_rows`: `fp16_clone` rows re-scored in fp32 after an fp16 overflow, per generation batch.
 
 Token-weighted over valid tokens (`ratios.valid_token_mask`) across micro-batches and processes; nothing is logged
 for a step with no valid token (absent, never NaN or 0).
@@ -24,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from .ratios import RatioStats, clip_flips, importance_sampling_stats, valid_token_mask
+from .records import MicroBatchRecord
 
 
 # TRL loss types whose objective is the PPO clip -min(r A, clip(r) A) (grpo_trainer.py `_compute_loss`)
@@ -64,18 +66,27 @@ class RatioDiagnostics:
         self.is_stats = None
         self.touched = False
 
-    def update(self, inputs: dict, train_logps: torch.Tensor, mode_is_policy: bool,
-               train_log_kept_mass: torch.Tensor | None = None) -> None:
+    def generation_metrics(self, fallback_rows: int) -> dict[str, float]:
+        """Metrics of one generation batch (every process must call it): `ratio/fp16_fallback_rows`, summed across
+        processes, under `fp16_clone`; nothing otherwise."""
+        if self.args.old_logprob_mode != "fp16_clone":
+            return {}
+        rows = torch.tensor(float(fallback_rows), device=self.accelerator.device)
+        return {"ratio/fp16_fallback_rows": self.accelerator.reduce(rows, reduction="sum").item()}
+
+    def update(self, micro_batch: MicroBatchRecord, mode_is_policy: bool) -> None:
         """Add one first-inner-step micro-batch.
 
         Args:
-            inputs: the micro-batch TRL's `_compute_loss` got (completion_ids/mask (B, T), advantages (B,), and
-                optionally old_per_token_logps, sampling_per_token_logps, old_log_kept_mass (B, T),
-                importance_sampling_ratio).
-            train_logps: (B, T) fp32 log-probs of the training forward, detached (over S under `renormalize`).
+            micro_batch: the loss micro-batch: `inputs` as TRL's `_compute_loss` got them (completion_ids/mask
+                (B, T), advantages (B,), and optionally old_per_token_logps, sampling_per_token_logps,
+                old_log_kept_mass (B, T), importance_sampling_ratio), `train_logps` (B, T) fp32 of the training
+                forward, detached (over S under `renormalize`), and `train_log_kept_mass` (B, T) log M of the
+                training forward (used when no old pass ran).
             mode_is_policy: True when the old log-probs are the policy's own (`bf16` mode).
-            train_log_kept_mass: (B, T) log M of the training forward (used when no old pass ran).
         """
+        inputs, train_logps = micro_batch.inputs, micro_batch.train_logps
+        train_log_kept_mass = micro_batch.train_log_kept_mass
         mask = valid_token_mask(inputs["completion_ids"], inputs["completion_mask"], self.eos_token_ids)  # (B, T)
         if "tool_mask" in inputs:
             mask &= inputs["tool_mask"].bool()

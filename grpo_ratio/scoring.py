@@ -29,6 +29,7 @@ from torch import nn
 
 from .config import SCORING_MODES
 from .copies import ModuleCopy
+from .kept_sets import KeptSets, kept_set_logprobs
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -167,6 +168,22 @@ def _plain_forward(model: nn.Module, input_ids, attention_mask, logits_to_keep: 
 # the scorer
 
 
+@dataclass
+class ScoreResult:
+    """What `OldLogprobScorer.score` returns.
+
+    Fields:
+        logps (`torch.Tensor`, (B, T) fp32): full-vocabulary log-probs of the completion tokens.
+        kept_logps (`torch.Tensor | None`, (B, T) fp32): the same tokens' log-probs renormalised over their kept sets
+            (only when kept sets were given; 0.0 on cells without a set).
+        fallback_rows (`int`): `fp16_clone` rows with non-finite fp16 log-probs, re-scored in fp32 (0 otherwise).
+    """
+
+    logps: torch.Tensor
+    kept_logps: torch.Tensor | None = None
+    fallback_rows: int = 0
+
+
 class OldLogprobScorer:
     """Computes old log-probs of completions with one scoring mode, holding whatever copies the mode needs.
 
@@ -271,8 +288,6 @@ class OldLogprobScorer:
         logps, n_fallback, logits = self._chunk_full(input_ids, attention_mask, logits_to_keep, temperature, version)
         if kept is None:
             return logps, n_fallback, None
-        from .sampling import kept_set_logprobs
-
         mask = kept.sizes.to(logits.device) > 0  # (b, T) cells with a kept set (completion tokens)
         kept_logps = kept_set_logprobs(logits[:, :-1], input_ids[:, -logits_to_keep:], kept, temperature, mask=mask)
         return logps, n_fallback, kept_logps
@@ -305,7 +320,8 @@ class OldLogprobScorer:
 
     @torch.no_grad()
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, *,
-              temperature: float = 1.0, batch_size: int | None = None, version: int = 0, kept=None) -> torch.Tensor:
+              temperature: float = 1.0, batch_size: int | None = None, version: int = 0,
+              kept: KeptSets | None = None) -> ScoreResult:
         """Old log-probs of the last `logits_to_keep` tokens of each row.
 
         Args:
@@ -315,10 +331,11 @@ class OldLogprobScorer:
             temperature: divides the logits before the log-softmax (TRL's `temperature`).
             batch_size: rows per forward chunk (TRL uses `per_device_train_batch_size`); None = all rows at once.
             version: the policy's optimizer-step count; copies synced at another version are refreshed first.
-            kept: optional `grpo_ratio.sampling.KeptSets` (B, T) of the sampler's kept sets; then
-                `self.last_kept_set_logps` holds the (B, T) log-probs renormalised over them (truncation correction).
+            kept: optional `grpo_ratio.kept_sets.KeptSets` (B, T) of the sampler's kept sets; then the result also
+                holds the (B, T) log-probs renormalised over them (truncation correction).
         Returns:
-            (B, T) fp32 full-vocabulary log-probs (values at padded positions are whatever the forward gives).
+            `ScoreResult`: (B, T) fp32 full-vocabulary log-probs (values at padded positions are whatever the forward
+            gives), the kept-set log-probs when `kept` is given, and the rows re-scored in fp32.
         """
         batch_size = batch_size or input_ids.size(0)
         chunks, kept_chunks, fallback = [], [], 0
@@ -331,9 +348,8 @@ class OldLogprobScorer:
             kept_chunks.append(kept_logps)
             fallback += n
         self.fallback_rows += fallback
-        self.last_fallback_rows = fallback
-        self.last_kept_set_logps = None if kept is None else torch.cat(kept_chunks, dim=0)  # (B, T)
-        return torch.cat(chunks, dim=0)  # (B, T)
+        kept_logps = None if kept is None else torch.cat(kept_chunks, dim=0)  # (B, T)
+        return ScoreResult(logps=torch.cat(chunks, dim=0), kept_logps=kept_logps, fallback_rows=fallback)
 
 
 def score_completion_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -346,4 +362,5 @@ def score_completion_logprobs(model: nn.Module, input_ids: torch.Tensor, attenti
         (B, T) fp32 log-probs of the last `logits_to_keep` tokens of `input_ids` under `mode`.
     """
     scorer = OldLogprobScorer(model, mode, layers=layers, policy_autocast=policy_autocast)
-    return scorer.score(input_ids, attention_mask, logits_to_keep, temperature=temperature, batch_size=batch_size)
+    return scorer.score(input_ids, attention_mask, logits_to_keep, temperature=temperature,
+                        batch_size=batch_size).logps

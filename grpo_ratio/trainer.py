@@ -3,16 +3,19 @@
 The only changes w.r.t. `trl.GRPOTrainer` (1.16):
 1. Old log-probs. When `old_logprob_mode != "bf16"`, the old log-probs of every generation batch come from
    `grpo_ratio.scoring.OldLogprobScorer` (fp32/fp16 copy, fp32 head, guided fp32 layers), also where TRL would skip
-   the old pass (then the first-step ratio is new/old = policy pass / mode pass, as in seed 004's arms B, D, E, F).
-   TRL's own old pass is replaced, not run and thrown away, so vLLM importance-sampling correction uses the mode's
-   old log-probs too. With `"bf16"` nothing changes: TRL's pass, bit for bit.
+   the old pass (then the first-step ratio is new/old = policy pass / mode pass). TRL's own old pass is replaced, not
+   run and thrown away, so vLLM importance-sampling correction uses the mode's old log-probs too. With `"bf16"`
+   nothing changes: TRL's pass, bit for bit.
 2. Sampler log-probs without vLLM: `model.generate` runs with a recording logits processor, so
    `sampling_per_token_logps` holds each sampled token's log-prob under the distribution it was sampled from.
-3. Ratio diagnostics (`ratio/*` metrics, docs/metrics.md), logged in the same step as the reward.
+3. Truncated-sampling correction (`truncation_correction`): old, new and sampler log-probs on one support.
+4. Ratio diagnostics (`ratio/*` metrics, docs/metrics.md), logged in the same step as the reward.
 
 Wrapped TRL methods (each calls `super()`; none is copied): `_generate_and_score_completions`,
-`_get_per_token_logps_and_entropies`, `_generate_single_turn`, `_compute_loss`. They are private and change between
-TRL releases, hence the version pin in `grpo_ratio/_compat.py`.
+`_generate_single_turn`, `_get_per_token_logps_and_entropies`, `_compute_loss`. State passes between them only
+through two records (`grpo_ratio.records`): a `GenerationRecord` per generation batch, a `MicroBatchRecord` per loss
+micro-batch. The wrapped methods are private and change between TRL releases, hence the version pin in
+`grpo_ratio/_compat.py`.
 """
 
 from __future__ import annotations
@@ -23,18 +26,19 @@ import torch
 from trl import GRPOTrainer
 
 from .config import RatioGRPOConfig
+from .corrections import capture_last_hidden, check_head_is_linear, kept_set_logps_from_hidden
 from .diagnostics import RatioDiagnostics
+from .kept_sets import lift_sampler_logprobs
 from .ratios import importance_sampling_weights
-from .sampling import SamplerLogprobRecorder, recording_sampler
-from .scoring import OldLogprobScorer
-from .truncation import (
+from .records import GenerationRecord, MicroBatchRecord
+from .rollouts import (
+    SamplerLogprobRecorder,
     VLLMOutputCapture,
-    capture_last_hidden,
-    check_head_is_linear,
-    check_truncation_setup,
-    kept_set_logps_from_hidden,
+    finalize_from_completions,
+    recording_sampler,
     vllm_engine_kwargs,
 )
+from .scoring import OldLogprobScorer
 
 
 class RatioGRPOTrainer(GRPOTrainer):
@@ -67,19 +71,11 @@ class RatioGRPOTrainer(GRPOTrainer):
                 f"RatioGRPOTrainer needs args=RatioGRPOConfig(...), got {type(args).__name__}; RatioGRPOConfig accepts "
                 f"every GRPOConfig field plus old_logprob_mode, guided_fp32_layers, ..."
             )
-        check_truncation_setup(args)  # before TRL builds anything (vLLM engines included)
         vllm_masks = args.use_vllm and args.truncation_correction != "none"
         with vllm_engine_kwargs(return_sampling_mask=True) if vllm_masks else contextlib.nullcontext():
             super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         self._vllm_capture = VLLMOutputCapture(self.vllm_generation.llm) if vllm_masks else None
-        check_head_is_linear(args, self.accelerator.unwrap_model(self.model).config)
-        self._old_pass_pending = False  # True inside _generate_and_score_completions until TRL's old pass ran
-        self._old_log_kept_mass = None  # (B, T) log M_old of the current generation batch (truncation correction)
-        self._call_log_kept_mass = None  # (B, T) log M of the last log-prob call with kept sets
-        self._kept = {"train": None, "eval": None}  # KeptSets of the current generation batch, per mode
-        self._loss_inputs = None  # the micro-batch inside _compute_loss
-        self._train_logps = None  # the training forward's log-probs of the current micro-batch (detached)
-        self.last_sampler_record = None  # SamplerRecord of the last generate call (kept sets, sampler log-probs)
+        check_head_is_linear(args.truncation_correction, self.accelerator.unwrap_model(self.model).config)
         self.diagnostics = RatioDiagnostics(args, self.accelerator, self.eos_token_ids) if args.ratio_diagnostics else None
         self.scorer = None
         if args.old_logprob_mode != "bf16":
@@ -90,6 +86,10 @@ class RatioGRPOTrainer(GRPOTrainer):
                 layers=args.guided_fp32_layer_ids,
                 policy_autocast=self.accelerator.autocast,
             )
+        # The two records between TRL's hooks (grpo_ratio/records.py): one per generation batch and mode, one per
+        # loss micro-batch. No other attribute is written in one hook and read in another.
+        self._generations: dict[str, GenerationRecord] = {}
+        self._micro_batch: MicroBatchRecord | None = None
 
     # ------------------------------------------------------------------------------------------------------------
     # setup checks
@@ -114,94 +114,46 @@ class RatioGRPOTrainer(GRPOTrainer):
             self.use_vllm and self.vllm_importance_sampling_correction
         )
 
-    # ------------------------------------------------------------------------------------------------------------
-    # old log-probs
-
-    def _score_old(self, input_ids, attention_mask, logits_to_keep, batch_size, kept=None) -> torch.Tensor:
-        """(B, T) fp32 old log-probs from the scoring mode, in TRL's chunking, with copies synced at this step
-        (over the kept sets under `renormalize`)."""
-        with torch.no_grad(), self._no_gradient_checkpointing():
-            logps = self.scorer.score(
-                input_ids, attention_mask, logits_to_keep,
-                temperature=self.temperature, batch_size=batch_size, version=self.state.global_step, kept=kept,
-            )
-        self._last_fallback_rows = self.scorer.last_fallback_rows
-        if kept is None:
-            return logps
-        kept_logps = self.scorer.last_kept_set_logps  # (B, T)
-        self._old_log_kept_mass = logps - kept_logps  # log M = log p_full(g) - log p_S(g)
-        return kept_logps if self.args.truncation_correction == "renormalize" else logps
-
-    def _no_gradient_checkpointing(self):
-        from trl.models.utils import disable_gradient_checkpointing
-
-        model = self.accelerator.unwrap_model(self.model)
-        if not hasattr(model, "is_gradient_checkpointing"):
-            return contextlib.nullcontext()
-        return disable_gradient_checkpointing(model, self.args.gradient_checkpointing_kwargs)
-
-    def _kept_sets_for_call(self, num_rows: int, logits_to_keep: int):
-        """KeptSets (num_rows, T) of the rows a log-prob call scores, or None when no correction is active."""
-        if self.args.truncation_correction == "none":
-            return None
-        kept = self._kept.get("train" if self.model.training else "eval")
-        if kept is None:
-            return None
-        if self._loss_inputs is not None:  # a micro-batch: follow TRL's shuffle and split
-            kept = kept.select_rows(self._loss_inputs["kept_row_index"].cpu())
-        if kept.num_rows != num_rows:
-            raise RuntimeError(f"grpo_ratio: {num_rows} rows scored but {kept.num_rows} kept-set rows recorded")
-        return kept.resize_steps(logits_to_keep)
-
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
-                                           *args, **kwargs):
-        kept = self._kept_sets_for_call(input_ids.size(0), logits_to_keep)
-        is_old_pass = self._old_pass_pending and model is self.model and not torch.is_grad_enabled()
-        if is_old_pass:
-            self._old_pass_pending = False
-        # TRL's old pass is the first no-grad call on the policy inside _generate_and_score_completions: replace it.
-        if is_old_pass and self.scorer is not None:
-            if any(v is not None for v in args) or any(v is not None for v in kwargs.values()
-                                                       if not isinstance(v, bool)):
-                raise NotImplementedError("old_logprob_mode other than 'bf16' supports text-only models")
-            return self._score_old(input_ids, attention_mask, logits_to_keep, batch_size, kept), None, None
-        if kept is None:
-            result = super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, batch_size, *args, **kwargs)
-        else:
-            result = self._logps_with_kept_sets(model, input_ids, attention_mask, logits_to_keep, batch_size, kept,
-                                                *args, **kwargs)
-            if is_old_pass:
-                self._old_log_kept_mass = self._call_log_kept_mass
-        if torch.is_grad_enabled():  # the training forward of _compute_loss: keep its log-probs for the diagnostics
-            self._train_logps = result[0].detach()
-        return result
-
-    def _logps_with_kept_sets(self, model, input_ids, attention_mask, logits_to_keep, batch_size, kept,
-                              *args, **kwargs):
-        """TRL's call, plus the log-probs over the kept sets from the same forward's last hidden states."""
-        unwrapped = self.accelerator.unwrap_model(model)
-        with capture_last_hidden(unwrapped) as hidden:
-            logps, entropies, aux = super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, batch_size, *args, **kwargs)
-        hidden = torch.cat(hidden, dim=0)[:, -logits_to_keep - 1 : -1]  # (B, T, H) positions predicting the T tokens
-        kept_logps = kept_set_logps_from_hidden(
-            unwrapped, hidden, input_ids[:, -logits_to_keep:], kept, self.temperature,
-            self.args.cast_lm_head_to_fp32, self.accelerator.autocast)  # (B, T)
-        self._call_log_kept_mass = (logps - kept_logps).detach()  # (B, T) log M of this call
-        if self.args.truncation_correction == "renormalize":
-            return kept_logps, entropies, aux
-        return logps, entropies, aux
+    def _mode(self) -> str:
+        return "train" if self.model.training else "eval"
 
     # ------------------------------------------------------------------------------------------------------------
-    # sampler log-probs without vLLM
+    # one generation batch: generation, old pass, correction
+
+    def _generate_and_score_completions(self, inputs):
+        generation = GenerationRecord(mode=self._mode(), old_pass_pending=self._trl_runs_old_pass())
+        self._generations[generation.mode] = generation  # replaces the previous batch's record of this mode
+        try:
+            output = super()._generate_and_score_completions(inputs)
+        finally:
+            missed, generation.old_pass_pending = generation.old_pass_pending, False
+        if missed:
+            raise RuntimeError("grpo_ratio: TRL did not run its old-logprob pass where 1.16 does; untested TRL?")
+        if self.args.truncation_correction != "none":
+            # a row index that TRL shuffles and splits with the batch: micro-batches find their rows' kept sets
+            output["kept_row_index"] = torch.arange(output["completion_ids"].size(0), device=self.accelerator.device)
+        if self.scorer is not None and "old_per_token_logps" not in output:
+            # TRL skipped the old pass (on-policy default): the mode still provides the anchor of the ratio
+            input_ids, attention_mask, T, batch_size = self._scoring_inputs(output, generation.mode)
+            output["old_per_token_logps"] = self._score_old(generation, input_ids, attention_mask, T, batch_size)
+        if self.args.truncation_correction == "lift_sampler":
+            self._lift_sampler(output, generation)
+        if generation.old_log_kept_mass is not None:
+            output["old_log_kept_mass"] = generation.old_log_kept_mass  # (B, T), for the diagnostics
+        if self.scorer is not None and self.diagnostics is not None:
+            for key, value in self.diagnostics.generation_metrics(generation.fallback_rows).items():
+                self._metrics[generation.mode][key].append(value)
+        return output
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        generation = self._generations.get(self._mode())
+        if generation is None:  # called outside a generation batch (not by TRL 1.16): nothing to record
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                 has_tool_images)
         if self._vllm_capture is not None:  # vLLM colocate with a truncation correction: keep the sampling masks
             completion_ids, logprobs = super()._generate_single_turn(prompt_ids, images, multimodal_fields,
                                                                      num_generations, has_tool_images)
-            kept = self._vllm_capture.kept_sets(len(completion_ids))
-            self._kept["train" if self.model.training else "eval"] = kept
+            generation.kept = self._vllm_capture.kept_sets(len(completion_ids))
             return completion_ids, logprobs
         plain_generate = not (self.use_vllm or self.use_transformers_continuous_batching)
         if not (plain_generate and self.args.record_sampler_logprobs):
@@ -211,39 +163,10 @@ class RatioGRPOTrainer(GRPOTrainer):
         with recording_sampler(self.accelerator.unwrap_model(self.model_wrapped), recorder):
             completion_ids, _ = super()._generate_single_turn(prompt_ids, images, multimodal_fields,
                                                               num_generations, has_tool_images)
-        record = _finalize_record(recorder, completion_ids, self._tokenizer.pad_token_id)
-        self.last_sampler_record = record
-        self._kept["train" if self.model.training else "eval"] = record.kept
+        record = finalize_from_completions(recorder, completion_ids, self._tokenizer.pad_token_id)
+        generation.sampler, generation.kept = record, record.kept
         # TRL pads these into `sampling_per_token_logps` (B, T) and keeps them in the generation batch
-        logprobs = [record.logprobs[i, : len(ids)].tolist() for i, ids in enumerate(completion_ids)]
-        return completion_ids, logprobs
-
-    def _generate_and_score_completions(self, inputs):
-        self._old_pass_pending = self._trl_runs_old_pass()
-        self._old_log_kept_mass = None
-        self._last_fallback_rows = 0
-        try:
-            output = super()._generate_and_score_completions(inputs)
-        finally:
-            missed, self._old_pass_pending = self._old_pass_pending, False
-        if missed:
-            raise RuntimeError("grpo_ratio: TRL did not run its old-logprob pass where 1.16 does; untested TRL?")
-        mode = "train" if self.model.training else "eval"
-        if self.args.truncation_correction != "none":
-            output["kept_row_index"] = torch.arange(output["completion_ids"].size(0), device=self.accelerator.device)
-        if self.scorer is not None and "old_per_token_logps" not in output:
-            # TRL skipped the old pass (on-policy default): the mode still provides the anchor of the ratio
-            kept = self._kept_sets_for_call(output["completion_ids"].size(0), output["completion_ids"].size(1))
-            output["old_per_token_logps"] = self._score_old(*self._scoring_inputs(output, mode), kept)
-        if self.args.truncation_correction == "lift_sampler":
-            self._lift_sampler_logprobs(output, mode)
-        if self._old_log_kept_mass is not None:
-            output["old_log_kept_mass"] = self._old_log_kept_mass  # (B, T), for the diagnostics
-        if self.scorer is not None and self.args.old_logprob_mode == "fp16_clone":
-            rows = self.accelerator.reduce(torch.tensor(float(self._last_fallback_rows), device=self.accelerator.device),
-                                           reduction="sum")
-            self._metrics[mode]["ratio/fp16_fallback_rows"].append(rows.item())
-        return output
+        return completion_ids, [record.logprobs[i, : len(ids)].tolist() for i, ids in enumerate(completion_ids)]
 
     def _scoring_inputs(self, output, mode):
         """(input_ids, attention_mask, T, batch_size) of a generation batch, as TRL builds them for its old pass."""
@@ -252,16 +175,32 @@ class RatioGRPOTrainer(GRPOTrainer):
         batch_size = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
         return input_ids, attention_mask, output["completion_ids"].size(1), batch_size
 
-    def _lift_sampler_logprobs(self, output, mode):
+    def _score_old(self, generation, input_ids, attention_mask, logits_to_keep, batch_size) -> torch.Tensor:
+        """(B, T) fp32 old log-probs from the scoring mode, in TRL's chunking, with copies synced at this step
+        (over the kept sets under `renormalize`); records log M_old and the fp16 fallback rows in `generation`."""
+        kept = self._kept_rows(generation, None, input_ids.size(0), logits_to_keep)
+        with torch.no_grad(), self._no_gradient_checkpointing():
+            result = self.scorer.score(
+                input_ids, attention_mask, logits_to_keep,
+                temperature=self.temperature, batch_size=batch_size, version=self.state.global_step, kept=kept,
+            )
+        generation.fallback_rows += result.fallback_rows
+        if kept is None:
+            return result.logps
+        generation.old_log_kept_mass = result.logps - result.kept_logps  # log M = log p_full(g) - log p_S(g)
+        return result.kept_logps if self.args.truncation_correction == "renormalize" else result.logps
+
+    def _lift_sampler(self, output, generation) -> None:
         """`lift_sampler`: sampler log-probs + log M_old, M_old = the old policy's mass on the kept set."""
-        if self._old_log_kept_mass is None:  # no old pass ran (on-policy bf16): one no-grad pass measures M
+        if generation.old_log_kept_mass is None:  # no old pass ran (on-policy bf16): one no-grad pass measures M
+            input_ids, attention_mask, T, batch_size = self._scoring_inputs(output, generation.mode)
+            kept = self._kept_rows(generation, None, input_ids.size(0), T)
             with torch.no_grad(), self._no_gradient_checkpointing():
-                input_ids, attention_mask, T, batch_size = self._scoring_inputs(output, mode)
-                self._get_per_token_logps_and_entropies(self.model, input_ids, attention_mask, T, batch_size)
-            self._old_log_kept_mass = self._call_log_kept_mass
+                _, _, _, generation.old_log_kept_mass = self._policy_logps(
+                    self.model, input_ids, attention_mask, T, batch_size, kept)
         valid = output["completion_mask"].bool()  # (B, T)
-        lifted = output["sampling_per_token_logps"] + self._old_log_kept_mass * valid  # (B, T)
-        output["sampling_per_token_logps"] = lifted
+        lifted = lift_sampler_logprobs(output["sampling_per_token_logps"], generation.old_log_kept_mass * valid)
+        output["sampling_per_token_logps"] = lifted  # (B, T)
         if "importance_sampling_ratio" in output:  # vLLM IS correction: TRL computed it from the unlifted log-probs
             mask = valid if "tool_mask" not in output else valid & output["tool_mask"].bool()
             output["importance_sampling_ratio"] = importance_sampling_weights(
@@ -269,36 +208,91 @@ class RatioGRPOTrainer(GRPOTrainer):
                 self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max)
 
     # ------------------------------------------------------------------------------------------------------------
-    # diagnostics at the first inner step
+    # every log-prob call of TRL: the old pass (replaced or measured), the training forward, the reference pass
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           *args, **kwargs):
+        generation = self._generations.get(self._mode())
+        micro_batch = self._micro_batch  # set inside _compute_loss only: this call is the training forward
+        is_old_pass = (micro_batch is None and generation is not None and generation.old_pass_pending
+                       and model is self.model and not torch.is_grad_enabled())
+        if is_old_pass:  # TRL's old pass is the first no-grad call on the policy inside a generation
+            generation.old_pass_pending = False
+        if is_old_pass and self.scorer is not None:
+            if any(v is not None for v in args) or any(v is not None for v in kwargs.values()
+                                                       if not isinstance(v, bool)):
+                raise NotImplementedError("old_logprob_mode other than 'bf16' supports text-only models")
+            return self._score_old(generation, input_ids, attention_mask, logits_to_keep, batch_size), None, None
+        kept = self._kept_rows(generation, micro_batch, input_ids.size(0), logits_to_keep)
+        logps, entropies, aux, log_mass = self._policy_logps(model, input_ids, attention_mask, logits_to_keep,
+                                                             batch_size, kept, *args, **kwargs)
+        if is_old_pass:
+            generation.old_log_kept_mass = log_mass
+        if micro_batch is not None:  # keep the training forward's log-probs for the diagnostics
+            micro_batch.train_logps, micro_batch.train_log_kept_mass = logps.detach(), log_mass
+        return logps, entropies, aux
+
+    def _policy_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size, kept, *args, **kwargs):
+        """TRL's own call; with kept sets, plus the log-probs over them from the same forward's last hidden states.
+
+        Returns (logps, entropies, aux, log_mass): logps (B, T) as the correction needs them (over S under
+        `renormalize`), log_mass (B, T) = log M of this forward (detached), or None without kept sets.
+        """
+        if kept is None:
+            return *super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, *args, **kwargs), None
+        unwrapped = self.accelerator.unwrap_model(model)
+        with capture_last_hidden(unwrapped) as hidden:
+            logps, entropies, aux = super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, *args, **kwargs)
+        hidden = torch.cat(hidden, dim=0)[:, -logits_to_keep - 1 : -1]  # (B, T, H) positions predicting the T tokens
+        kept_logps = kept_set_logps_from_hidden(
+            unwrapped, hidden, input_ids[:, -logits_to_keep:], kept, self.temperature,
+            self.args.cast_lm_head_to_fp32, self.accelerator.autocast)  # (B, T)
+        log_mass = (logps - kept_logps).detach()  # (B, T) log M of this call
+        if self.args.truncation_correction == "renormalize":
+            return kept_logps, entropies, aux, log_mass
+        return logps, entropies, aux, log_mass
+
+    def _kept_rows(self, generation, micro_batch, num_rows: int, logits_to_keep: int):
+        """KeptSets (num_rows, T) of the rows a log-prob call scores, or None when no correction is active: the
+        whole generation batch, or a micro-batch's rows (TRL shuffled and split them; `kept_row_index` follows)."""
+        if self.args.truncation_correction == "none" or generation is None or generation.kept is None:
+            return None
+        kept = generation.kept
+        if micro_batch is not None:
+            kept = kept.select_rows(micro_batch.inputs["kept_row_index"].cpu())
+        if kept.num_rows != num_rows:
+            raise RuntimeError(f"grpo_ratio: {num_rows} rows scored but {kept.num_rows} kept-set rows recorded")
+        return kept.resize_steps(logits_to_keep)
+
+    def _no_gradient_checkpointing(self):
+        from trl.models.utils import disable_gradient_checkpointing
+
+        model = self.accelerator.unwrap_model(self.model)
+        if not hasattr(model, "is_gradient_checkpointing"):
+            return contextlib.nullcontext()
+        return disable_gradient_checkpointing(model, self.args.gradient_checkpointing_kwargs)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # one loss micro-batch: diagnostics at the first inner step
 
     def _compute_loss(self, model, inputs):
-        self._train_logps, self._loss_inputs, self._call_log_kept_mass = None, inputs, None
+        micro_batch = self._micro_batch = MicroBatchRecord(inputs=inputs)
         try:
             loss = super()._compute_loss(model, inputs)
         finally:
-            self._loss_inputs = None
+            self._micro_batch = None
         if self.diagnostics is not None and self.model.training:
-            generate_every = self.args.steps_per_generation * self.num_iterations
-            micro_step = self._step % generate_every  # position in this generation's cycle (before the increment)
-            first_inner = micro_step < min(self.args.gradient_accumulation_steps, self.args.steps_per_generation)
-            if first_inner and self._train_logps is not None:
-                self.diagnostics.update(inputs, self._train_logps, mode_is_policy=self.scorer is None,
-                                        train_log_kept_mass=self._call_log_kept_mass)
-            if (self._step + 1) % self.current_gradient_accumulation_steps == 0:  # last micro-step of this update
-                for key, value in self.diagnostics.flush().items():
-                    self._metrics["train"][key].append(value)
-        self._train_logps = None
+            self._update_diagnostics(micro_batch)
         return loss
 
-
-def _finalize_record(recorder: SamplerLogprobRecorder, completion_ids: list[list[int]], pad_token_id: int):
-    """`recorder.finalize` from TRL's per-row completion lists (cut after the first EOS): rebuild (N, P+T) sequences
-    and the (N, T) completion mask; the prompt part is never read, only its length."""
-    N, T = len(completion_ids), max((len(c) for c in completion_ids), default=0)
-    sequences = torch.full((N, recorder.prompt_length + T), pad_token_id, dtype=torch.long)  # (N, P+T)
-    mask = torch.zeros(N, T, dtype=torch.bool)  # (N, T)
-    for i, ids in enumerate(completion_ids):
-        sequences[i, recorder.prompt_length : recorder.prompt_length + len(ids)] = torch.tensor(ids, dtype=torch.long)
-        mask[i, : len(ids)] = True
-    return recorder.finalize(sequences, mask)
-
+    def _update_diagnostics(self, micro_batch: MicroBatchRecord) -> None:
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        micro_step = self._step % generate_every  # position in this generation's cycle (before the increment)
+        first_inner = micro_step < min(self.args.gradient_accumulation_steps, self.args.steps_per_generation)
+        if first_inner and micro_batch.train_logps is not None:
+            self.diagnostics.update(micro_batch, mode_is_policy=self.scorer is None)
+        if (self._step + 1) % self.current_gradient_accumulation_steps == 0:  # last micro-step of this update
+            for key, value in self.diagnostics.flush().items():
+                self._metrics["train"][key].append(value)

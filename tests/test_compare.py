@@ -8,18 +8,15 @@ import statistics
 from pathlib import Path
 
 import pytest
+from trainer_fixtures import tiny_trainer
 
-from grpo_ratio.testing import tiny_trainer
 
-
-TRAINERS = Path(__file__).parents[1] / "trainers"
 RECIPES = Path(__file__).parents[1] / "recipes" / "smollm2-135m"
 
 
 @pytest.fixture
-def compare(monkeypatch):
-    monkeypatch.syspath_prepend(str(TRAINERS))  # the entry scripts import each other as scripts do
-    import compare
+def compare():
+    from grpo_ratio.scripts import compare
 
     return compare
 

@@ -7,10 +7,10 @@ import glob
 
 import pytest
 import torch
+from trainer_fixtures import tiny_trainer as _trainer
 from wandb_offline import read_offline_run
 
 from grpo_ratio.testing import tiny_model
-from grpo_ratio.testing import tiny_trainer as _trainer
 
 
 def _steps(trainer):
@@ -88,8 +88,10 @@ def test_wandb_offline_and_tensorboard_hold_the_keys(tmp_path, monkeypatch):
 
 def test_diagnostics_report_vllm_importance_sampling_masking(tmp_path):
     # vLLM's IS correction cannot run on CPU; feed RatioDiagnostics the micro-batch TRL would build with it on.
+    from trainer_fixtures import tiny_grpo_args
+
     from grpo_ratio.diagnostics import RatioDiagnostics
-    from grpo_ratio.testing import tiny_grpo_args
+    from grpo_ratio.records import MicroBatchRecord
 
     args = tiny_grpo_args(tmp_path)  # TRL defaults: sequence_mask, clip_max 3.0, clip_min None
     diag = RatioDiagnostics(args, accelerator=type("Acc", (), {"num_processes": 1, "device": "cpu"})(),
@@ -101,7 +103,7 @@ def test_diagnostics_report_vllm_importance_sampling_masking(tmp_path):
     inputs = {"completion_ids": torch.tensor([[5, 6, 7], [5, 6, 7]]), "completion_mask": torch.ones(2, 3),
               "advantages": torch.tensor([1.0, -1.0]), "old_per_token_logps": old,
               "sampling_per_token_logps": sampler, "importance_sampling_ratio": torch.ones(2, 1)}
-    diag.update(inputs, train_logps=old, mode_is_policy=True)
+    diag.update(MicroBatchRecord(inputs=inputs, train_logps=old), mode_is_policy=True)
     metrics = diag.flush()
     assert metrics["ratio/is_masked_seq_frac"] == 0.5 and metrics["ratio/is_masked_token_frac"] == 0.5
     assert metrics["ratio/old_sampler/oob_rate"] == 0.5  # r = 2 on row 0's 3 tokens, 1 on row 1's

@@ -14,7 +14,7 @@ import pytest
 
 @pytest.mark.parametrize("mode", ["fp16_clone"])
 def test_two_process_run(tmp_path, mode):
-    script = Path(__file__).parent / "scripts" / "two_process_train.py"
+    script = Path(__file__).parent / "two_process_train.py"
     accelerate = Path(sys.executable).parent / "accelerate"
     cmd = [str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no", str(script), str(tmp_path), mode]

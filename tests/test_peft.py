@@ -22,7 +22,7 @@ def test_fp32_copy_of_bf16_lora_policy_has_merged_weights():
     before = {k: v.clone() for k, v in policy.state_dict().items()}
     ids = torch.randint(2, 300, (3, 10), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
-    logps = OldLogprobScorer(policy, "fp32_clone").score(ids, mask, 4)  # (3, 4)
+    logps = OldLogprobScorer(policy, "fp32_clone").score(ids, mask, 4).logps  # (3, 4)
     reference = copy.deepcopy(policy).float().merge_and_unload()  # PEFT's own merge, done in fp32
     with torch.no_grad():
         logits = reference(input_ids=ids, attention_mask=mask, logits_to_keep=5).logits
@@ -35,7 +35,7 @@ def test_fp32_lora_policy_needs_no_copy():
     policy = _lora(torch.float32)
     ids = torch.randint(2, 300, (2, 8), generator=torch.Generator().manual_seed(1))
     scorer = OldLogprobScorer(policy, "fp32_clone")
-    logps = scorer.score(ids, torch.ones_like(ids), 3)
+    logps = scorer.score(ids, torch.ones_like(ids), 3).logps
     with torch.no_grad():
         logits = policy(input_ids=ids, attention_mask=torch.ones_like(ids), logits_to_keep=4).logits
     assert torch.allclose(logps, completion_logprobs_from_logits(logits, ids[:, -3:], 1.0), atol=1e-6)
@@ -43,7 +43,7 @@ def test_fp32_lora_policy_needs_no_copy():
 
 
 def test_trainer_with_lora_keeps_copy_in_step(tmp_path):
-    from grpo_ratio.testing import tiny_trainer
+    from trainer_fixtures import tiny_trainer
 
     config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
     trainer = tiny_trainer(tmp_path, "fp16_clone", model=tiny_model("qwen2"), peft_config=config, max_steps=2)

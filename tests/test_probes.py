@@ -199,7 +199,7 @@ def test_layers_ranks_a_layer_that_moves_only_at_batch_8(monkeypatch):
 
 
 def test_layers_probe_writes_calibration_that_config_accepts(tmp_path):
-    from grpo_ratio.testing import tiny_grpo_args
+    from trainer_fixtures import tiny_grpo_args
 
     res = _run(tmp_path, "layers")
     calib = json.loads((tmp_path / "calibration.json").read_text())

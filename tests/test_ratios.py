@@ -406,9 +406,7 @@ def test_all_reduce_sums_counts_and_gathers_values():
 
 
 _TWO_PROCESS_SCRIPT = """
-import sys
 from accelerate import Accelerator
-sys.path.insert(0, {tests_dir!r})
 from test_ratios import _all_stats, _metrics
 acc = Accelerator(cpu=True)
 assert acc.num_processes == 2
@@ -429,8 +427,9 @@ def test_all_reduce_on_two_real_processes(tmp_path):
     # 2 CPU processes joined by gloo (accelerate reads RANK / WORLD_SIZE / MASTER_*): all_reduce over real
     # collectives, with unequal numbers of values per process, gives exactly the single-batch metrics on both.
     script = tmp_path / "two_processes.py"
-    script.write_text(_TWO_PROCESS_SCRIPT.format(tests_dir=str(pathlib.Path(__file__).parent)))
+    script.write_text(_TWO_PROCESS_SCRIPT)
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2"}
+    env["PYTHONPATH"] = os.pathsep.join([str(pathlib.Path(__file__).parent), env.get("PYTHONPATH", "")])  # test_ratios
     env["OMP_NUM_THREADS"] = "1"
     procs = [
         subprocess.Popen(

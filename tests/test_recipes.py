@@ -21,11 +21,10 @@ CHAT_TEMPLATE = (
 
 
 @pytest.fixture
-def grpo(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "trainers"))
-    import grpo
+def grpo():
+    from grpo_ratio.scripts import train
 
-    return grpo
+    return train
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Tests of grpo_ratio.sampling: kept sets, the sampler-logprob recorder and the truncation corrections.
+"""Tests of grpo_ratio.kept_sets and grpo_ratio.rollouts: kept sets, the sampler-logprob recorder and the truncation corrections.
 
 Run: /work/venv/bin/pytest tests/test_sampling.py -q
 Hand-derived constants (V = 4 logits [2, 1, 0, -1]):
@@ -12,17 +12,15 @@ import torch
 from fixtures_vllm import RequestOutput, completion
 from transformers import LogitsProcessorList
 
-from grpo_ratio.sampling import (
+from grpo_ratio.kept_sets import (
     KeptSets,
-    SamplerLogprobRecorder,
     is_top_prefix,
     kept_set_logprobs,
-    kept_sets_from_vllm,
     lift_sampler_logprobs,
     log_kept_mass,
     log_kept_mass_top_prefix,
-    recording_sampler,
 )
+from grpo_ratio.rollouts import SamplerLogprobRecorder, kept_sets_from_vllm, recording_sampler
 from grpo_ratio.testing import tiny_model
 
 

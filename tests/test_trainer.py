@@ -5,11 +5,12 @@ Run: pytest tests/test_trainer.py
 
 import pytest
 import torch
+from trainer_fixtures import tiny_trainer
 from trl import GRPOConfig, GRPOTrainer
 
 from grpo_ratio import RatioGRPOTrainer
 from grpo_ratio.scoring import completion_logprobs_from_logits
-from grpo_ratio.testing import letter_reward, tiny_model, tiny_prompts, tiny_tokenizer, tiny_trainer
+from grpo_ratio.testing import letter_reward, tiny_model, tiny_prompts, tiny_tokenizer
 
 
 def _trainer(tmp_path, mode="bf16", arch="qwen2", cls=None, model=None, **overrides):

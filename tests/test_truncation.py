@@ -6,10 +6,11 @@ Run: pytest tests/test_truncation.py
 
 import pytest
 import torch
+from trainer_fixtures import tiny_trainer
 
-from grpo_ratio.sampling import kept_set_logprobs
+from grpo_ratio.kept_sets import kept_set_logprobs
 from grpo_ratio.scoring import completion_logprobs_from_logits
-from grpo_ratio.testing import tiny_model, tiny_trainer
+from grpo_ratio.testing import tiny_model
 
 
 def _steps(trainer):
@@ -44,7 +45,7 @@ def test_renormalized_old_logprobs_equal_a_brute_force_over_the_kept_sets(tmp_pa
     T = out["completion_ids"].size(1)
     with torch.no_grad():
         logits = tiny_model("qwen2")(input_ids=ids, attention_mask=mask, logits_to_keep=T + 1).logits  # same weights
-    kept = trainer.last_sampler_record.kept.resize_steps(T)
+    kept = trainer._generations["train"].sampler.kept.resize_steps(T)
     valid = out["completion_mask"].bool()
     expected = kept_set_logprobs(logits[:, :-1], out["completion_ids"], kept, mask=valid)  # (B, T)
     assert (out["old_per_token_logps"] - expected)[valid].abs().max() <= 1e-5
@@ -60,7 +61,7 @@ def test_lift_sampler_adds_the_log_kept_mass(tmp_path):
     out = trainer._generate_and_score_completions(batch)
     valid = out["completion_mask"].bool()
     raw = torch.zeros_like(out["sampling_per_token_logps"])
-    record = trainer.last_sampler_record.logprobs  # (B, T_gen) the sampler's own log q_S(g)
+    record = trainer._generations["train"].sampler.logprobs  # (B, T_gen) the sampler's own log q_S(g)
     raw[:, : record.size(1)] = record
     lifted = out["sampling_per_token_logps"]
     assert torch.allclose(lifted[valid], (raw + out["old_log_kept_mass"])[valid], atol=1e-6)
@@ -90,12 +91,13 @@ def test_bad_truncation_setups(tmp_path, kw, error, match):
         tiny_trainer(tmp_path, "bf16", top_p=0.8, truncation_correction="renormalize", **kw)
 
 
-def _vllm_args(**kw):
-    from types import SimpleNamespace
+def _vllm_config(**kw):
+    """A RatioGRPOConfig with vLLM colocate and a truncation correction: the checks run in its __post_init__."""
+    from grpo_ratio import RatioGRPOConfig
 
-    base = dict(truncation_correction="renormalize", use_vllm=True, record_sampler_logprobs=True,
-                vllm_mode="colocate", vllm_tensor_parallel_size=1, top_k=1024, generation_kwargs=None)
-    return SimpleNamespace(**{**base, **kw})
+    base = dict(output_dir="unused", use_cpu=True, truncation_correction="renormalize", use_vllm=True,
+                vllm_mode="colocate", vllm_tensor_parallel_size=1, top_p=0.8, top_k=1024, report_to="none")
+    return RatioGRPOConfig(**{**base, **kw})
 
 
 @pytest.mark.parametrize("kw,match", [
@@ -103,24 +105,20 @@ def _vllm_args(**kw):
     (dict(vllm_tensor_parallel_size=2), "vllm_tensor_parallel_size=1"),
 ])
 def test_vllm_setups_refused_at_start_up(kw, match):
-    from grpo_ratio.truncation import check_truncation_setup
-
     with pytest.raises(ValueError, match=match):
-        check_truncation_setup(_vllm_args(**kw))
+        _vllm_config(**kw)
 
 
 def test_vllm_colocate_without_top_k_warns():
-    from grpo_ratio.truncation import check_truncation_setup
-
     with pytest.warns(UserWarning, match="top_k > 0"):
-        check_truncation_setup(_vllm_args(top_k=0))
+        _vllm_config(top_k=0)
 
 
 def test_vllm_output_capture_gives_kept_sets():
     # The engine's generate is wrapped on the instance; the RequestOutputs (vLLM's real field names) give the sets.
     from fixtures_vllm import CompletionOutput, RequestOutput, SamplingMask
 
-    from grpo_ratio.truncation import VLLMOutputCapture
+    from grpo_ratio.rollouts import VLLMOutputCapture
 
     outputs = [RequestOutput(request_id="0", prompt=None, prompt_token_ids=[5, 6], prompt_logprobs=None,
                              outputs=[CompletionOutput(index=0, text="", token_ids=[7, 1], cumulative_logprob=None,

@@ -22,9 +22,9 @@ from .common import Completions, compare, finish_oob_plot, pct, pct_ci, pyplot, 
 def measure(model, data: Completions, mode: str, layers: list[int] | None, batch_size: int) -> dict:
     """compare(batch `batch_size`, each sequence alone) for one scoring mode, plus `seconds` of the batch pass."""
     scorer = OldLogprobScorer(model, mode, layers=layers or None)
-    b1 = score_alone(lambda ids, mask, t: scorer.score(ids, mask, t, batch_size=1), data)  # (B, T); builds copies
+    b1 = score_alone(lambda ids, mask, t: scorer.score(ids, mask, t, batch_size=1).logps, data)  # (B, T); builds copies
     args = (data.input_ids, data.attention_mask, data.logits_to_keep)
-    bn = scorer.score(*args, batch_size=batch_size)  # (B, T); untimed: the first pass at a shape pays kernel set-up
+    bn = scorer.score(*args, batch_size=batch_size).logps  # (B, T); untimed: the first pass at a shape pays kernel set-up
     t0 = time.perf_counter()
     scorer.score(*args, batch_size=batch_size)
     return {**compare(bn, b1, data.valid), "seconds": time.perf_counter() - t0}

@@ -130,7 +130,7 @@ def score_co_batches(scorer: OldLogprobScorer, data: Completions, groups, pad_id
     for rows, measured in groups:
         parts = [_parts(data, i) for i in rows]
         batch = layout_trl([p for p, _ in parts], [c for _, c in parts], pad_id, eos)
-        logps = scorer.score(batch.input_ids, batch.attention_mask, batch.logits_to_keep)  # (k, T_group)
+        logps = scorer.score(batch.input_ids, batch.attention_mask, batch.logits_to_keep).logps  # (k, T_group)
         for pos, i in enumerate(rows):
             if i in measured:
                 t_i = len(parts[pos][1])
@@ -183,7 +183,7 @@ def decoding():
 def score_decode(scorer: OldLogprobScorer, data: Completions) -> torch.Tensor:
     """(B, T) fp32 log-probs from prefill + token-by-token decode, each sequence alone (as `score_alone`)."""
     with decoding():
-        return score_alone(lambda ids, mask, t: scorer.score(ids, mask, t, batch_size=1), data)
+        return score_alone(lambda ids, mask, t: scorer.score(ids, mask, t, batch_size=1).logps, data)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -196,8 +196,8 @@ def run_mode(model, data: Completions, mode: str, layers: list[int] | None, grou
     (decode: or {"supported": False, "reason"}), "chain_hash", "seconds"}."""
     t0 = time.perf_counter()
     scorer = OldLogprobScorer(model, mode, layers=layers if mode == "guided_fp32" else None)
-    alone = score_alone(lambda ids, mask, t: scorer.score(ids, mask, t, batch_size=1), data)  # (B, T)
-    res = {"rerun": bitwise_equal(score_alone(lambda ids, mask, t: scorer.score(ids, mask, t, batch_size=1), data),
+    alone = score_alone(lambda ids, mask, t: scorer.score(ids, mask, t, batch_size=1).logps, data)  # (B, T)
+    res = {"rerun": bitwise_equal(score_alone(lambda ids, mask, t: scorer.score(ids, mask, t, batch_size=1).logps, data),
                                   alone, data.valid)}
     for k, g in groups.items():
         res[f"co_batch_{k}"] = bitwise_equal(score_co_batches(scorer, data, g, pad_id, eos), alone, data.valid)

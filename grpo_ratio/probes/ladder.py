@@ -39,9 +39,9 @@ def run_ladder(model, data: Completions, batch_size: int = 8, layers: list[int] 
     b1 = {}
     for mode, scorer in tqdm(scorers.items(), desc="ladder: batch 1", disable=not progress):
         # each sequence alone; this also warms up and builds the mode's copies before anything is timed
-        b1[mode] = score_alone(lambda ids, mask, t, s=scorer: s.score(ids, mask, t, batch_size=1), data)  # (B, T)
+        b1[mode] = score_alone(lambda ids, mask, t, s=scorer: s.score(ids, mask, t, batch_size=1).logps, data)  # (B, T)
     # untimed first pass at the batch shape (kernel set-up); its log-probs are the ones compared
-    bn = {m: s.score(*args, batch_size=batch_size) for m, s in scorers.items()}  # (B, T) each
+    bn = {m: s.score(*args, batch_size=batch_size).logps for m, s in scorers.items()}  # (B, T) each
     times = {m: [] for m in modes}
     for _ in tqdm(range(repeats), desc=f"ladder: batch {batch_size}", disable=not progress):
         for mode, scorer in scorers.items():

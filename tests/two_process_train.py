@@ -1,7 +1,7 @@
 """Two-process CPU training run used by tests/test_distributed.py (launched with `accelerate launch`).
 
 Writes, on the main process, a JSON with the world size, the logged history and a checksum of the final weights.
-Usage: accelerate launch --multi_gpu --num_processes 2 tests/scripts/two_process_train.py OUT_DIR MODE
+Usage: accelerate launch --multi_gpu --num_processes 2 tests/two_process_train.py OUT_DIR MODE
 """
 
 import json
@@ -9,9 +9,10 @@ import os
 import sys
 
 import torch
+from trainer_fixtures import tiny_grpo_args
 
 from grpo_ratio import RatioGRPOTrainer
-from grpo_ratio.testing import letter_reward, tiny_grpo_args, tiny_model, tiny_prompts, tiny_tokenizer
+from grpo_ratio.testing import letter_reward, tiny_model, tiny_prompts, tiny_tokenizer
 
 
 def main(out_dir: str, mode: str) -> None:

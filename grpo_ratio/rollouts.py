@@ -1,0 +1,331 @@
+"""Rollout recording: what the sampler drew each token from, on the transformers `generate` path and from vLLM.
+
+- transformers `generate`: `SamplerLogprobRecorder`, made the last logits processor by `recording_sampler`, records
+  log q(g) of every sampled token under the processed distribution (temperature, top_k, top_p, min_p applied) and the
+  kept set S of every step, streaming (no (T, N, V) scores kept).
+- vLLM: `kept_sets_from_vllm` reads S from `CompletionOutput.sampling_mask`; `VLLMOutputCapture` keeps the engine's
+  outputs of TRL's colocate call; `vllm_engine_kwargs` adds engine flags to TRL's `LLM(...)`.
+
+Shapes: N = sequences (rows), P = prompt tokens, T = completion tokens (generation steps), V = vocabulary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from transformers import GenerationMixin, LogitsProcessor, LogitsProcessorList
+
+from .kept_sets import KeptSets, _offsets_from_sizes, _range_index
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Kept sets from vLLM
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _completions(outputs) -> list:
+    """Flatten RequestOutputs (each with `.outputs`) and/or CompletionOutputs into a list of CompletionOutputs."""
+    flat = []
+    for out in outputs:
+        inner = getattr(out, "outputs", None)  # RequestOutput has .outputs; CompletionOutput does not
+        flat.extend(inner if inner is not None else [out])
+    return flat
+
+
+def _mask_cells(mask, where: str) -> list[np.ndarray]:
+    """One int32 array of kept ids per generated token, from any of the three sampling-mask layouts."""
+    token_ids = getattr(mask, "token_ids", None)
+    offsets = getattr(mask, "offsets", None)
+    if token_ids is not None and offsets is None:
+        # vLLM 0.28 / 0.33 `SamplingMask(token_ids: list[list[int]])`: one list per generated token
+        if len(token_ids) and np.ndim(token_ids[0]) == 0:
+            raise ValueError(f"{where}: sampling_mask.token_ids is flat but has no `offsets` (CSR layout needs both)")
+        return [np.asarray(cell, dtype=np.int32) for cell in token_ids]
+    if token_ids is not None:
+        # vLLM PR #49577 (Mask Replay) CSR: flat `token_ids` + `offsets` (num_tokens + 1)
+        flat, bounds = np.asarray(token_ids, dtype=np.int32), np.asarray(offsets, dtype=np.int64)
+    elif getattr(mask, "ids", None) is not None and getattr(mask, "counts", None) is not None:
+        # flat `ids` + per-token `counts` (the transport of PrimeIntellect prime-rl PR #3431 / verifiers PR #2460)
+        flat = np.asarray(mask.ids, dtype=np.int32)
+        bounds = np.concatenate([[0], np.cumsum(np.asarray(mask.counts, dtype=np.int64))])
+    else:
+        raise ValueError(f"{where}: sampling_mask of type {type(mask).__name__} has neither `token_ids` (list of "
+                         f"lists, or flat with `offsets`) nor `ids` + `counts`")
+    if len(bounds) == 0 or bounds[0] != 0 or bounds[-1] != len(flat) or bool(np.any(np.diff(bounds) < 0)):
+        raise ValueError(f"{where}: sampling_mask offsets must rise from 0 to len(token_ids)={len(flat)}")
+    return [flat[bounds[i]:bounds[i + 1]] for i in range(len(bounds) - 1)]
+
+
+def kept_sets_from_vllm(outputs, num_steps: int | None = None, support_size_only: bool = False) -> KeptSets:
+    """Kept sets of vLLM completions, one row per `CompletionOutput` (RequestOutputs are flattened in order).
+
+    Each `CompletionOutput.sampling_mask` (engine flag `return_sampling_mask=True`, vLLM >= 0.28; needs Model Runner
+    V2, temperature > 0 and top_k > 0; trl_grpo_internals.md section 8) may be laid out as
+    - `SamplingMask(token_ids: list[list[int]])`, one list per generated token (vllm/outputs.py), or
+    - the CSR of vLLM PR #49577 (Mask Replay): flat `token_ids` plus `offsets` (num_tokens + 1), or
+    - flat `ids` plus per-token `counts`.
+
+    Args:
+        outputs: a sequence of vLLM `RequestOutput` and/or `CompletionOutput`.
+        num_steps: T of the result (default: the longest completion); shorter completions get empty cells.
+        support_size_only: keep only |S| (see `KeptSets`).
+
+    Returns:
+        `KeptSets` with N = number of completions.
+
+    Raises:
+        ValueError: a completion has no sampling_mask, or its mask does not have one set per generated token.
+    """
+    rows = []
+    for n, comp in enumerate(_completions(outputs)):
+        where = f"completion {n} (index={getattr(comp, 'index', '?')})"
+        if comp.sampling_mask is None:
+            raise ValueError(f"{where} has sampling_mask=None: start vLLM with return_sampling_mask=True and sample "
+                             f"with top_k > 0 to get the kept sets")
+        cells = _mask_cells(comp.sampling_mask, where)
+        if len(cells) != len(comp.token_ids):
+            raise ValueError(f"{where}: sampling_mask has {len(cells)} kept sets for {len(comp.token_ids)} "
+                             f"generated tokens")
+        rows.append(cells)
+    kept = KeptSets.from_lists(rows, num_steps)
+    return kept.size_only() if support_size_only else kept
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Recording sampler log-probs and kept sets in transformers `generate`
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SamplerRecord:
+    """What `SamplerLogprobRecorder.finalize` returns.
+
+    Fields:
+        logprobs (`torch.Tensor`, (N, T) fp32): log q(g_t), the sampled token's log-prob under the processed
+            distribution it was drawn from (temperature, top_k, top_p, min_p applied). 0.0 outside the
+            completion mask; -inf for a forced pad outside the kept set when no mask is given.
+        kept (`KeptSets`): the kept set of every cell (empty outside the completion mask).
+    """
+
+    logprobs: torch.Tensor
+    kept: KeptSets
+
+
+class SamplerLogprobRecorder(LogitsProcessor):
+    """Record, per generation step, the kept set and the sampled token's processed log-prob, without keeping scores.
+
+    Use it through `recording_sampler(model, recorder)`, which makes it the **last** logits processor, so that it sees
+    the scores exactly as the sampler does (`softmax(scores)` is what `torch.multinomial` draws from). Passing it as
+    `generate(logits_processor=...)` is not enough: transformers (5.x, `GenerationMixin._get_logits_processor`) merges
+    user processors *before* it appends temperature / top_k / top_p / min_p, so the recorder would see unwarped
+    scores; an unattached recorder therefore raises.
+
+    Per call it returns `scores` unchanged (same object) and draws no random numbers. It keeps the (N, V) fp32
+    log-softmax of the previous step only: the token sampled at step t is `input_ids[:, -1]` at step t + 1, and the
+    last step's token comes from the final sequences in `finalize`. Memory: one (N, V) fp32 buffer plus the kept
+    sets (see `KeptSets`), against T x N x V for `output_scores=True` (8,192 x 64 x 151,936 x 4 B = 318 GB).
+
+    Args:
+        support_size_only (`bool`, defaults to `False`): record only |S| (no `nonzero`, no ids).
+        storage_device (`torch.device | str`, *optional*): where recorded ids / log-probs live (default: the device
+            of the scores). `"cpu"` moves them off the accelerator each step.
+
+    Source: seed 004 (batch-logprob-gap) grpo_effect.py takes the rollout log-probs from `generate(output_scores=True)`;
+    this computes the same `log_softmax(scores)[g]` streaming.
+    """
+
+    def __init__(self, support_size_only: bool = False, storage_device: torch.device | str | None = None):
+        self.support_size_only = support_size_only
+        self.storage_device = storage_device
+        self.attached = False
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything recorded (called on entering `recording_sampler`)."""
+        self._prompt_len: int | None = None
+        self._prev_logsm: torch.Tensor | None = None  # (N, V) fp32, previous step
+        self._logps: list[torch.Tensor] = []  # (N,) fp32 per step, one step behind
+        self._sizes: list[torch.Tensor] = []  # (N,) int32 per step
+        self._ids: list[torch.Tensor] = []  # (nnz_t,) int32 per step, row-major within the step
+
+    @property
+    def prompt_length(self) -> int | None:
+        """P, the (padded) prompt length of the recorded generate call; None before the first step."""
+        return self._prompt_len
+
+    def _store(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.storage_device is None else t.to(self.storage_device)  # blocking: safe to read at once
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if not self.attached:
+            raise RuntimeError("SamplerLogprobRecorder must run last: wrap generate in `with recording_sampler(model, "
+                               "recorder):` (transformers puts logits_processor= entries before temperature/top_k/top_p"
+                               "/min_p, so the recorder would see unwarped scores)")
+        if self._prompt_len is None:
+            self._prompt_len = input_ids.shape[1]
+        else:  # the token drawn from the previous step's distribution is now the last input id
+            self._logps.append(self._store(self._prev_logsm.gather(1, input_ids[:, -1:]).squeeze(1)))  # (N,)
+        self._prev_logsm = torch.log_softmax(scores.float(), dim=-1)  # (N, V)
+        keep = scores != -math.inf  # (N, V) the kept set: every processor writes -inf outside it
+        self._sizes.append(self._store(keep.sum(-1, dtype=torch.int32)))  # (N,)
+        if not self.support_size_only:
+            self._ids.append(self._store(keep.nonzero()[:, 1].to(torch.int32)))  # (nnz_t,)
+        return scores
+
+    def finalize(self, sequences: torch.Tensor, completion_mask: torch.Tensor | None = None) -> SamplerRecord:
+        """Turn the recording into (N, T) log-probs and kept sets, T = `sequences.shape[1]` - prompt length.
+
+        Args:
+            sequences (`torch.Tensor`, (N, P + T) int64): what `generate` returned (prompt + completion).
+            completion_mask (`torch.Tensor`, (N, T) bool, *optional*): True for completion tokens (up to and
+                including the first EOS). Cells outside it get log-prob 0.0 and an empty kept set.
+
+        Raises:
+            ValueError: nothing was recorded, the shapes disagree with the recording, or fewer steps were recorded
+                than tokens generated (the recorder was not called at every step).
+        """
+        if self._prompt_len is None:
+            raise ValueError("finalize: nothing recorded; run generate inside `recording_sampler(model, recorder)`")
+        N, T = sequences.shape[0], sequences.shape[1] - self._prompt_len
+        if N != self._sizes[0].shape[0] or T < 0 or len(self._sizes) < T:
+            raise ValueError(f"finalize: sequences {tuple(sequences.shape)} do not match the recording (N="
+                             f"{self._sizes[0].shape[0]}, prompt length {self._prompt_len}, {len(self._sizes)} steps)")
+        logps = self._logps[:T]  # calls beyond T are steps generate undid (deferred stop check)
+        if len(logps) < T:  # the last step's token is only in the final sequences
+            last = sequences[:, -1:].to(self._prev_logsm.device)  # (N, 1)
+            logps = logps + [self._store(self._prev_logsm.gather(1, last).squeeze(1))]
+        logprobs = torch.stack(logps, 1) if T else torch.zeros(N, 0)  # (N, T)
+        kept = self._kept_sets(T)
+        self._prev_logsm = None  # free the (N, V) buffer
+        if completion_mask is not None:
+            mask = completion_mask.to(device=logprobs.device, dtype=torch.bool)  # (N, T)
+            logprobs = torch.where(mask, logprobs, 0.0)
+            kept = kept.masked(mask.to(kept.sizes.device))
+        return SamplerRecord(logprobs=logprobs.float(), kept=kept)
+
+    def _kept_sets(self, T: int) -> KeptSets:
+        """Reorder the step-major recording of the first T steps into row-major CSR."""
+        N = self._sizes[0].shape[0]
+        sizes_sm = torch.stack(self._sizes[:T]) if T else torch.zeros(0, N, dtype=torch.int32)  # (T, N)
+        sizes = sizes_sm.T.contiguous()  # (N, T)
+        if self.support_size_only:
+            return KeptSets(sizes, support_size_only=True)
+        ids_sm = torch.cat(self._ids[:T]) if T else torch.zeros(0, dtype=torch.int32)  # (nnz,) step-major
+        starts_sm = _offsets_from_sizes(sizes_sm)[:-1].reshape(T, N)  # (T, N)
+        ids = ids_sm[_range_index(starts_sm.T.reshape(-1), sizes.reshape(-1))]  # (nnz,) row-major
+        return KeptSets(sizes, ids, _offsets_from_sizes(sizes))
+
+
+def _generation_model(model):
+    """The GenerationMixin whose `generate` actually runs (PEFT forwards generate to its base model)."""
+    if isinstance(model, GenerationMixin):
+        return model
+    get_base = getattr(model, "get_base_model", None)  # peft.PeftModel
+    if get_base is not None and isinstance(get_base(), GenerationMixin):
+        return get_base()
+    raise ValueError(f"recording_sampler: {type(model).__name__} is not a transformers GenerationMixin (or a PEFT "
+                     f"model around one)")
+
+
+@contextlib.contextmanager
+def recording_sampler(model, recorder: SamplerLogprobRecorder) -> Iterator[SamplerLogprobRecorder]:
+    """Within the block, every `model.generate` call runs `recorder` as its last logits processor.
+
+    It wraps `model._get_logits_processor` on the instance (transformers 5.x), appending the recorder after
+    everything generate builds (repetition penalty, temperature, top_k, top_p, min_p, ...). No generate call has to
+    change, so TRL's `_generate_single_turn` can run unmodified inside the block. The recorder is reset on entry and
+    records one generate call per block (a second call raises RuntimeError).
+
+    Args:
+        model: the model whose `generate` is called (the unwrapped model; a PEFT model is resolved to its base).
+        recorder: the `SamplerLogprobRecorder` to attach.
+    """
+    target = _generation_model(model)
+    own = target.__dict__.get("_get_logits_processor")  # an instance-level override to restore afterwards
+    build = target._get_logits_processor
+
+    def build_with_recorder(*args, **kwargs) -> LogitsProcessorList:
+        if recorder._prompt_len is not None:  # a second generate would interleave with the first recording
+            raise RuntimeError("recording_sampler records one generate call; finalize it and open a new block")
+        processors = LogitsProcessorList(p for p in build(*args, **kwargs) if p is not recorder)
+        processors.append(recorder)
+        return processors
+
+    recorder.reset()
+    recorder.attached = True
+    target._get_logits_processor = build_with_recorder
+    try:
+        yield recorder
+    finally:
+        recorder.attached = False
+        if own is None:
+            del target._get_logits_processor
+        else:
+            target._get_logits_processor = own
+
+
+def finalize_from_completions(recorder: SamplerLogprobRecorder, completion_ids: list[list[int]],
+                              pad_token_id: int) -> SamplerRecord:
+    """`recorder.finalize` from TRL's per-row completion lists (cut after the first EOS): rebuild the (N, P+T)
+    sequences and the (N, T) completion mask; the prompt part is never read, only its length."""
+    N, T = len(completion_ids), max((len(c) for c in completion_ids), default=0)
+    sequences = torch.full((N, recorder.prompt_length + T), pad_token_id, dtype=torch.long)  # (N, P+T)
+    mask = torch.zeros(N, T, dtype=torch.bool)  # (N, T)
+    for i, ids in enumerate(completion_ids):
+        sequences[i, recorder.prompt_length : recorder.prompt_length + len(ids)] = torch.tensor(ids, dtype=torch.long)
+        mask[i, : len(ids)] = True
+    return recorder.finalize(sequences, mask)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# vLLM colocate: the engine's outputs (kept sets from `CompletionOutput.sampling_mask`)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def vllm_engine_kwargs(**extra):
+    """Within the block, TRL's colocate engine is built as `vllm.LLM(..., **extra)` (TRL passes a fixed kwargs list)."""
+    import trl.generation.vllm_generation as vllm_generation
+
+    original = vllm_generation.LLM
+    vllm_generation.LLM = functools.partial(original, **extra)
+    try:
+        yield
+    finally:
+        vllm_generation.LLM = original
+
+
+class VLLMOutputCapture:
+    """Keeps the `RequestOutput`s of the last `llm.generate` call of a vLLM engine (wraps it on the instance)."""
+
+    def __init__(self, llm):
+        self.outputs = None
+        generate = llm.generate
+
+        def capturing_generate(*args, **kwargs):
+            self.outputs = generate(*args, **kwargs)
+            return self.outputs
+
+        llm.generate = capturing_generate
+
+    def kept_sets(self, num_rows: int) -> KeptSets:
+        """KeptSets of the captured completions (one row per CompletionOutput, in TRL's order).
+
+        Raises:
+            RuntimeError: nothing captured, or the row count differs from TRL's completions.
+        """
+        if self.outputs is None:
+            raise RuntimeError("grpo_ratio: no vLLM outputs captured for this generation batch")
+        kept = kept_sets_from_vllm(self.outputs)
+        self.outputs = None
+        if kept.num_rows != num_rows:
+            raise RuntimeError(f"grpo_ratio: vLLM returned kept sets for {kept.num_rows} completions, TRL kept "
+                               f"{num_rows}")
+        return kept

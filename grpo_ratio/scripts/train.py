@@ -1,0 +1,194 @@
+"""GRPO with an honest importance ratio: one run of `RatioGRPOTrainer` from a recipe (`grpo-ratio train` and the
+runnable script `trainers/grpo.py` call `main` here).
+
+    python trainers/grpo.py --config recipes/smollm2-135m/arithmetic/fp32_clone.yaml
+    grpo-ratio train --config recipes/smollm2-135m/arithmetic/fp32_clone.yaml         # the same, as a console command
+    python trainers/grpo.py --config recipes/smollm2-135m/arithmetic/bf16.yaml --max_steps 3 --seed 1
+    accelerate launch --multi_gpu --num_processes 2 trainers/grpo.py --config recipes/smollm2-135m/gsm8k/fp16_clone.yaml
+
+(`--multi_gpu` also on CPU, where it means two gloo processes; `--cpu --num_processes 2` starts two independent
+single-process runs instead.)
+
+Every `RatioGRPOConfig` (= `trl.GRPOConfig` + grpo_ratio) field, every `trl.ModelConfig` field and the task fields of
+`GRPOScriptArguments` are flags; a flag on the command line overrides the recipe's value. An unknown recipe key, an
+unknown scoring mode, a missing data path or an unreadable model fails before any training step.
+
+Writes to `output_dir`: the model (unless `--save_final_model false`), `log_history.json` (TRL's log rows: reward,
+`ratio/*`, `clip_ratio/*`, ...), `metrics.png` (those curves per step) and, with `report_to: [wandb]`, an offline W&B
+run under `output_dir/wandb` (`WANDB_MODE=offline` unless you set it; upload later with `wandb sync`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from transformers import set_seed
+from trl import ModelConfig, TrlParser, get_peft_config
+
+from grpo_ratio import RatioGRPOConfig, RatioGRPOTrainer
+from grpo_ratio.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
+from grpo_ratio.plots import plot_metrics
+from grpo_ratio.tasks import TASKS, load_task
+
+
+@dataclass
+class GRPOScriptArguments:
+    """Task and data of a run; `None` leaves the task's own default (see `grpo_ratio.tasks`)."""
+
+    task: str = field(
+        default="arithmetic", metadata={"help": "Task: 'arithmetic' (built in) or 'gsm8k'.", "choices": list(TASKS)}
+    )
+    dataset_path: str | None = field(
+        default=None,
+        metadata={"help": "gsm8k: a .jsonl file or a folder with train.jsonl/test.jsonl; unset = openai/gsm8k (hub)."},
+    )
+    dataset_split: str | None = field(default=None, metadata={"help": "gsm8k: 'train' (default) or 'test'."})
+    num_examples: int | None = field(
+        default=None, metadata={"help": "Rows of the training set (gsm8k: shuffled with task_seed, then cut)."}
+    )
+    task_seed: int | None = field(
+        default=None, metadata={"help": "Seed of the task data (arithmetic problems, gsm8k shuffle), not of training."}
+    )
+    reward: str | None = field(default=None, metadata={"help": "gsm8k: 'lenient' (default, seed 004) or 'strict'."})
+    max_operand: int | None = field(default=None, metadata={"help": "arithmetic: operands in [1, max_operand]."})
+    operations: str | None = field(default=None, metadata={"help": "arithmetic: operators, e.g. '+' or '+-'."})
+    save_final_model: bool = field(default=True, metadata={"help": "Save the trained model to output_dir."})
+
+
+# script argument -> keyword of the task loader (`grpo_ratio.tasks.load_task`)
+_TASK_KWARGS = {
+    "dataset_path": "dataset_path",
+    "dataset_split": "split",
+    "num_examples": "num_examples",
+    "task_seed": "seed",
+    "reward": "reward",
+    "max_operand": "max_operand",
+    "operations": "operations",
+}
+
+
+def task_kwargs(script_args: GRPOScriptArguments) -> dict:
+    """The task-loader keywords set in `script_args` (unset ones are left to the task's defaults)."""
+    values = {kw: getattr(script_args, name) for name, kw in _TASK_KWARGS.items()}
+    return {kw: v for kw, v in values.items() if v is not None}
+
+
+def configure_reporting(training_args: RatioGRPOConfig) -> None:
+    """With `report_to` naming wandb: offline W&B under `output_dir/wandb`, project `grpo-ratio`, unless the
+    environment already says otherwise (`WANDB_MODE`, `WANDB_PROJECT`, `WANDB_DIR`)."""
+    if "wandb" not in training_args.report_to:
+        return
+    os.environ.setdefault("WANDB_MODE", "offline")
+    os.environ.setdefault("WANDB_PROJECT", "grpo-ratio")
+    if "WANDB_DIR" not in os.environ:
+        os.makedirs(training_args.output_dir, exist_ok=True)
+        os.environ["WANDB_DIR"] = os.path.abspath(training_args.output_dir)
+
+
+def build_trainer(script_args, training_args, model_args, callbacks=None) -> RatioGRPOTrainer:
+    """Data, model and `RatioGRPOTrainer` of a run, in that order, so that a bad data path fails before the model
+    is loaded.
+
+    Raises:
+        ValueError: unknown task, or a task keyword the task does not take.
+        FileNotFoundError: missing data path or model directory.
+        OSError: the model can be found neither locally, on the hub, nor (SmolLM2-135M-Instruct) as GGUF; or its
+            tokenizer is unreadable.
+    """
+    ################
+    # Data: the task's prompts and reward functions
+    ################
+    train_dataset, reward_funcs = load_task(script_args.task, **task_kwargs(script_args))
+
+    ################
+    # Model: a local directory (hub cache, hub, or the converted GGUF), loaded by TRL with model_init_kwargs
+    ################
+    model_path = resolve_model_path(model_args.model_name_or_path or DEFAULT_MODEL, revision=model_args.model_revision)
+    tokenizer = load_tokenizer(model_path, require_chat_template=True)  # the tasks' prompts are conversational
+    model_init_kwargs = {
+        "trust_remote_code": training_args.trust_remote_code,
+        "attn_implementation": model_args.attn_implementation,
+        "dtype": model_args.dtype,
+    }
+    model_init_kwargs.update(training_args.model_init_kwargs or {})
+    training_args.model_init_kwargs = model_init_kwargs
+
+    ################
+    # Trainer
+    ################
+    return RatioGRPOTrainer(
+        model=model_path,  # a path, not a model object: TRL re-loads it as the reference model when beta != 0
+        reward_funcs=reward_funcs,
+        args=training_args,
+        train_dataset=train_dataset,
+        processing_class=tokenizer,
+        peft_config=get_peft_config(model_args),
+        callbacks=callbacks,
+    )
+
+
+def wandb_run_dir() -> str | None:
+    """Folder of the active W&B run (e.g. `.../wandb/offline-run-...`), or None."""
+    import wandb
+
+    return str(Path(wandb.run.dir).parent) if wandb.run is not None else None
+
+
+def main(script_args, training_args, model_args):
+    ################
+    # Run setup: W&B offline by default, a readable run name, seed
+    ################
+    configure_reporting(training_args)
+    if training_args.run_name is None:
+        training_args.run_name = f"{training_args.old_logprob_mode}-s{training_args.seed}"
+    set_seed(training_args.seed)
+
+    ################
+    # Data, model, trainer
+    ################
+    trainer = build_trainer(script_args, training_args, model_args)
+
+    ################
+    # Train
+    ################
+    # Re-seed: scoring modes build different copies in __init__, which may draw from the global RNG; from here on
+    # every arm with the same seed draws the same first rollouts (trainers/compare.py relies on it).
+    set_seed(training_args.seed)
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.accelerator.print("Training completed.")
+
+    ################
+    # Save: model, log history, plot
+    ################
+    out = Path(training_args.output_dir)
+    if script_args.save_final_model:
+        trainer.save_model(str(out))
+    wandb_dir = wandb_run_dir() if "wandb" in training_args.report_to else None
+    if trainer.accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)  # save_strategy "no" and no final save: nothing created it yet
+        (out / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
+        drawn = plot_metrics({training_args.run_name: trainer.state.log_history}, out / "metrics.png")
+        trainer.accelerator.print(f"Log history: {out / 'log_history.json'}")
+        if drawn:
+            trainer.accelerator.print(f"Plot ({', '.join(drawn)}): {out / 'metrics.png'}")
+        if wandb_dir:
+            trainer.accelerator.print(f"W&B run: {wandb_dir} (offline runs: upload with `wandb sync {wandb_dir}`)")
+    if wandb_dir:
+        import wandb
+
+        wandb.finish()  # transformers' WandbCallback leaves the run open
+    trainer.end()  # finish accelerate's trackers and the process group
+
+
+def make_parser() -> TrlParser:
+    """`TrlParser` over (GRPOScriptArguments, RatioGRPOConfig, trl.ModelConfig): `--config recipe.yaml` plus flags."""
+    return TrlParser((GRPOScriptArguments, RatioGRPOConfig, ModelConfig))
+
+
+def cli_main(argv: list[str] | None = None) -> None:
+    """Parse `argv` (a recipe via `--config` plus flags) and run `main`."""
+    script_args, training_args, model_args = make_parser().parse_args_and_config(argv)
+    main(script_args, training_args, model_args)

@@ -1,0 +1,54 @@
+"""Trainer fixtures for the tests: a `RatioGRPOTrainer` (or stock `trl.GRPOTrainer`) on a tiny offline model.
+
+Run any test file; pytest puts tests/ on `sys.path`, so `from trainer_fixtures import tiny_trainer` works in them.
+"""
+
+from __future__ import annotations
+
+from trl import GRPOConfig, GRPOTrainer
+
+from grpo_ratio import RatioGRPOConfig, RatioGRPOTrainer
+from grpo_ratio.testing import letter_reward, tiny_model, tiny_prompts, tiny_tokenizer
+
+
+def tiny_grpo_args(output_dir, **overrides):
+    """`RatioGRPOConfig` for a seconds-long CPU run: 4 prompts x 4 generations, 8 tokens, logging every step."""
+    kwargs = dict(
+        output_dir=str(output_dir),
+        use_cpu=True,
+        bf16=True,  # bf16 autocast on CPU: the precision the project is about
+        per_device_train_batch_size=4,
+        num_generations=4,  # 1 prompt per micro-batch, 4 samples: the smallest group with a std
+        max_completion_length=8,  # short rollouts keep a step under a second on a tiny model
+        max_steps=2,
+        logging_steps=1,
+        learning_rate=1e-2,  # large: a toy model must visibly move in 2 steps
+        report_to="none",
+        save_strategy="no",
+        seed=0,
+        gradient_checkpointing=False,
+        disable_tqdm=True,
+    )
+    kwargs.update(overrides)
+    return RatioGRPOConfig(**kwargs)
+
+
+def tiny_trainer(output_dir, mode: str = "bf16", arch: str = "qwen2", trainer_cls=None, model=None, peft_config=None,
+                 **overrides):
+    """A RatioGRPOTrainer (or, with `trainer_cls=trl.GRPOTrainer`, stock TRL on an equivalent plain GRPOConfig) on a
+    tiny model, 8 plain-text prompts and `letter_reward`; `overrides` go to `tiny_grpo_args`."""
+    trainer_cls = trainer_cls or RatioGRPOTrainer
+    args = tiny_grpo_args(output_dir, old_logprob_mode=mode, **overrides)
+    if trainer_cls is GRPOTrainer:  # the same values in TRL's own config class
+        fields = GRPOConfig.__dataclass_fields__
+        values = {k: getattr(args, k) for k, f in fields.items() if f.init}
+        values.update(steps_per_generation=None, generation_batch_size=None)  # re-derived, as from a user's config
+        args = GRPOConfig(**values)
+    return trainer_cls(
+        model=model if model is not None else tiny_model(arch),
+        reward_funcs=letter_reward,
+        args=args,
+        train_dataset=tiny_prompts(8),
+        processing_class=tiny_tokenizer(),
+        peft_config=peft_config,
+    )
