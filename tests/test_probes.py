@@ -302,20 +302,21 @@ def test_batch_probe_smollm2_gsm8k(tmp_path):
 
 
 def test_probe_paths_list_the_png(tmp_path):
-    # write_results draws `{name}.png` with the probe's plot_payload and lists it after the JSON and markdown;
-    # a probe without plot_payload (controls) writes no PNG. Payload by hand: 2 dtypes x 2 batch sizes, 10 of 100
+    # write_results draws `{name}.png` with the plot the probe passes (its plot_payload) and lists it after the JSON
+    # and markdown; a probe without one (controls) writes no PNG. Payload by hand: 2 dtypes x 2 batch sizes, 10 of 100
     # tokens out of band each; a calibrate search of two steps.
+    from grpo_ratio.probes import batch, calibrate
     from grpo_ratio.probes.common import write_results
 
     c = {"oob_rate": 0.1, "oob_ci95": list(wilson_interval(10, 100))}
     payload = {"info": {"model": "m"}, "batch_sizes": [8, 32],
                "results": {d: {"b1_vs_b8": c, "b1_vs_b32": c} for d in ("bf16", "fp32")}}
-    paths = write_results(tmp_path, "batch", payload, "md")
+    paths = write_results(tmp_path, "batch", payload, "md", batch.plot_payload)
     assert [p.name for p in paths] == ["batch.json", "batch.md", "batch.png"]
     _assert_png(paths[2])
     calib = {"info": {"model": "m"}, "batch_size": 8,
              "result": {"target": 0.05, "bf16": c, "steps": [{"k": 0, **c}, {"k": 1, "oob_rate": 0.04, "oob_ci95": list(wilson_interval(4, 100))}]}}
-    _assert_png(write_results(tmp_path, "calibrate", calib, "md")[2])
+    _assert_png(write_results(tmp_path, "calibrate", calib, "md", calibrate.plot_payload)[2])
     assert [p.name for p in write_results(tmp_path, "controls", {}, "md")] == ["controls.json", "controls.md"]
     assert not (tmp_path / "controls.png").exists()
 

@@ -22,6 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..scoring import score_completion_logprobs
+from . import common
 from .common import (
     DTYPES,
     Completions,
@@ -126,3 +127,32 @@ def markdown(payload: dict) -> str:
               "TRL's layout; "
               "b1 padded: the padded rows one at a time (TRL at per_device_train_batch_size=1). Rerun: b1 twice."), ""]
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# command line: `grpo-ratio probe batch`
+
+HELP = "dtype x batch size: OOB rate of batch 1 vs 8 (and 32) in bf16/fp16/fp32"
+
+
+def add_arguments(p) -> None:
+    common.add_common_arguments(p)
+    p.add_argument("--with-32", action="store_true", help="also batch 1 vs 32 (needs 32 prompts)")
+    p.add_argument("--dtypes", default="bf16,fp16,fp32", help="comma-separated subset of bf16,fp16,fp32")
+
+
+def run(args) -> list:
+    """Sample once, score at batch 1 / 8 (/ 32) per dtype, write batch.json, batch.md and batch.png."""
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    if not dtypes or any(d not in common.DTYPES for d in dtypes):
+        raise common.ProbeError(f"--dtypes {args.dtypes!r}: expected a comma-separated subset of bf16, fp16, fp32")
+    sizes = [args.batch_size] + ([32] if args.with_32 else [])
+    prompts, idx = common.load_prompts(args)
+    for s in sizes:
+        common.check_batch_size(s, len(prompts), "--batch-size" if s == args.batch_size else "--with-32")
+    model, tok = common.load_model(args.model)
+    data = common.sample_completions(model, tok, prompts, args.max_new_tokens, args.seed, gsm8k=common.is_gsm8k(args))
+    results = run_batch(model, data, sizes, dtypes, progress=not args.no_progress)
+    payload = {"probe": "batch", "info": common.run_info(args, model, idx, data), "batch_sizes": sizes,
+               "results": results}
+    return common.write_results(args.out, "batch", payload, markdown(payload), plot_payload)

@@ -11,11 +11,14 @@ untimed one).
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 from tqdm.auto import tqdm
 
 from ..scoring import OldLogprobScorer
+from . import common
 from .common import Completions, compare, finish_oob_plot, pct, pct_ci, pyplot, rate_errors, score_alone
 
 
@@ -96,3 +99,67 @@ def markdown(payload: dict) -> str:
                   else "") if r["reached"] else "NOT reached with the layers tried")
     lines += ["", f"Target {verdict}. Layer order from {payload['ranking_source']}.", ""]
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# command line: `grpo-ratio probe calibrate`
+
+HELP = "smallest fp32 layer set (by increment, plus norm and head) meeting --target on held-out prompts, with its cost"
+
+
+def add_arguments(p) -> None:
+    common.add_common_arguments(p)
+    p.add_argument("--target", type=float, default=0.01, help="out-of-band rate to reach (default 0.01 = 1%%)")
+    p.add_argument("--calibration", default=None,
+                   help="layer order from a `probe layers` calibration JSON; default: measured here on the selection "
+                        "split (the last --num-prompts prompts)")
+    p.add_argument("--max-layers", type=int, default=None, help="try at most this many decoder layers")
+    p.add_argument("--calibration-out", default=None, help="calibration JSON path; default OUT/calibration.json")
+
+
+def _ranking(args, model, tok) -> tuple[list[int], str]:
+    """Layer order by decreasing increment: from --calibration, or a `layers` measurement on the selection split."""
+    from .layers import run_layers
+
+    if args.calibration:
+        try:
+            with open(args.calibration) as f:
+                data = json.load(f)
+            inc = data["increments"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise common.ProbeError(f"--calibration {args.calibration!r}: not a `probe layers` calibration JSON with "
+                                    f"an 'increments' list ({type(err).__name__}: {err})") from None
+        if len(inc) != model.config.num_hidden_layers:
+            raise common.ProbeError(f"--calibration {args.calibration!r} has {len(inc)} increments, the model has "
+                                    f"{model.config.num_hidden_layers} decoder layers")
+        return sorted(range(len(inc)), key=lambda i: -inc[i]), args.calibration
+    prompts, idx = common.load_prompts(args, split="select")
+    data = common.sample_completions(model, tok, prompts, args.max_new_tokens, args.seed, gsm8k=common.is_gsm8k(args))
+    return run_layers(model, data, args.batch_size)["ranking"], f"selection prompts {idx[0]}..{idx[-1]}"
+
+
+def run(args) -> list:
+    """Search the smallest fp32 layer set meeting --target; write calibrate.json/.md/.png and a calibration JSON."""
+    if not 0.0 <= args.target <= 1.0:
+        raise common.ProbeError(f"--target must be an out-of-band rate in [0, 1], got {args.target}")
+    prompts, idx = common.load_prompts(args)  # the evaluation split: the first --num-prompts
+    if args.calibration is None:
+        common.load_prompts(args, split="select")  # fail before loading the model unless a disjoint selection split exists
+    common.check_batch_size(args.batch_size, len(prompts))
+    model, tok = common.load_model(args.model)
+    ranking, source = _ranking(args, model, tok)
+    data = common.sample_completions(model, tok, prompts, args.max_new_tokens, args.seed, gsm8k=common.is_gsm8k(args))
+    result = run_calibrate(model, data, ranking, args.target, args.batch_size, args.max_layers,
+                           progress=not args.no_progress)
+    payload = {"probe": "calibrate", "info": common.run_info(args, model, idx, data), "batch_size": args.batch_size,
+               "ranking": ranking, "ranking_source": source, "result": result}
+    paths = common.write_results(args.out, "calibrate", payload, markdown(payload), plot_payload)
+    calib = Path(args.calibration_out or Path(args.out) / "calibration.json")
+    calib.parent.mkdir(parents=True, exist_ok=True)
+    record = {"guided_fp32_layers": result["guided_fp32_layers"], "model": args.model,
+              "recommended_mode": result["recommended_mode"], "target": args.target, "reached": result["reached"],
+              "ranking": ranking, "ranking_source": source, "eval_prompts": {"path": payload["info"]["prompts"],
+                                                                             "indices": idx},
+              "source": "grpo-ratio probe calibrate"}
+    calib.write_text(json.dumps(record, indent=2) + "\n")
+    return paths + [calib]

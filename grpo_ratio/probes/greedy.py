@@ -29,6 +29,7 @@ import statistics
 import torch
 from tqdm.auto import tqdm
 
+from . import common
 from .common import DTYPES, ProbeError, eos_ids, format_prompt, pct, pyplot, save_png, wilson_interval
 
 
@@ -324,3 +325,34 @@ def markdown(payload: dict) -> str:
                "000): where the top-two margin is below tau, that step's head is recomputed in fp32 "
                "(hidden.float() @ W.float().T) and its argmax taken."), ""]
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# command line: `grpo-ratio probe greedy`
+
+HELP = "exact agreement of greedy decoding across bf16 / fp16 / fp32 (and the margin-gated fp32 head)"
+
+
+def add_arguments(p) -> None:
+    common.add_common_arguments(p)
+    p.add_argument("--dtypes", default="bf16,fp16,fp32", help="comma-separated subset of bf16,fp16,fp32; the "
+                                                              "first is the reference and is also decoded twice")
+    p.add_argument("--tau", type=float, default=None,
+                   help="margin-gated fp32 head: recompute lm_head in fp32 where the top-two logit margin is below "
+                        "TAU ('inf': every step); reports EAR vs an fp32 decode with and without the gate")
+
+
+def run(args) -> list:
+    """Greedy-decode per dtype at batch 1 and --batch-size (and gated with --tau); write greedy.json/.md/.png."""
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    if not dtypes or any(d not in common.DTYPES for d in dtypes) or len(set(dtypes)) != len(dtypes):
+        raise common.ProbeError(f"--dtypes {args.dtypes!r}: expected distinct entries of bf16, fp16, fp32")
+    if args.tau is not None and not args.tau >= 0:
+        raise common.ProbeError(f"--tau {args.tau}: must be >= 0 (a top-two logit margin; inf gates every step)")
+    prompts, idx = common.load_prompts(args)
+    common.check_batch_size(args.batch_size, len(prompts))
+    model, tok = common.load_model(args.model)
+    result = run_greedy(model, tok, prompts, args.max_new_tokens, tuple(dtypes), common.is_gsm8k(args),
+                        progress=not args.no_progress, batch_size=args.batch_size, tau=args.tau)
+    payload = {"probe": "greedy", "info": common.run_info(args, model, idx), "dtypes": dtypes, "result": result}
+    return common.write_results(args.out, "greedy", payload, markdown(payload), plot_payload)

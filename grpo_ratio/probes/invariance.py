@@ -29,11 +29,13 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import scoring
+from ..config import SCORING_MODES
 from ..scoring import OldLogprobScorer
+from . import common
 from .common import Completions, compare, layout_trl, score_alone
 
 
-MODES = ("bf16", "fp32_clone", "fp16_clone", "fp32_head", "guided_fp32")
+MODES = SCORING_MODES
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -275,3 +277,42 @@ def markdown(payload: dict) -> str:
                    f"guided_fp32 layers: {layers}. Chain hash: first 12 hex digits of the sha256 chain over the "
                    f"batch-1 log-probs (full value in the JSON); tokens sha256 `{r['tokens_sha256'][:12]}`."), ""]
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# command line: `grpo-ratio probe invariance`
+
+HELP = ("bitwise checks of each scoring mode's log-probs: rerun, alone vs random co-batches, prefill vs "
+        "token-by-token decode; chain hash")
+
+
+def add_arguments(p) -> None:
+    common.add_common_arguments(p, max_new_tokens=32)
+    p.add_argument("--layers", default=None,
+                   help="guided_fp32 layers: comma-separated indices or a calibration JSON (probe layers/calibrate); "
+                        "without it guided_fp32 is skipped")
+    p.add_argument("--co-batch-sizes", default="2,8",
+                   help="sizes of the random co-batches, comma-separated, each in [2, --num-prompts] (--batch-size "
+                        "is not used by this probe)")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of the scoring modes")
+
+
+def run(args) -> list:
+    """Sample once, run the bitwise checks for each scoring mode, write invariance.json/.md."""
+    sizes = common.int_list(args.co_batch_sizes, "--co-batch-sizes")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or any(m not in MODES for m in modes):
+        raise common.ProbeError(f"--modes {args.modes!r}: expected a comma-separated subset of {', '.join(MODES)}")
+    prompts, idx = common.load_prompts(args)
+    for k in sizes:
+        if k < 2:
+            raise common.ProbeError(f"--co-batch-sizes: {k} is not a co-batch; each size must be >= 2")
+        common.check_batch_size(k, len(prompts), "--co-batch-sizes")
+    model, tok = common.load_model(args.model)
+    layers = common.guided_layers(args.layers, model)
+    data = common.sample_completions(model, tok, prompts, args.max_new_tokens, args.seed, gsm8k=common.is_gsm8k(args))
+    result = run_invariance(model, data, tok.pad_token_id, common.eos_ids(model, tok), layers, sizes, args.seed,
+                            tuple(modes), progress=not args.no_progress)
+    payload = {"probe": "invariance", "info": common.run_info(args, model, idx, data), "guided_fp32_layers": layers,
+               "layers_source": args.layers, "result": result}
+    return common.write_results(args.out, "invariance", payload, markdown(payload))

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from ..config import SCORING_MODES
 from ..scoring import OldLogprobScorer
+from . import common
 from .common import Completions, compare, finish_oob_plot, pct_ci, pyplot, rate_errors, score_alone
 
 
@@ -91,3 +92,31 @@ def markdown(payload: dict) -> str:
               + (f"guided_fp32 layers: {layers}. " if layers else "guided_fp32 not run (no --layers). ")
               + f"Time: median of {payload['repeats']} batch-{bs} pass(es), timed round-robin.", ""]
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# command line: `grpo-ratio probe ladder`
+
+HELP = "every scoring mode, batch 1 vs 8: OOB rate, time and memory vs bf16"
+
+
+def add_arguments(p) -> None:
+    common.add_common_arguments(p)
+    p.add_argument("--layers", default=None,
+                   help="guided_fp32 layers: comma-separated indices or a calibration JSON (probe layers/calibrate); "
+                        "without it guided_fp32 is skipped")
+    p.add_argument("--repeats", type=int, default=1, help="timed batch passes per mode (median)")
+
+
+def run(args) -> list:
+    """Sample once, score with every mode at batch 1 / 8, write ladder.json, ladder.md and ladder.png."""
+    prompts, idx = common.load_prompts(args)
+    common.check_batch_size(args.batch_size, len(prompts))
+    model, tok = common.load_model(args.model)
+    layers = common.guided_layers(args.layers, model)
+    data = common.sample_completions(model, tok, prompts, args.max_new_tokens, args.seed, gsm8k=common.is_gsm8k(args))
+    results = run_ladder(model, data, args.batch_size, layers, args.repeats, progress=not args.no_progress)
+    payload = {"probe": "ladder", "info": common.run_info(args, model, idx, data), "batch_size": args.batch_size,
+               "guided_fp32_layers": layers, "layers_source": args.layers, "repeats": args.repeats,
+               "results": results}
+    return common.write_results(args.out, "ladder", payload, markdown(payload), plot_payload)

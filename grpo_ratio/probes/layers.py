@@ -18,11 +18,14 @@ the other probes the evaluation split (the first ones).
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+from pathlib import Path
 
 import torch
 
 from ..scoring import OldLogprobScorer, model_anatomy
+from . import common
 from .common import Completions
 
 
@@ -195,3 +198,39 @@ def calibration_record(payload: dict) -> dict:
             "selection_prompts": {"path": info["prompts"], "indices": info["prompt_indices"]},
             "num_positions": r["num_positions"], "regime": payload["regime"], "batch_size": payload["batch_size"],
             "source": "grpo-ratio probe layers"}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# command line: `grpo-ratio probe layers`
+
+HELP = ("per-layer divergence increment, batch 1 vs 8, on the selection split; writes a calibration JSON of the "
+        "top-k layers")
+
+
+def add_arguments(p) -> None:
+    common.add_common_arguments(p)
+    p.add_argument("--top-k", type=int, default=None, help="layers to choose; default ceil(L / 4)")
+    p.add_argument("--regime", choices=["autocast", "bf16"], default="autocast",
+                   help="autocast: fp32 weights under bf16 autocast (TRL's default); bf16: weights cast to bf16")
+    p.add_argument("--calibration-out", default=None, help="calibration JSON path; default OUT/calibration.json")
+
+
+def run(args) -> list:
+    """Sample on the selection split, measure per-layer increments, write layers.json/.md/.png and calibration.json."""
+    prompts, idx = common.load_prompts(args, split="select")
+    common.check_batch_size(args.batch_size, len(prompts))
+    model, tok = common.load_model(args.model)
+    L = model.config.num_hidden_layers
+    if args.top_k is not None and not 1 <= args.top_k <= L:
+        raise common.ProbeError(f"--top-k={args.top_k} must be between 1 and the number of decoder layers ({L})")
+    data = common.sample_completions(model, tok, prompts, args.max_new_tokens, args.seed, gsm8k=common.is_gsm8k(args))
+    result = run_layers(model, data, args.batch_size, args.regime, args.top_k)
+    payload = {"probe": "layers", "info": common.run_info(args, model, idx, data), "batch_size": args.batch_size,
+               "regime": args.regime, "result": result}
+    paths = common.write_results(args.out, "layers", payload, markdown(payload))
+    png = Path(args.out) / "layers.png"
+    plot(result, png, f"{args.model}: batch 1 vs {args.batch_size} divergence increment ({args.regime})")
+    calib = Path(args.calibration_out or Path(args.out) / "calibration.json")
+    calib.parent.mkdir(parents=True, exist_ok=True)
+    calib.write_text(json.dumps(calibration_record(payload), indent=2) + "\n")
+    return paths + [png, calib]
