@@ -60,13 +60,6 @@ def parse_layer_spec(spec) -> list[int] | None:
     return sorted(layers)
 
 
-def sampling_truncated(args) -> bool:
-    """Whether top_p < 1, top_k > 0 or min_p > 0, in the config or in `generation_kwargs`."""
-    gen = args.generation_kwargs or {}
-    top_p, top_k, min_p = gen.get("top_p", args.top_p), gen.get("top_k", args.top_k), gen.get("min_p", args.min_p)
-    return (top_p is not None and top_p < 1.0) or bool(top_k) or bool(min_p)
-
-
 @dataclass
 class RatioGRPOConfig(GRPOConfig):
     r"""
@@ -90,6 +83,9 @@ class RatioGRPOConfig(GRPOConfig):
         `"renormalize"` (trainer log-probs over the kept set) or `"lift_sampler"` (sampler log-probs + log kept mass).
     record_sampler_logprobs (`bool`, *optional*, defaults to `True`):
         Without vLLM, record each sampled token's log-prob under the distribution it was sampled from.
+    sampler_logprobs_in_loss (`bool`, *optional*, defaults to `False`):
+        Without vLLM, pass the recorded log-probs to TRL as `sampling_per_token_logps` (TRL's
+        `off_policy_mask_threshold` reads them). Off: TRL's loss is unchanged.
 
     > Parameters that control the ratio diagnostics
 
@@ -130,7 +126,16 @@ class RatioGRPOConfig(GRPOConfig):
         default=True,
         metadata={
             "help": "Without vLLM, record each sampled token's log-prob under the distribution it was sampled from "
-            "(temperature, top_k/top_p/min_p applied), for old/sampler diagnostics and corrections."
+            "(temperature, top_k/top_p/min_p applied), for old/sampler diagnostics and corrections. Recording "
+            "changes nothing in TRL's loss unless sampler_logprobs_in_loss=True."
+        },
+    )
+    sampler_logprobs_in_loss: bool = field(
+        default=False,
+        metadata={
+            "help": "Without vLLM, hand the recorded sampler log-probs to TRL as `sampling_per_token_logps`, which "
+            "TRL's loss reads (off_policy_mask_threshold). Off (default): TRL's loss is stock TRL's, bit for bit; "
+            "the ratio/* diagnostics read the recorded log-probs either way."
         },
     )
     ratio_diagnostics: bool = field(
@@ -179,12 +184,18 @@ class RatioGRPOConfig(GRPOConfig):
                 f"ratio band must satisfy 0 < ratio_band_low < 1 < ratio_band_high, got "
                 f"[{self.ratio_band_low}, {self.ratio_band_high}]"
             )
-        for name in ("record_sampler_logprobs", "ratio_diagnostics"):
+        for name in ("record_sampler_logprobs", "sampler_logprobs_in_loss", "ratio_diagnostics"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if isinstance(self.clip_flip_every, bool) or not isinstance(self.clip_flip_every, int) or self.clip_flip_every < 0:
             raise ValueError(f"clip_flip_every must be an integer >= 0 (0 = never), got {self.clip_flip_every!r}")
         self._check_truncation()
+        if self.sampler_logprobs_in_loss and not self.record_sampler_logprobs:
+            raise ValueError("sampler_logprobs_in_loss=True needs record_sampler_logprobs=True (the log-probs it hands "
+                             "to TRL are the recorded ones)")
+        if self.sampler_logprobs_in_loss and self.use_vllm:
+            warnings.warn("sampler_logprobs_in_loss=True has no effect with use_vllm=True: TRL always receives vLLM's "
+                          "log-probs as sampling_per_token_logps", stacklevel=3)
 
     def _check_truncation(self) -> None:
         """Config-only checks of `truncation_correction` against the generation backend and the sampling fields.
@@ -194,28 +205,14 @@ class RatioGRPOConfig(GRPOConfig):
                 transformers path); with vLLM, server mode (TRL calls vLLM's OpenAI `/v1/completions`, whose response
                 carries no sampling mask) or tensor parallelism > 1 (the captured outputs would hold other ranks'
                 rows).
-        Warns (UserWarning): a correction where sampling is not truncated; truncation feeding the ratio uncorrected;
-            vLLM with top_k = 0 (vLLM returns sampling masks only for requests with top_k > 0).
+        Warns (UserWarning): vLLM with top_k = 0 (vLLM returns sampling masks only for requests with top_k > 0).
+
+        Checks that need the sampling settings generation really uses (on the transformers path the model's own
+        `generation_config` fills unset fields) run when the trainer is built (`grpo_ratio.lints`).
         """
         correction = self.truncation_correction
         if correction == "none":
-            sampler_in_ratio = (self.use_vllm and self.vllm_importance_sampling_correction) or (
-                self.off_policy_mask_threshold is not None
-            )
-            if sampling_truncated(self) and sampler_in_ratio:
-                warnings.warn(
-                    "top_p/top_k/min_p truncate sampling and sampler log-probs feed the importance ratio, but "
-                    "truncation_correction='none': the ratio carries the kept mass (at top_p=0.8 about half the tokens "
-                    "leave [0.9, 1.1]). Set truncation_correction='renormalize' or 'lift_sampler'.",
-                    stacklevel=3,
-                )
             return
-        if not sampling_truncated(self):
-            warnings.warn(
-                f"truncation_correction={correction!r} has no effect: sampling is not truncated "
-                f"(top_p=1, top_k=0, no min_p); ratio/kept_mass_mean will be 1",
-                stacklevel=3,
-            )
         if not self.use_vllm:
             if not self.record_sampler_logprobs:
                 raise ValueError(f"truncation_correction={correction!r} needs the kept sets recorded during "

@@ -7,8 +7,9 @@ an fp16 copy, or fp32 copies of a bf16-stored policy, are what this module makes
 Rules (seed 004 arms B/D/F; trl_grpo_internals.md §3 pitfalls):
 - never `copy.deepcopy` a policy TRL has patched (its fused-head `forward` closure keeps calling the original model):
   a whole-model copy is built from the config and loaded from the policy's state dict;
-- a copy carries a version (the optimizer step it was synced at); `ModuleCopy.get(version)` refreshes a stale copy
-  before use, so a stale copy is never used;
+- a copy carries a version (the `WeightsVersion` it was synced at: it moves whenever the policy's weights may have
+  changed); `ModuleCopy.get(version)` refreshes a stale copy before use, so a stale copy is never used;
+- a copy never runs dropout (eval mode), and PEFT adapters are merged by PEFT's own `merge()` (DoRA, IA3, ...);
 - the policy is never modified: no mode switch, no re-tying, no hooks, no merging of adapters in place.
 """
 
@@ -20,36 +21,99 @@ import torch
 from torch import nn
 
 
-def merged_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The module's weights as plain tensors, with active PEFT LoRA adapters merged in (W + delta, in fp32), without
-    touching the module. For a non-PEFT module this is `module.state_dict()` (tensors shared, not copied).
+def _adapter_layers(base: nn.Module) -> tuple[dict[str, nn.Module], dict[str, nn.Module]]:
+    """The PEFT tuner layers (LoRA, DoRA, IA3, LoHa, LoKr, OFT, ...: `BaseTunerLayer` with a `base_layer`) and the
+    `modules_to_save` wrappers of `base`, by qualified name; both empty without PEFT."""
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+        from peft.utils import ModulesToSaveWrapper
+    except ImportError:  # no PEFT installed: no adapters
+        return {}, {}
+    tuners, saved = {}, {}
+    for name, sub in base.named_modules():
+        if any(name.startswith(f"{outer}.") for outer in (*tuners, *saved)):
+            continue  # inside a wrapper (lora_A, the base layer, a saved copy): handled with its wrapper
+        if isinstance(sub, ModulesToSaveWrapper):
+            saved[name] = sub
+        elif isinstance(sub, BaseTunerLayer) and hasattr(sub, "base_layer"):
+            tuners[name] = sub
+    return tuners, saved
 
-    Keys are those of the base model (PEFT prefixes `base_model.model.` and `.base_layer` removed).
+
+@torch.no_grad()
+def _merged_layer_state(layer: nn.Module) -> dict[str, torch.Tensor]:
+    """PEFT's own merge of one tuner layer (`layer.merge()`: LoRA, DoRA's magnitude, IA3, LoHa, ...), done on an
+    fp32 copy of the layer so that the policy's layer is never touched and the merge rounds once: the merged base
+    layer's tensors, keyed as in the base model (`weight`, `bias`)."""
+    if getattr(layer, "merged", False) or getattr(layer, "disable_adapters", False) or not layer.active_adapters:
+        merged = layer.get_base_layer()  # already merged in place, or adapters off: the base layer is the weight
+    else:
+        copy = _copy.deepcopy(layer).float()
+        copy.merge(adapter_names=list(layer.active_adapters))
+        merged = copy.get_base_layer()
+    return {k: v.detach() for k, v in merged.state_dict().items()}
+
+
+def merged_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's weights as plain tensors with its active PEFT adapters merged by PEFT itself (what
+    `merge_and_unload()` would give, in fp32 for merged layers), without touching the module. For a non-PEFT module
+    this is `module.state_dict()` (tensors shared, not copied).
+
+    Keys are those of the base model (PEFT's `base_model.model.` prefix, `.base_layer` and the `modules_to_save`
+    wrappers removed): a `modules_to_save` module (e.g. a trained `lm_head`) contributes its active adapter's copy.
+
+    Raises:
+        ValueError: a layer PEFT cannot merge (PEFT's own error, re-raised with the layer's name).
     """
     get_base = getattr(module, "get_base_model", None)
     if get_base is None:
         return module.state_dict()
     base = get_base()
+    tuners, saved = _adapter_layers(base)
     state = {}
-    for name, sub in base.named_modules():
-        # peft.tuners.lora.LoraLayer: base_layer + get_delta_weight(adapter) per active adapter
-        if hasattr(sub, "base_layer") and hasattr(sub, "get_delta_weight"):
-            weight = sub.base_layer.weight.detach()
-            if not getattr(sub, "merged", False) and not getattr(sub, "disable_adapters", False):
-                # merge in fp32: one rounding, in the copy's dtype, instead of a bf16 merge then a cast
-                weight = weight.float()
-                for adapter in sub.active_adapters:
-                    if adapter in getattr(sub, "lora_A", {}):
-                        weight = weight + sub.get_delta_weight(adapter).float()
-            state[f"{name}.weight" if name else "weight"] = weight
-            if getattr(sub.base_layer, "bias", None) is not None:
-                state[f"{name}.bias"] = sub.base_layer.bias.detach()
+    for name, layer in tuners.items():
+        try:
+            merged = _merged_layer_state(layer)
+        except (ValueError, NotImplementedError, TypeError) as err:
+            raise ValueError(f"copy refresh: PEFT cannot merge the adapter of {name!r} ({type(layer).__name__}): "
+                             f"{err}") from err
+        state.update({f"{name}.{k}": v for k, v in merged.items()})
+    for name, wrapper in saved.items():
+        adapter = wrapper.active_adapters[0] if wrapper.active_adapters else None
+        active = wrapper.original_module if wrapper.disable_adapters or adapter is None else (
+            wrapper.modules_to_save[adapter])
+        state.update({f"{name}.{k}": v.detach() for k, v in active.state_dict().items()})
+    wrapped = tuple(f"{n}." for n in (*tuners, *saved))
     for key, value in base.state_dict().items():
-        key = key.replace(".base_layer", "")
-        if "lora_" in key or key in state:
-            continue
-        state[key] = value
+        if not key.startswith(wrapped):
+            state[key] = value
     return state
+
+
+class WeightsVersion:
+    """A counter that moves whenever the policy's weights may have changed, so that copies are refreshed then and
+    never otherwise. It moves
+    - after every step of the trainer's optimizer that ran (a torch step post-hook: a step skipped by the fp16
+      gradient scaler on inf/NaN gradients does not move it; a user's own `optimizer.step()` does), and
+    - whenever training starts (`on_train_begin`: a second `train()`, a resume that loaded a checkpoint).
+
+    `state.global_step` cannot serve: it restarts at 0 on a second `train()` while the weights went on
+    (grpo_ratio issue: a copy kept the step-0 weights and new/old left the band for 75% of tokens).
+    """
+
+    def __init__(self):
+        self.value = 0
+        self._hooked: set[int] = set()
+
+    def bump(self, *args, **kwargs) -> None:
+        self.value += 1
+
+    def watch(self, optimizer) -> None:
+        """Move on every step of `optimizer` (the torch optimizer inside accelerate's wrapper); once per optimizer."""
+        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the torch one
+        if id(inner) not in self._hooked:
+            inner.register_step_post_hook(self.bump)
+            self._hooked.add(id(inner))
 
 
 def _strip_instance_patches(module: nn.Module) -> None:
@@ -78,7 +142,8 @@ class ModuleCopy:
         whole_model: build the copy from the model's config (for a `PreTrainedModel`); otherwise `copy.deepcopy`
             of a plain submodule (safe: submodules are not patched by TRL or accelerate).
 
-    The copy lives on the source's device, has no gradients, and mirrors `source.training` at each refresh.
+    The copy lives on the source's device, has no gradients, and stays in eval mode: old log-probs are a
+    deterministic function of the weights and tokens (no dropout), whatever mode the policy trains in.
     """
 
     def __init__(self, source: nn.Module, dtype: torch.dtype, whole_model: bool = False):
@@ -90,7 +155,7 @@ class ModuleCopy:
             module = _copy.deepcopy(source)
             _strip_instance_patches(module)
         device = next(source.parameters()).device
-        self.module = module.to(device=device, dtype=dtype).requires_grad_(False)
+        self.module = module.to(device=device, dtype=dtype).requires_grad_(False).eval()
         self.version: int | None = None
         self.num_refreshes = 0
 
@@ -104,12 +169,11 @@ class ModuleCopy:
             raise RuntimeError(f"copy refresh: the policy has no tensor for {missing[:5]} (architecture changed?)")
         for key, dst in own.items():
             dst.copy_(state[key])
-        self.module.train(self.source.training)
         self.version = version
         self.num_refreshes += 1
 
     def get(self, version: int) -> nn.Module:
-        """The copy, synced at `version` (the policy's optimizer-step count); refreshed first when stale."""
+        """The copy, synced at `version` (a `WeightsVersion` value); refreshed first when stale."""
         if self.version != version:
             self.refresh(version)
         return self.module

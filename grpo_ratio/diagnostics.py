@@ -16,11 +16,14 @@ generation, where new/old must be 1 (seed 004, "it is the identity by constructi
 - `ratio/is_*`: share of tokens/sequences TRL's vLLM importance-sampling correction truncated or masked.
 - `ratio/fp16_fallback_rows`: `fp16_clone` rows re-scored in fp32 after an fp16 overflow, per generation batch.
 
-Token-weighted over valid tokens (`ratios.valid_token_mask`) across micro-batches and processes; nothing is logged
-for a step with no valid token (absent, never NaN or 0).
+Token-weighted over valid tokens (`ratios.valid_token_mask`) across micro-batches and processes. An update with no
+valid token (every completion masked: `mask_truncated_completions`, tool masks) logs `ratio/new_old/num_tokens` = 0
+and nothing else, and warns once.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -54,6 +57,7 @@ class RatioDiagnostics:
             and (args.delta is None or args.delta > 1 + eps_high)  # ratios.ppo_clip_active's domain
         )
         self.num_updates = 0  # optimizer updates that carried a first inner step (for clip_flip_every)
+        self.warned_no_tokens = False
         self._reset()
 
     def _reset(self):
@@ -95,7 +99,8 @@ class RatioDiagnostics:
         old = train_logps if old is None else old  # TRL skipped the old pass: old := new.detach(), r == 1
         new_old = train_logps - old  # (B, T)
         self.new_old.update(new_old, mask)
-        sampler = inputs.get("sampling_per_token_logps")
+        # the generate recording (ours, kept out of TRL's loss by default), else what TRL holds (vLLM, rollout_func)
+        sampler = inputs.get("sampler_per_token_logps", inputs.get("sampling_per_token_logps"))
         if sampler is not None:
             self._update_old_sampler(old, sampler, log_mass, mask, inputs)
         every = self.args.clip_flip_every
@@ -132,7 +137,15 @@ class RatioDiagnostics:
             return {}
         acc = self.accelerator if self.accelerator.num_processes > 1 else None
         metrics = {}
-        metrics.update(self.new_old.all_reduce(acc).as_metrics("ratio/new_old"))
+        new_old = self.new_old.all_reduce(acc)
+        metrics.update(new_old.as_metrics("ratio/new_old"))
+        if new_old.num_tokens.item() == 0:
+            metrics["ratio/new_old/num_tokens"] = 0.0
+            if not self.warned_no_tokens:
+                self.warned_no_tokens = True
+                warnings.warn("ratio diagnostics: an optimizer update had no valid completion token (every completion "
+                              "masked, e.g. by mask_truncated_completions); ratio/new_old/num_tokens = 0 and no other "
+                              "ratio/* metric for such updates", stacklevel=2)
         metrics.update(self.old_sampler.all_reduce(acc).as_metrics("ratio/old_sampler"))
         metrics.update(self.old_sampler_corrected.all_reduce(acc).as_metrics("ratio/old_sampler_corrected"))
         if self.args.truncation_correction != "none":

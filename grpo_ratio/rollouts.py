@@ -110,11 +110,12 @@ class SamplerRecord:
         logprobs (`torch.Tensor`, (N, T) fp32): log q(g_t), the sampled token's log-prob under the processed
             distribution it was drawn from (temperature, top_k, top_p, min_p applied). 0.0 outside the
             completion mask; -inf for a forced pad outside the kept set when no mask is given.
-        kept (`KeptSets`): the kept set of every cell (empty outside the completion mask).
+        kept (`KeptSets | None`): the kept set of every cell (empty outside the completion mask); None when the
+            generate call was not recorded (its log-probs are then NaN).
     """
 
     logprobs: torch.Tensor
-    kept: KeptSets
+    kept: KeptSets | None
 
 
 class SamplerLogprobRecorder(LogitsProcessor):
@@ -329,3 +330,68 @@ class VLLMOutputCapture:
             raise RuntimeError(f"grpo_ratio: vLLM returned kept sets for {kept.num_rows} completions, TRL kept "
                                f"{num_rows}")
         return kept
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The sampling settings generation actually uses
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """The sampling settings of the rollouts, as the sampler applies them.
+
+    Fields: `temperature` (> 0), `top_k` (0 = off), `top_p` (1.0 = off), `min_p` (0.0 = off), `num_beams`,
+    `do_sample`, and `source` (where they were read: "generation config" or "config").
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    num_beams: int = 1
+    do_sample: bool = True
+    source: str = "config"
+
+    @property
+    def truncated(self) -> bool:
+        """Whether top_k / top_p / min_p cut the distribution (the sampler draws from a kept set)."""
+        return bool(self.top_k and self.top_k > 0) or self.top_p < 1.0 or self.min_p > 0.0
+
+    def describe(self) -> str:
+        """`top_p=0.8, top_k=50` (the truncating settings in effect), or `no truncation`."""
+        parts = [f"top_k={self.top_k}" if self.top_k and self.top_k > 0 else "",
+                 f"top_p={self.top_p}" if self.top_p < 1.0 else "", f"min_p={self.min_p}" if self.min_p > 0 else ""]
+        return ", ".join(p for p in parts if p) or "no truncation"
+
+
+def settings_from_config(args) -> SamplingSettings:
+    """The sampling settings a `GRPOConfig` asks for (its fields, overridden by `generation_kwargs`), as TRL passes
+    them to vLLM; the transformers path also fills unset fields from the model (`settings_from_generation_config`)."""
+    gen = args.generation_kwargs or {}
+    return SamplingSettings(
+        temperature=float(gen.get("temperature", args.temperature)),
+        top_k=int(gen.get("top_k", args.top_k) or 0),
+        top_p=float(gen.get("top_p", args.top_p) if gen.get("top_p", args.top_p) is not None else 1.0),
+        min_p=float(gen.get("min_p", args.min_p) or 0.0),
+        num_beams=int(gen.get("num_beams", 1) or 1),
+        do_sample=bool(gen.get("do_sample", True)),
+        source="config",
+    )
+
+
+def settings_from_generation_config(model, generation_config) -> SamplingSettings:
+    """The settings transformers' `generate` will use for `model.generate(generation_config=generation_config)`:
+    fields left unset (None) there are filled from the model's own `generation_config` (e.g. a `min_p` the model
+    ships), exactly as `GenerationMixin._prepare_generation_config` does (transformers 5.x)."""
+    target = _generation_model(model)
+    effective, _ = target._prepare_generation_config(generation_config)
+    return SamplingSettings(
+        temperature=float(effective.temperature if effective.temperature is not None else 1.0),
+        top_k=int(effective.top_k or 0),
+        top_p=float(effective.top_p if effective.top_p is not None else 1.0),
+        min_p=float(effective.min_p or 0.0),
+        num_beams=int(effective.num_beams or 1),
+        do_sample=bool(effective.do_sample),
+        source="generation config",
+    )

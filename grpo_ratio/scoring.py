@@ -2,10 +2,13 @@
 
 Shapes: B = sequences, P = prompt tokens, T = completion tokens, V = vocabulary, L = decoder layers.
 
-Every mode scores the completion tokens of `input_ids` (B, P+T) teacher-forced, exactly where TRL does
-(`_get_per_token_logps_and_entropies`): rows chunked by `batch_size` in order, the same padding, no position ids,
-`log_softmax(logits / temperature)` of the next-token logits, gathered at the completion ids. The modes differ only
-in the precision of the forward pass (seed 004, tables T7/T10; arms A-F of its `q1_grpo.py`):
+Every mode scores the completion tokens of `input_ids` (B, P+T) teacher-forced, where TRL does
+(`_get_per_token_logps_and_entropies`): rows chunked by `batch_size` in order, the same padding,
+`log_softmax(logits / temperature)` of the next-token logits, gathered at the completion ids. Two deliberate
+differences from TRL's own pass: positions are counted from the attention mask as `generate` counts them (TRL passes
+none, so with absolute position embeddings its log-probs move with the left padding), and the forward runs in eval
+mode (no dropout): the old log-probs are a function of the weights and tokens only. The modes differ only in the
+precision of the forward pass (the batch-logprob-gap report, tables T7/T10):
 
 | mode          | forward                                                                  | log-softmax |
 |---------------|--------------------------------------------------------------------------|-------------|
@@ -21,6 +24,7 @@ Inside RatioGRPOTrainer the `bf16` mode is never run by this module: TRL's own p
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -156,12 +160,47 @@ def completion_logprobs_from_logits(logits: torch.Tensor, completion_ids: torch.
     return logps.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)  # (B, T)
 
 
+def generation_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids as transformers' `generate` counts them: the number of attended tokens before each one, so a
+    left-padded row's first real token is at 0 whatever its padding (padding positions get 1, as in `generate`).
+
+    Args:
+        attention_mask: (B, P+T) 0/1.
+    Returns:
+        (B, P+T) int64.
+    """
+    positions = attention_mask.long().cumsum(-1) - 1  # (B, P+T)
+    return positions.masked_fill(attention_mask == 0, 1)
+
+
+def _accepts_position_ids(model: nn.Module) -> bool:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "position_ids" in inspect.signature(type(base).forward).parameters
+
+
 def _plain_forward(model: nn.Module, input_ids, attention_mask, logits_to_keep: int) -> torch.Tensor:
-    # type(model).forward bypasses the instance-level patches of accelerate (forced autocast) and TRL (fused head)
+    # type(model).forward bypasses the instance-level patches of accelerate (forced autocast) and TRL (fused head).
+    # Positions are generation's (from the attention mask): with absolute position embeddings (GPT-2 style) a
+    # completion's log-prob would otherwise depend on how much left padding its prompt got in this batch.
+    extra = {"position_ids": generation_position_ids(attention_mask)} if _accepts_position_ids(model) else {}
     out = type(model).forward(
-        model, input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep + 1, use_cache=False
+        model, input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep + 1, use_cache=False,
+        **extra,
     )
     return out.logits  # (B, T + 1, V)
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module):
+    """Within the block every submodule of `model` is in eval mode (no dropout); each one's own mode is restored
+    afterwards. The old log-probs must be a deterministic function of the weights and the tokens."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -339,14 +378,15 @@ class OldLogprobScorer:
         """
         batch_size = batch_size or input_ids.size(0)
         chunks, kept_chunks, fallback = [], [], 0
-        for start in range(0, input_ids.size(0), batch_size):
-            sl = slice(start, start + batch_size)
-            rows = None if kept is None else kept.select_rows(range(sl.start, min(sl.stop, input_ids.size(0))))
-            logps, n, kept_logps = self._chunk_logprobs(input_ids[sl], attention_mask[sl], logits_to_keep,
-                                                        temperature, version, rows)
-            chunks.append(logps)
-            kept_chunks.append(kept_logps)
-            fallback += n
+        with eval_mode(self.model):
+            for start in range(0, input_ids.size(0), batch_size):
+                sl = slice(start, start + batch_size)
+                rows = None if kept is None else kept.select_rows(range(sl.start, min(sl.stop, input_ids.size(0))))
+                logps, n, kept_logps = self._chunk_logprobs(input_ids[sl], attention_mask[sl], logits_to_keep,
+                                                            temperature, version, rows)
+                chunks.append(logps)
+                kept_chunks.append(kept_logps)
+                fallback += n
         self.fallback_rows += fallback
         kept_logps = None if kept is None else torch.cat(kept_chunks, dim=0)  # (B, T)
         return ScoreResult(logps=torch.cat(chunks, dim=0), kept_logps=kept_logps, fallback_rows=fallback)

@@ -6,8 +6,10 @@ The only changes w.r.t. `trl.GRPOTrainer` (1.16):
    the old pass (then the first-step ratio is new/old = policy pass / mode pass). TRL's own old pass is replaced, not
    run and thrown away, so vLLM importance-sampling correction uses the mode's old log-probs too. With `"bf16"`
    nothing changes: TRL's pass, bit for bit.
-2. Sampler log-probs without vLLM: `model.generate` runs with a recording logits processor, so
-   `sampling_per_token_logps` holds each sampled token's log-prob under the distribution it was sampled from.
+2. Sampler log-probs without vLLM: `model.generate` runs with a recording logits processor, so each sampled token's
+   log-prob under the distribution it was sampled from is known. They reach the diagnostics as
+   `sampler_per_token_logps`; TRL's loss sees them (as `sampling_per_token_logps`) only with
+   `sampler_logprobs_in_loss=True`, so by default TRL's loss, metrics and checkpoints are stock TRL's.
 3. Truncated-sampling correction (`truncation_correction`): old, new and sampler log-probs on one support.
 4. Ratio diagnostics (`ratio/*` metrics, docs/metrics.md), logged in the same step as the reward.
 
@@ -21,21 +23,29 @@ micro-batch. The wrapped methods are private and change between TRL releases, he
 from __future__ import annotations
 
 import contextlib
+import math
+import warnings
 
 import torch
+from transformers import TrainerCallback
 from trl import GRPOTrainer
 
 from .config import RatioGRPOConfig
+from .copies import WeightsVersion
 from .corrections import capture_last_hidden, check_head_is_linear, kept_set_logps_from_hidden
 from .diagnostics import RatioDiagnostics
 from .kept_sets import lift_sampler_logprobs
+from .lints import check_dropout, check_positions, check_sampling
 from .ratios import importance_sampling_weights
 from .records import GenerationRecord, MicroBatchRecord
 from .rollouts import (
     SamplerLogprobRecorder,
+    SamplerRecord,
     VLLMOutputCapture,
     finalize_from_completions,
     recording_sampler,
+    settings_from_config,
+    settings_from_generation_config,
     vllm_engine_kwargs,
 )
 from .scoring import OldLogprobScorer
@@ -75,7 +85,13 @@ class RatioGRPOTrainer(GRPOTrainer):
         with vllm_engine_kwargs(return_sampling_mask=True) if vllm_masks else contextlib.nullcontext():
             super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         self._vllm_capture = VLLMOutputCapture(self.vllm_generation.llm) if vllm_masks else None
-        check_head_is_linear(args.truncation_correction, self.accelerator.unwrap_model(self.model).config)
+        policy = self.accelerator.unwrap_model(self.model)
+        self.sampling = self._sampling_settings(policy)
+        self._record_generate = self._can_record_generate()
+        self._lint(policy)
+        # copies are refreshed whenever the policy's weights may have changed (copies.WeightsVersion)
+        self.weights_version = WeightsVersion()
+        self.add_callback(_WeightsVersionCallback(self.weights_version))
         self.diagnostics = RatioDiagnostics(args, self.accelerator, self.eos_token_ids) if args.ratio_diagnostics else None
         self.scorer = None
         if args.old_logprob_mode != "bf16":
@@ -90,6 +106,7 @@ class RatioGRPOTrainer(GRPOTrainer):
         # loss micro-batch. No other attribute is written in one hook and read in another.
         self._generations: dict[str, GenerationRecord] = {}
         self._micro_batch: MicroBatchRecord | None = None
+        self._warned_unrecorded = False  # one warning for generate calls the recorder did not see
 
     # ------------------------------------------------------------------------------------------------------------
     # setup checks
@@ -106,6 +123,41 @@ class RatioGRPOTrainer(GRPOTrainer):
                 f"old_logprob_mode={self.args.old_logprob_mode!r} is not supported under FSDP yet (parameters are "
                 f"sharded); use old_logprob_mode='bf16' or DDP (docs/distributed.md)"
             )
+
+    def _sampling_settings(self, policy):
+        """The sampling settings the rollouts really use: on the transformers path, TRL's generation config with the
+        model's own `generation_config` filling unset fields (what `generate` does); with vLLM, the config's."""
+        if self.use_vllm or self.use_transformers_continuous_batching:
+            return settings_from_config(self.args)
+        return settings_from_generation_config(policy, self.generation_config)
+
+    def _can_record_generate(self) -> bool:
+        """Whether `generate` rollouts are recorded: asked for, on the transformers path, and sampled (beam search
+        and greedy decoding have no per-token sampling distribution to record)."""
+        if self.use_vllm or self.use_transformers_continuous_batching or not self.args.record_sampler_logprobs:
+            return False
+        if self.sampling.num_beams > 1 or not self.sampling.do_sample:
+            if self.args.truncation_correction != "none" or self.args.sampler_logprobs_in_loss:
+                raise ValueError(f"truncation_correction / sampler_logprobs_in_loss need sampled rollouts, but "
+                                 f"generation uses num_beams={self.sampling.num_beams}, do_sample="
+                                 f"{self.sampling.do_sample} (generation_kwargs)")
+            warnings.warn(f"record_sampler_logprobs: not recording (num_beams={self.sampling.num_beams}, do_sample="
+                          f"{self.sampling.do_sample}): beam search and greedy decoding have no per-token sampling "
+                          f"distribution; ratio/old_sampler/* will be absent", stacklevel=3)
+            return False
+        return True
+
+    def _lint(self, policy) -> None:
+        """Start-up checks that need the model (grpo_ratio/lints.py; config-only ones ran in the config)."""
+        check_head_is_linear(self.args.truncation_correction, policy.config)
+        check_sampling(self.args, self.sampling)
+        check_dropout(self.args, policy)
+        check_positions(self.args, policy)
+        multi_turn = bool(self.tools) or self.environment_factories is not None
+        if multi_turn and self.args.truncation_correction != "none" and not self.use_vllm:
+            raise ValueError("truncation_correction with tools or environment_factory is not supported on the "
+                             "transformers generate path: each tool turn is a separate generate call and the kept sets "
+                             "of the turns are not stitched together; set truncation_correction='none'")
 
     def _trl_runs_old_pass(self) -> bool:
         """TRL 1.16's own condition for computing old log-probs (grpo_trainer.py, `_generate_and_score_completions`)."""
@@ -129,6 +181,9 @@ class RatioGRPOTrainer(GRPOTrainer):
             missed, generation.old_pass_pending = generation.old_pass_pending, False
         if missed:
             raise RuntimeError("grpo_ratio: TRL did not run its old-logprob pass where 1.16 does; untested TRL?")
+        if generation.sampler is not None and not self.args.sampler_logprobs_in_loss:
+            # ours, for the diagnostics only: TRL's loss reads `sampling_per_token_logps` (off_policy_mask_threshold)
+            output["sampler_per_token_logps"] = output.pop("sampling_per_token_logps")
         if self.args.truncation_correction != "none":
             # a row index that TRL shuffles and splits with the batch: micro-batches find their rows' kept sets
             output["kept_row_index"] = torch.arange(output["completion_ids"].size(0), device=self.accelerator.device)
@@ -155,18 +210,39 @@ class RatioGRPOTrainer(GRPOTrainer):
                                                                      num_generations, has_tool_images)
             generation.kept = self._vllm_capture.kept_sets(len(completion_ids))
             return completion_ids, logprobs
-        plain_generate = not (self.use_vllm or self.use_transformers_continuous_batching)
-        if not (plain_generate and self.args.record_sampler_logprobs):
+        if not self._record_generate:
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
                                                  has_tool_images)
         recorder = SamplerLogprobRecorder(support_size_only=self.args.truncation_correction == "none")
         with recording_sampler(self.accelerator.unwrap_model(self.model_wrapped), recorder):
             completion_ids, _ = super()._generate_single_turn(prompt_ids, images, multimodal_fields,
                                                               num_generations, has_tool_images)
-        record = finalize_from_completions(recorder, completion_ids, self._tokenizer.pad_token_id)
-        generation.sampler, generation.kept = record, record.kept
-        # TRL pads these into `sampling_per_token_logps` (B, T) and keeps them in the generation batch
+        record = self._finish_recording(recorder, completion_ids)
+        if generation.sampler is None:  # the first turn; later tool turns only extend the log-probs TRL stitches
+            generation.sampler = record
+            generation.kept = record.kept if self.args.truncation_correction != "none" else None
+        # TRL pads these into `sampling_per_token_logps` (B, T) and stitches tool turns; NaN = not recorded
         return completion_ids, [record.logprobs[i, : len(ids)].tolist() for i, ids in enumerate(completion_ids)]
+
+    def _finish_recording(self, recorder, completion_ids) -> SamplerRecord:
+        """The recording of one generate call, or NaN log-probs (no record) when generate did not run the logits
+        processors as recorded (a replaced or mocked `generate`): then warn once, and refuse where a correction
+        needs the kept sets."""
+        if recorder.prompt_length is not None:
+            try:
+                return finalize_from_completions(recorder, completion_ids, self._tokenizer.pad_token_id)
+            except ValueError:  # other rows or fewer steps than tokens returned: not the generate we recorded
+                pass
+        if self.args.truncation_correction != "none":
+            raise RuntimeError("truncation_correction needs the kept sets recorded during generate, but this generate "
+                               "call did not run transformers' logits processors as recorded (a replaced generate?)")
+        if not self._warned_unrecorded:
+            self._warned_unrecorded = True
+            warnings.warn("record_sampler_logprobs: generate returned completions the recorder did not see (a "
+                          "replaced or mocked generate?); their sampler log-probs are NaN and ratio/old_sampler/* "
+                          "skips them", stacklevel=4)
+        T = max((len(c) for c in completion_ids), default=0)
+        return SamplerRecord(logprobs=torch.full((len(completion_ids), T), math.nan), kept=None)
 
     def _scoring_inputs(self, output, mode):
         """(input_ids, attention_mask, T, batch_size) of a generation batch, as TRL builds them for its old pass."""
@@ -182,7 +258,7 @@ class RatioGRPOTrainer(GRPOTrainer):
         with torch.no_grad(), self._no_gradient_checkpointing():
             result = self.scorer.score(
                 input_ids, attention_mask, logits_to_keep,
-                temperature=self.temperature, batch_size=batch_size, version=self.state.global_step, kept=kept,
+                temperature=self.temperature, batch_size=batch_size, version=self.weights_version.value, kept=kept,
             )
         generation.fallback_rows += result.fallback_rows
         if kept is None:
@@ -199,8 +275,9 @@ class RatioGRPOTrainer(GRPOTrainer):
                 _, _, _, generation.old_log_kept_mass = self._policy_logps(
                     self.model, input_ids, attention_mask, T, batch_size, kept)
         valid = output["completion_mask"].bool()  # (B, T)
-        lifted = lift_sampler_logprobs(output["sampling_per_token_logps"], generation.old_log_kept_mass * valid)
-        output["sampling_per_token_logps"] = lifted  # (B, T)
+        key = "sampling_per_token_logps" if "sampling_per_token_logps" in output else "sampler_per_token_logps"
+        lifted = lift_sampler_logprobs(output[key], generation.old_log_kept_mass * valid)
+        output[key] = lifted  # (B, T)
         if "importance_sampling_ratio" in output:  # vLLM IS correction: TRL computed it from the unlifted log-probs
             mask = valid if "tool_mask" not in output else valid & output["tool_mask"].bool()
             output["importance_sampling_ratio"] = importance_sampling_weights(
@@ -296,3 +373,16 @@ class RatioGRPOTrainer(GRPOTrainer):
         if (self._step + 1) % self.current_gradient_accumulation_steps == 0:  # last micro-step of this update
             for key, value in self.diagnostics.flush().items():
                 self._metrics["train"][key].append(value)
+
+
+class _WeightsVersionCallback(TrainerCallback):
+    """Moves the trainer's `WeightsVersion` when training starts (a second `train()`, a resume that loaded weights)
+    and hooks it to the optimizer's steps."""
+
+    def __init__(self, version: WeightsVersion):
+        self.version = version
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        self.version.bump()
+        if optimizer is not None:
+            self.version.watch(optimizer)

@@ -50,7 +50,7 @@ def test_trainer_with_lora_keeps_copy_in_step(tmp_path):
     trainer.train()
     policy = trainer.accelerator.unwrap_model(trainer.model)
     (copy_,) = trainer.scorer.copies()
-    module = copy_.get(trainer.state.global_step)  # refreshed: the adapters trained, so the merge changed
+    module = copy_.get(trainer.weights_version.value)  # refreshed: the adapters trained, so the merge changed
     merged = copy.deepcopy(policy).merge_and_unload()
     for key, value in merged.state_dict().items():
         assert torch.equal(value.to(torch.float16), module.state_dict()[key]), key

@@ -22,15 +22,23 @@ def _stock_keys(history):
             "train_samples_per_second", "train_steps_per_second")} for row in history]
 
 
-def test_bf16_mode_reproduces_stock_grpo_bit_for_bit(tmp_path):
-    # Same config, same seed, 3 steps: every metric stock TRL logs is identical (==, not approx).
-    runs = []
+@pytest.mark.parametrize("overrides", [
+    {},  # every default: the generate recording is on and must not reach TRL's loss
+    {"off_policy_mask_threshold": 0.5, "top_p": 0.9},  # OPSM reads sampler log-probs when TRL has them
+    {"num_iterations": 2, "steps_per_generation": 2},  # TRL runs its own old pass
+], ids=["defaults", "opsm", "old-pass"])
+def test_bf16_mode_reproduces_stock_grpo_bit_for_bit(tmp_path, overrides):
+    # Same config, same seed, 3 steps: every metric stock TRL logs is identical (==, not approx), and so are the
+    # trained weights.
+    runs, weights = [], []
     for cls in (GRPOTrainer, RatioGRPOTrainer):
-        trainer = _trainer(tmp_path / cls.__name__, cls=cls, max_steps=3, record_sampler_logprobs=False)
+        trainer = _trainer(tmp_path / cls.__name__, cls=cls, max_steps=3, **overrides)
         trainer.train()
         runs.append(_stock_keys(trainer.state.log_history))
+        weights.append({k: v.clone() for k, v in trainer.model.state_dict().items()})
     assert len(runs[0]) == 4  # 3 logged steps + the train summary
     assert runs[0] == runs[1]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
 
 
 def _capture_generation(trainer):
@@ -76,8 +84,10 @@ def test_copies_equal_updated_policy_after_optimizer_step(tmp_path, mode):
     policy = trainer.accelerator.unwrap_model(trainer.model)
     assert trainer.state.global_step == 2
     (copy,) = trainer.scorer.copies()
-    module = copy.get(trainer.state.global_step)
-    assert copy.version == 2 and copy.num_refreshes >= 2  # refreshed after each optimizer step it was used at
+    version = trainer.weights_version.value
+    assert version == 3  # train() began (+1), then two optimizer steps (+1 each)
+    module = copy.get(version)
+    assert copy.version == 3 and copy.num_refreshes == 3  # generations at versions 1 and 2, and this get()
     for (name, p), q in zip(policy.state_dict().items(), module.state_dict().values(), strict=True):
         assert torch.equal(p.to(copy.dtype), q), name
 

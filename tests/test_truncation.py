@@ -60,10 +60,10 @@ def test_lift_sampler_adds_the_log_kept_mass(tmp_path):
     trainer.model.train()
     out = trainer._generate_and_score_completions(batch)
     valid = out["completion_mask"].bool()
-    raw = torch.zeros_like(out["sampling_per_token_logps"])
+    raw = torch.zeros_like(out["sampler_per_token_logps"])  # ours: kept out of TRL's loss by default
     record = trainer._generations["train"].sampler.logprobs  # (B, T_gen) the sampler's own log q_S(g)
     raw[:, : record.size(1)] = record
-    lifted = out["sampling_per_token_logps"]
+    lifted = out["sampler_per_token_logps"]
     assert torch.allclose(lifted[valid], (raw + out["old_log_kept_mass"])[valid], atol=1e-6)
     # and the trainer's old log-probs stay full-vocabulary: old - lifted = log p_S - log q_S ~ 0
     assert (out["old_per_token_logps"] - lifted)[valid].abs().max() <= 1e-4

@@ -42,7 +42,9 @@ def tiny_trainer(output_dir, mode: str = "bf16", arch: str = "qwen2", trainer_cl
     if trainer_cls is GRPOTrainer:  # the same values in TRL's own config class
         fields = GRPOConfig.__dataclass_fields__
         values = {k: getattr(args, k) for k, f in fields.items() if f.init}
-        values.update(steps_per_generation=None, generation_batch_size=None)  # re-derived, as from a user's config
+        # re-derived, as from a user's config (both set is an error in GRPOConfig); keep what the test asked for
+        values.update(generation_batch_size=None)
+        values["steps_per_generation"] = overrides.get("steps_per_generation")
         args = GRPOConfig(**values)
     return trainer_cls(
         model=model if model is not None else tiny_model(arch),

@@ -1,0 +1,100 @@
+"""Start-up lints of `RatioGRPOTrainer`: checks that need the model or the generation backend, run once when the
+trainer is built (config-only checks live in `RatioGRPOConfig.__post_init__`). Each one either refuses a setup that
+would be silently wrong (`ValueError` naming the fields and the fix) or warns about one that makes the ratio measure
+something the user may not expect (`UserWarning` naming the fields and the fix). docs/compatibility.md lists them.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from torch import nn
+
+from .rollouts import SamplingSettings
+
+
+# config fields of transformers models that set a dropout probability applied inside the forward
+_DROPOUT_FIELDS = ("attention_dropout", "hidden_dropout", "hidden_dropout_prob", "attention_probs_dropout_prob",
+                   "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout", "activation_dropout")
+# module names of learned absolute position embeddings (GPT-2 `wpe`, OPT/BART `embed_positions`, BERT-style)
+_ABSOLUTE_POSITION_MODULES = ("wpe", "embed_positions", "position_embeddings")
+
+
+def check_sampling(args, sampling: SamplingSettings) -> None:
+    """Truncated sampling against `truncation_correction`, with the settings generation really uses (`sampling`:
+    on the transformers path unset fields come from the model's `generation_config`, e.g. a shipped `min_p`).
+
+    Raises:
+        ValueError: a truncation correction with beam search or greedy decoding (no sampling distribution).
+    Warns (UserWarning): a correction where sampling is not truncated (it changes nothing); truncation that feeds
+        the importance ratio (vLLM IS correction, `off_policy_mask_threshold` with `sampler_logprobs_in_loss`)
+        uncorrected; truncation with no correction at all (the diagnostics will show the kept mass).
+    """
+    correction = args.truncation_correction
+    if correction != "none" and (sampling.num_beams > 1 or not sampling.do_sample):
+        raise ValueError(f"truncation_correction={correction!r} needs sampled rollouts, but generation uses "
+                         f"num_beams={sampling.num_beams}, do_sample={sampling.do_sample} (generation_kwargs); "
+                         f"set truncation_correction='none'")
+    if correction != "none" and not sampling.truncated:
+        warnings.warn(f"truncation_correction={correction!r} has no effect: sampling is not truncated "
+                      f"(top_p=1, top_k=0, no min_p in the {sampling.source}); ratio/kept_mass_mean will be 1",
+                      stacklevel=3)
+        return
+    if correction != "none" or not sampling.truncated:
+        return
+    sampler_in_loss = (args.use_vllm and args.vllm_importance_sampling_correction) or (
+        args.off_policy_mask_threshold is not None and (args.use_vllm or args.sampler_logprobs_in_loss))
+    where = "sampler log-probs feed the importance ratio" if sampler_in_loss else "ratio/old_sampler/* will show it"
+    warnings.warn(f"sampling is truncated ({sampling.describe()}, from the {sampling.source}) but "
+                  f"truncation_correction='none': the sampler's log-probs are renormalised over the kept tokens, the "
+                  f"trainer's are not, so old/sampler carries the kept mass ({where}; at top_p=0.8 about half the "
+                  f"tokens leave [0.9, 1.1]). Set truncation_correction='renormalize' or 'lift_sampler'.", stacklevel=3)
+
+
+def active_dropout(model: nn.Module) -> list[str]:
+    """Names of the dropouts with p > 0 in `model`: `nn.Dropout` modules (e.g. PEFT's `lora_dropout`) and config
+    fields applied inside the forward (e.g. `attention_dropout`), as `name=p` strings."""
+    found = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Dropout) and module.p > 0:
+            key = name.split(".")[-2] if name.split(".")[-1] in ("default",) else name.split(".")[-1]
+            found.setdefault(key, module.p)
+    config = getattr(model, "config", None)
+    text_config = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
+    for field in _DROPOUT_FIELDS:
+        value = getattr(text_config, field, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            found.setdefault(field, value)
+    return [f"{k}={v}" for k, v in found.items()]
+
+
+def check_dropout(args, model: nn.Module) -> None:
+    """Warn when dropout is active in training (TRL's `disable_dropout=False`): the training forward samples dropout
+    masks, so new/old at the first inner step measures dropout noise, not precision. grpo_ratio's scoring modes
+    compute old log-probs without dropout (deterministic); TRL's own pass (`bf16` with an old pass) samples it."""
+    if args.disable_dropout:
+        return
+    dropout = active_dropout(model)
+    if dropout:
+        warnings.warn(f"dropout is active during training ({', '.join(dropout)}) and disable_dropout=False: the "
+                      f"training forward draws dropout masks, so new/old at the first inner step carries dropout noise "
+                      f"(grpo_ratio's scoring modes score without dropout). Set disable_dropout=True for a ratio that "
+                      f"measures precision only.", stacklevel=3)
+
+
+def uses_absolute_positions(model: nn.Module) -> bool:
+    """Whether the model adds learned absolute position embeddings (GPT-2 `wpe`, OPT `embed_positions`, ...)."""
+    return any(isinstance(m, nn.Embedding) and name.split(".")[-1] in _ABSOLUTE_POSITION_MODULES
+               for name, m in model.named_modules())
+
+
+def check_positions(args, model: nn.Module) -> None:
+    """Warn for models with absolute position embeddings: TRL passes no `position_ids`, so with left-padded prompts
+    its own forward (the training forward, and the old pass of `bf16`) puts a completion at positions shifted by
+    its prompt's padding, unlike `generate`. grpo_ratio's modes use generate's positions, so new/old shows it."""
+    if uses_absolute_positions(model):
+        warnings.warn(f"{type(model).__name__} uses absolute position embeddings and TRL passes no position_ids: with "
+                      f"left-padded prompts TRL's training forward (and old_logprob_mode='bf16') scores completions at "
+                      f"positions shifted by their prompt's padding, while generate and grpo_ratio's other scoring "
+                      f"modes count positions from the attention mask. Expect new/old to show this; prompts of one "
+                      f"length (no left padding) avoid it (docs/compatibility.md).", stacklevel=3)
