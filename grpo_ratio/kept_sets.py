@@ -260,7 +260,7 @@ def _chunks(mask: torch.Tensor, chunk_cells: int) -> tuple[torch.Tensor, list[to
     if chunk_cells < 1:
         raise ValueError(f"chunk_cells must be >= 1, got {chunk_cells}")
     cells = mask.reshape(-1).nonzero().squeeze(1)  # (M,)
-    return cells, list(cells.split(chunk_cells))
+    return cells, list(cells.split(chunk_cells)) if cells.numel() else []  # split() of nothing gives one empty chunk
 
 
 def _scaled(logits: torch.Tensor, cells: torch.Tensor, temperature: float) -> torch.Tensor:

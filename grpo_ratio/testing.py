@@ -10,6 +10,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    GPT2Config,
     GPTNeoXConfig,
     LlamaConfig,
     PreTrainedTokenizerFast,
@@ -57,7 +58,8 @@ def tiny_tokenizer(vocab_size: int = 300, pad_is_eos: bool = False) -> PreTraine
 
 
 def tiny_config(arch: str = "qwen2", vocab_size: int = 300, tie_word_embeddings: bool = False, **overrides):
-    """A 2-layer config of `arch` (one of ARCHITECTURES) with hidden size 64 and pad/eos ids 0/1."""
+    """A 2-layer config of `arch` (one of ARCHITECTURES, or "gpt2": absolute positions) with hidden size 64 and pad/eos
+    ids 0/1."""
     common = dict(vocab_size=vocab_size, tie_word_embeddings=tie_word_embeddings, pad_token_id=0, eos_token_id=1,
                   bos_token_id=None)
     if arch == "llama":
@@ -72,12 +74,14 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 300, tie_word_embeddings:
     elif arch == "gpt_neox":
         cfg = GPTNeoXConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                             **common)
+    elif arch == "gpt2":  # learned absolute position embeddings (`wpe`)
+        cfg = GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, **common)
     elif arch == "qwen3_moe":
         cfg = Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
                              num_experts_per_tok=2, decoder_sparse_step=1, **common)
     else:
-        raise ValueError(f"Unknown tiny architecture {arch!r}; allowed: {', '.join(ARCHITECTURES)}")
+        raise ValueError(f"Unknown tiny architecture {arch!r}; allowed: {', '.join(ARCHITECTURES)}, gpt2")
     for k, v in overrides.items():
         setattr(cfg, k, v)
     return cfg
