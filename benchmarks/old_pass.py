@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_ratio.config import SCORING_MODES
+from grpo_ratio.config import PRECISION_MODES
 from grpo_ratio.scoring import OldLogprobScorer, model_anatomy
 
 
@@ -100,7 +100,7 @@ def main(argv=None):
     L = len(model_anatomy(model).layers)
     layers = [int(x) for x in a.layers.split(",")] if a.layers else list(range(max(1, L // 4)))
     ids, mask = batch(model, a.rows, a.prompt_len, a.tokens)
-    res = run(model, SCORING_MODES, layers, ids, mask, a.tokens, a.batch_size, a.repeats)
+    res = run(model, PRECISION_MODES, layers, ids, mask, a.tokens, a.batch_size, a.repeats)
     result = {
         "command": "python benchmarks/old_pass.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "label": label, "weights": a.weights, "rows": a.rows, "tokens": a.tokens, "batch_size": a.batch_size,

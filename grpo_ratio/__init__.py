@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "RatioGRPOConfig": "config",
     "SCORING_MODES": "config",
+    "PRECISION_MODES": "config",
     "TRUNCATION_CORRECTIONS": "config",
     "OldLogprobScorer": "scoring",
     "score_completion_logprobs": "scoring",

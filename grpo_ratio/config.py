@@ -11,7 +11,10 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 
-SCORING_MODES = ("bf16", "fp32_clone", "fp16_clone", "fp32_head", "guided_fp32")
+# modes whose old log-probs come from a forward pass of the policy at some precision (grpo_ratio.scoring)
+PRECISION_MODES = ("bf16", "fp32_clone", "fp16_clone", "fp32_head", "guided_fp32")
+# every value of `old_logprob_mode`: the precision modes, and the sampler's own log-probs (no old pass at all)
+SCORING_MODES = (*PRECISION_MODES, "sampler")
 TRUNCATION_CORRECTIONS = ("none", "renormalize", "lift_sampler")
 
 
@@ -71,7 +74,9 @@ class RatioGRPOConfig(GRPOConfig):
         Scoring mode of the old log-probs (the anchor of the importance ratio). One of `"bf16"` (the policy's own
         pass at its training precision: TRL's behaviour, unchanged), `"fp32_clone"`, `"fp16_clone"`, `"fp32_head"`
         (final norm and LM head in fp32) and `"guided_fp32"` (the `guided_fp32_layers` decoder layers, final norm
-        and head in fp32). Source: seed 004 (batch-logprob-gap), T7/T10.
+        and head in fp32), or `"sampler"`: the log-probs the sampler recorded for the rollout tokens (HF `generate`
+        recording or vLLM's), with no old pass at all (verl `bypass_mode`, slime `--use-rollout-logprobs`). Source of
+        the precision modes: the batch-logprob-gap report (tables T7/T10).
     guided_fp32_layers (`str` or `list[int]`, *optional*):
         Decoder layers run in fp32 by `"guided_fp32"`: comma-separated indices (`"0,1,27"`) or the path of a
         calibration JSON written by `grpo-ratio probe layers`. Required by `"guided_fp32"`, refused otherwise.
@@ -102,8 +107,8 @@ class RatioGRPOConfig(GRPOConfig):
         default="bf16",
         metadata={
             "help": "How the old log-probs are computed: 'bf16' (the policy's own pass, TRL's default), 'fp32_clone', "
-            "'fp16_clone', 'fp32_head' (final norm + LM head in fp32) or 'guided_fp32' (guided_fp32_layers + norm + "
-            "head in fp32).",
+            "'fp16_clone', 'fp32_head' (final norm + LM head in fp32), 'guided_fp32' (guided_fp32_layers + norm + "
+            "head in fp32) or 'sampler' (the rollout's own sampler log-probs; no old pass).",
             "choices": list(SCORING_MODES),
         },
     )
@@ -190,12 +195,37 @@ class RatioGRPOConfig(GRPOConfig):
         if isinstance(self.clip_flip_every, bool) or not isinstance(self.clip_flip_every, int) or self.clip_flip_every < 0:
             raise ValueError(f"clip_flip_every must be an integer >= 0 (0 = never), got {self.clip_flip_every!r}")
         self._check_truncation()
+        self._check_sampler_mode()
         if self.sampler_logprobs_in_loss and not self.record_sampler_logprobs:
             raise ValueError("sampler_logprobs_in_loss=True needs record_sampler_logprobs=True (the log-probs it hands "
                              "to TRL are the recorded ones)")
         if self.sampler_logprobs_in_loss and self.use_vllm:
             warnings.warn("sampler_logprobs_in_loss=True has no effect with use_vllm=True: TRL always receives vLLM's "
                           "log-probs as sampling_per_token_logps", stacklevel=3)
+
+    def _check_sampler_mode(self) -> None:
+        """`old_logprob_mode="sampler"`: the rollout's sampler log-probs anchor the ratio, so they must exist.
+
+        Raises:
+            ValueError: no sampler log-probs on the transformers path (`record_sampler_logprobs=False`), or
+                `truncation_correction="lift_sampler"` (it needs the old policy's kept mass, i.e. an old pass; with
+                `renormalize` both sides are on the kept set already).
+        Warns (UserWarning): vLLM's importance-sampling correction is turned off (old == sampler: its ratio is 1).
+        """
+        if self.old_logprob_mode != "sampler":
+            return
+        if not self.use_vllm and not self.record_sampler_logprobs:
+            raise ValueError("old_logprob_mode='sampler' needs the sampler's log-probs: set "
+                             "record_sampler_logprobs=True (transformers generate) or use_vllm=True")
+        if self.truncation_correction == "lift_sampler":
+            raise ValueError("old_logprob_mode='sampler' with truncation_correction='lift_sampler': lifting needs the "
+                             "old policy's kept mass, which only an old pass gives; use truncation_correction="
+                             "'renormalize' (new and sampler log-probs both on the kept set)")
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            warnings.warn("old_logprob_mode='sampler': vllm_importance_sampling_correction turned off; the old "
+                          "log-probs are the sampler's, so TRL's importance-sampling ratio old/sampler is 1 by "
+                          "construction", stacklevel=3)
+            self.vllm_importance_sampling_correction = False
 
     def _check_truncation(self) -> None:
         """Config-only checks of `truncation_correction` against the generation backend and the sampling fields.

@@ -95,13 +95,20 @@ class RatioDiagnostics:
         if "tool_mask" in inputs:
             mask &= inputs["tool_mask"].bool()
         old = inputs.get("old_per_token_logps")
-        log_mass = inputs.get("old_log_kept_mass", train_log_kept_mass if old is None else None)  # (B, T) | None
+        anchor_is_sampler = self.args.old_logprob_mode == "sampler"
+        # log M of the old policy: its own pass's, else (no old pass: on-policy, or the sampler arm) the training
+        # forward's, which at the first inner step runs the old policy's weights
+        no_old_pass = old is None or anchor_is_sampler
+        log_mass = inputs.get("old_log_kept_mass", train_log_kept_mass if no_old_pass else None)  # (B, T) | None
         old = train_logps if old is None else old  # TRL skipped the old pass: old := new.detach(), r == 1
         new_old = train_logps - old  # (B, T)
         self.new_old.update(new_old, mask)
         # the generate recording (ours, kept out of TRL's loss by default), else what TRL holds (vLLM, rollout_func)
         sampler = inputs.get("sampler_per_token_logps", inputs.get("sampling_per_token_logps"))
-        if sampler is not None:
+        if sampler is not None and anchor_is_sampler:  # old IS the sampler: r == 1 exactly, measured as such
+            self.old_sampler.update(old - sampler, mask & ~torch.isnan(sampler))
+            self._update_kept_mass(log_mass, mask & ~torch.isnan(sampler))
+        elif sampler is not None:
             self._update_old_sampler(old, sampler, log_mass, mask, inputs)
         every = self.args.clip_flip_every
         if self.flips_supported and every and self.num_updates % every == 0:
@@ -122,14 +129,18 @@ class RatioDiagnostics:
             sampler_raw = sampler - log_mass if correction == "lift_sampler" else sampler  # (B, T)
             raw = old_full - sampler_raw  # (B, T)
             self.old_sampler_corrected.update(raw - log_mass, has_sampler)  # both corrections: p_old,S / q_S
-            self.kept_mass_sum += (torch.exp(log_mass.double()) * has_sampler).sum()
-            self.kept_mass_count += has_sampler.sum()
+            self._update_kept_mass(log_mass, has_sampler)
         self.old_sampler.update(raw, has_sampler)
         if "importance_sampling_ratio" in inputs:
             stats = importance_sampling_stats(old - sampler, mask, self.args.vllm_importance_sampling_mode,
                                               self.args.vllm_importance_sampling_clip_min,
                                               self.args.vllm_importance_sampling_clip_max)
             self.is_stats = stats if self.is_stats is None else self.is_stats.merge(stats)
+
+    def _update_kept_mass(self, log_mass, mask) -> None:
+        if log_mass is not None and self.args.truncation_correction != "none":
+            self.kept_mass_sum += (torch.exp(log_mass.double()) * mask).sum()
+            self.kept_mass_count += mask.sum()
 
     def flush(self) -> dict[str, float]:
         """Reduce across processes and return this update's metrics (every process must call it); then reset."""

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .config import SCORING_MODES
+from .config import PRECISION_MODES
 from .copies import ModuleCopy
 from .kept_sets import KeptSets, kept_set_logprobs
 
@@ -228,7 +228,7 @@ class OldLogprobScorer:
 
     Args:
         model: the policy (a transformers causal LM, optionally PEFT-wrapped). Never modified.
-        mode: one of `SCORING_MODES` (`bf16`, `fp32_clone`, `fp16_clone`, `fp32_head`, `guided_fp32`).
+        mode: one of `PRECISION_MODES` (`bf16`, `fp32_clone`, `fp16_clone`, `fp32_head`, `guided_fp32`).
         layers: decoder-layer indices for `guided_fp32` (required there, refused elsewhere).
         policy_autocast: zero-argument callable returning the context the policy trains under (the trainer passes
             `accelerator.autocast`); by default bf16 autocast when the weights are fp32, else no autocast.
@@ -244,8 +244,9 @@ class OldLogprobScorer:
 
     def __init__(self, model: nn.Module, mode: str, layers: Iterable[int] | None = None,
                  policy_autocast: Callable[[], contextlib.AbstractContextManager] | None = None):
-        if mode not in SCORING_MODES:
-            raise ValueError(f"old_logprob_mode={mode!r} is not a scoring mode; allowed: {', '.join(SCORING_MODES)}")
+        if mode not in PRECISION_MODES:
+            raise ValueError(f"old_logprob_mode={mode!r} is not a precision mode (a forward pass); allowed: "
+                             f"{', '.join(PRECISION_MODES)}")
         layers = list(layers) if layers is not None else []
         if mode == "guided_fp32" and not layers:
             raise ValueError("old_logprob_mode='guided_fp32' needs guided_fp32_layers (use 'fp32_head' for none)")

@@ -94,7 +94,7 @@ class RatioGRPOTrainer(GRPOTrainer):
         self.add_callback(_WeightsVersionCallback(self.weights_version))
         self.diagnostics = RatioDiagnostics(args, self.accelerator, self.eos_token_ids) if args.ratio_diagnostics else None
         self.scorer = None
-        if args.old_logprob_mode != "bf16":
+        if args.old_logprob_mode not in ("bf16", "sampler"):  # the other modes run a forward pass of their own
             self._refuse_sharded_copies()
             self.scorer = OldLogprobScorer(
                 self.accelerator.unwrap_model(self.model),
@@ -134,11 +134,17 @@ class RatioGRPOTrainer(GRPOTrainer):
     def _can_record_generate(self) -> bool:
         """Whether `generate` rollouts are recorded: asked for, on the transformers path, and sampled (beam search
         and greedy decoding have no per-token sampling distribution to record)."""
+        if self.use_transformers_continuous_batching and self.args.old_logprob_mode == "sampler":
+            raise ValueError("old_logprob_mode='sampler' needs the sampler's log-probs, which transformers continuous "
+                             "batching does not return; use generate (use_transformers_continuous_batching=False) "
+                             "or vLLM")
         if self.use_vllm or self.use_transformers_continuous_batching or not self.args.record_sampler_logprobs:
             return False
         if self.sampling.num_beams > 1 or not self.sampling.do_sample:
-            if self.args.truncation_correction != "none" or self.args.sampler_logprobs_in_loss:
-                raise ValueError(f"truncation_correction / sampler_logprobs_in_loss need sampled rollouts, but "
+            needs = self.args.truncation_correction != "none" or self.args.sampler_logprobs_in_loss
+            if needs or self.args.old_logprob_mode == "sampler":
+                raise ValueError(f"truncation_correction / sampler_logprobs_in_loss / old_logprob_mode='sampler' "
+                                 f"need sampled rollouts, but "
                                  f"generation uses num_beams={self.sampling.num_beams}, do_sample="
                                  f"{self.sampling.do_sample} (generation_kwargs)")
             warnings.warn(f"record_sampler_logprobs: not recording (num_beams={self.sampling.num_beams}, do_sample="
@@ -187,6 +193,8 @@ class RatioGRPOTrainer(GRPOTrainer):
         if self.args.truncation_correction != "none":
             # a row index that TRL shuffles and splits with the batch: micro-batches find their rows' kept sets
             output["kept_row_index"] = torch.arange(output["completion_ids"].size(0), device=self.accelerator.device)
+        if self.args.old_logprob_mode == "sampler":
+            output["old_per_token_logps"] = self._sampler_anchor(output)
         if self.scorer is not None and "old_per_token_logps" not in output:
             # TRL skipped the old pass (on-policy default): the mode still provides the anchor of the ratio
             input_ids, attention_mask, T, batch_size = self._scoring_inputs(output, generation.mode)
@@ -199,6 +207,25 @@ class RatioGRPOTrainer(GRPOTrainer):
             for key, value in self.diagnostics.generation_metrics(generation.fallback_rows).items():
                 self._metrics[generation.mode][key].append(value)
         return output
+
+    def _sampler_anchor(self, output) -> torch.Tensor:
+        """`old_logprob_mode="sampler"`: the old log-probs (B, T) are the sampler's own, as recorded (generate) or
+        returned (vLLM), padded with 0 like TRL pads them; over the kept set under `renormalize`, as the sampler's are.
+
+        Raises:
+            RuntimeError: a completion token without a sampler log-prob (NaN: generate was not recorded, or vLLM
+                could not score it); the loss would be NaN.
+        """
+        key = "sampling_per_token_logps" if "sampling_per_token_logps" in output else "sampler_per_token_logps"
+        if key not in output:
+            raise RuntimeError("old_logprob_mode='sampler': this generation returned no sampler log-probs "
+                               "(a rollout_func without logprobs?)")
+        sampler = output[key]  # (B, T)
+        missing = torch.isnan(sampler) & output["completion_mask"].bool()  # (B, T)
+        if missing.any():
+            raise RuntimeError(f"old_logprob_mode='sampler': {int(missing.sum())} completion tokens have no sampler "
+                               f"log-prob (NaN); they cannot anchor the ratio")
+        return sampler.clone()
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         generation = self._generations.get(self._mode())
@@ -295,6 +322,8 @@ class RatioGRPOTrainer(GRPOTrainer):
                        and model is self.model and not torch.is_grad_enabled())
         if is_old_pass:  # TRL's old pass is the first no-grad call on the policy inside a generation
             generation.old_pass_pending = False
+        if is_old_pass and self.args.old_logprob_mode == "sampler":  # no old pass: the sampler's log-probs anchor it
+            return torch.zeros(input_ids.size(0), logits_to_keep, device=input_ids.device), None, None  # replaced
         if is_old_pass and self.scorer is not None:
             if any(v is not None for v in args) or any(v is not None for v in kwargs.values()
                                                        if not isinstance(v, bool)):
@@ -369,7 +398,7 @@ class RatioGRPOTrainer(GRPOTrainer):
         micro_step = self._step % generate_every  # position in this generation's cycle (before the increment)
         first_inner = micro_step < min(self.args.gradient_accumulation_steps, self.args.steps_per_generation)
         if first_inner and micro_batch.train_logps is not None:
-            self.diagnostics.update(micro_batch, mode_is_policy=self.scorer is None)
+            self.diagnostics.update(micro_batch, mode_is_policy=self.args.old_logprob_mode == "bf16")
         if (self._step + 1) % self.current_gradient_accumulation_steps == 0:  # last micro-step of this update
             for key, value in self.diagnostics.flush().items():
                 self._metrics["train"][key].append(value)

@@ -119,3 +119,71 @@ def test_load_recipe_applies_overrides_then_run_fields(compare, tmp_path):
     assert (training_args.seed, training_args.max_steps) == (7, 3)
     assert training_args.output_dir == str(tmp_path / "r") and training_args.run_name == "fp16_clone-s7"
     assert script_args.task == "arithmetic"
+
+
+def test_a_killed_comparison_resumes_with_the_missing_runs_only(compare, tmp_path, monkeypatch):
+    # The first run finishes, the second is killed mid-way (here: its trainer raises at step 1); restarting trains
+    # only the second and reads the first back from disk, unchanged.
+    calls = []
+
+    def build(arm, seed, run_dir):
+        calls.append(arm)
+        trainer = _tiny_build(max_steps=1)(arm, seed, run_dir)
+        if arm == "fp32_clone" and calls.count("fp32_clone") == 1:
+            monkeypatch.setattr(trainer, "training_step", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+        return trainer
+
+    kwargs = dict(name="cmp", output_root=tmp_path, last_k=1, show=False)
+    with pytest.raises(KeyboardInterrupt):
+        compare.run_comparison(["bf16", "fp32_clone"], [0], build, **kwargs)
+    first = json.loads((tmp_path / "cmp" / "bf16-s0" / "log_history.json").read_text())
+    assert json.loads((tmp_path / "cmp" / "fp32_clone-s0" / "run.json").read_text())["completed"] is False
+    result = compare.run_comparison(["bf16", "fp32_clone"], [0], build, **kwargs)
+    assert calls == ["bf16", "fp32_clone", "fp32_clone"]  # bf16 was not trained again
+    assert result.resumed == ["bf16-s0"] and result.runs[0].history == first
+    assert len([r for r in result.runs[1].history if "loss" in r]) == 1
+
+
+def test_a_folder_of_another_configuration_is_never_overwritten(compare, tmp_path):
+    kwargs = dict(name="cmp", output_root=tmp_path, show=False)
+    compare.run_comparison(["bf16"], [0], _tiny_build(max_steps=1), fingerprints={"bf16": "recipe A"}, **kwargs)
+    with pytest.raises(FileExistsError, match="another configuration"):
+        compare.run_comparison(["bf16"], [0], _tiny_build(max_steps=1), fingerprints={"bf16": "recipe B"}, **kwargs)
+
+
+def test_an_override_that_would_mislabel_the_arms_is_refused(compare, tmp_path):
+    recipes = [str(RECIPES / "arithmetic" / f"{arm}.yaml") for arm in ("bf16", "fp32_clone")]
+    with pytest.raises(SystemExit):
+        compare.main(["--recipes", *recipes, "--output_root", str(tmp_path), "--old_logprob_mode", "fp16_clone"])
+    with pytest.raises(ValueError, match="--old_logprob_mode overrides what tells the arms apart"):
+        compare.check_overrides({"bf16": recipes[0], "fp32_clone": recipes[1]}, ["--old_logprob_mode", "fp16_clone"],
+                                tmp_path)
+    # an override of a field the arms share is fine
+    parsed = compare.check_overrides({"bf16": recipes[0], "fp32_clone": recipes[1]}, ["--max_steps", "3"], tmp_path)
+    assert {p["max_steps"] for p in parsed.values()} == {3}
+
+
+def test_a_baseline_that_is_not_an_arm_is_refused(compare, tmp_path, capsys):
+    recipes = [str(RECIPES / "arithmetic" / f"{arm}.yaml") for arm in ("bf16", "fp32_clone")]
+    with pytest.raises(SystemExit):
+        compare.main(["--recipes", *recipes, "--output_root", str(tmp_path), "--baseline", "fp16_clone"])
+    assert "--baseline 'fp16_clone' is not an arm" in capsys.readouterr().err
+
+
+def test_summary_says_how_many_steps_it_averaged(compare):
+    rows = [{"step": i + 1, "reward": 0.1 * i} for i in range(3)]
+    summary = compare.summarize([compare.RunResult("bf16", 0, rows, [], [], "")], last_k=10)
+    assert summary["last_k_used"] == 3  # 3 logged steps, not the 10 asked for
+    assert "last 3 logged steps" in compare.render_markdown(summary)
+    # step noise: differences 0.1, 0.1 -> std 0 -> noise 0
+    assert summary["runs"][0]["reward_step_noise"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_plots_show_the_correction_and_the_band(tmp_path):
+    from grpo_ratio.plots import plot_metrics
+
+    rows = [{"step": s, "reward": 0.2, "ratio/old_sampler/oob_rate": 0.7, "ratio/old_sampler_corrected/oob_rate": 0.05,
+             "ratio/kept_mass_mean": 0.86, "ratio/new_old/p1": 0.95, "ratio/new_old/p99": 1.04} for s in (1, 2, 3)]
+    drawn = plot_metrics({"run": rows}, tmp_path / "m.png", "SmolLM2: renormalize, 3 steps")
+    assert {"ratio/old_sampler_corrected/oob_rate", "ratio/kept_mass_mean", "ratio/new_old/p1"} <= set(drawn)
+    assert (tmp_path / "m.png").stat().st_size > 0

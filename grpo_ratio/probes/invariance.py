@@ -29,13 +29,13 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import scoring
-from ..config import SCORING_MODES
+from ..config import PRECISION_MODES
 from ..scoring import OldLogprobScorer
 from . import common
 from .common import Completions, compare, layout_trl, score_alone
 
 
-MODES = SCORING_MODES
+MODES = PRECISION_MODES
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -15,14 +15,14 @@ import time
 
 from tqdm.auto import tqdm
 
-from ..config import SCORING_MODES
+from ..config import PRECISION_MODES
 from ..scoring import OldLogprobScorer
 from . import common
 from .common import Completions, compare, finish_oob_plot, pct_ci, pyplot, rate_errors, score_alone
 
 
 def run_ladder(model, data: Completions, batch_size: int = 8, layers: list[int] | None = None, repeats: int = 1,
-               modes=SCORING_MODES, progress: bool = True) -> dict:
+               modes=PRECISION_MODES, progress: bool = True) -> dict:
     """Batch 1 vs `batch_size` for each scoring mode; `guided_fp32` only when `layers` is given.
 
     Args:

@@ -1,20 +1,25 @@
-"""Compare old-logprob scoring modes (arms) over seeds, with matched data order and sampling seeds.
+"""Compare old-logprob scoring arms over seeds, with matched data order and sampling seeds (`grpo-ratio compare`).
 
     python trainers/compare.py --recipes recipes/smollm2-135m/arithmetic/{bf16,fp32_clone,fp16_clone}.yaml \\
         --seeds 0 1 --name arith-arms
     python trainers/compare.py --recipes recipes/smollm2-135m/arithmetic/{bf16,fp32_head}.yaml --seeds 0 \\
         --name quick --max_steps 5           # any flag after ours overrides every recipe (TrlParser flags)
+    python trainers/compare.py --render runs/compare/arith-arms/summary.json    # the markdown table of a comparison
 
 Each arm is a recipe (its file name is the arm's label); each (arm, seed) run gets the same seed for data order and
 sampling, and the global RNG is re-seeded right before `train()`, so same-seed runs draw identical step-1 rollouts in
-every arm (seed 004: "the same seed gives identical step-1 rollouts across arms"); they part only once the arms'
-different old log-probs have changed an update. Written under `OUTPUT_ROOT/NAME/`:
-- `<arm>-s<seed>/log_history.json`: TRL's log rows of the run; `<arm>-s<seed>/first_rollouts.json`: step-1 prompts
-  and completions;
-- `comparison.png`: reward, `ratio/new_old/oob_rate`, `ratio/old_sampler/oob_rate`, `ratio/clip_flip_rate` per step
-  (the keys that were logged), one line per run;
-- `summary.json`, also printed as a table: last-k mean reward per arm and seed, its difference to the baseline arm
-  (`bf16`) at the same seed, and per arm the mean over seeds and the seed-to-seed spread (max - min).
+every arm; they part only once the arms' different old log-probs have changed an update. An override may not change
+what tells the arms apart (e.g. `--old_logprob_mode` when the recipes differ in it): the labels would lie.
+
+Written under `OUTPUT_ROOT/NAME/`:
+- `<arm>-s<seed>/log_history.json`: TRL's log rows of the run; `first_rollouts.json`: step-1 prompts and completions;
+  `run.json`: the run's configuration and whether it finished;
+- `comparison.png`: reward and the ratio metrics per step, coloured by arm and styled by seed;
+- `summary.json`, also printed as a table: per arm and seed the last-k and whole-run mean reward, the difference to the
+  baseline arm (`bf16`) at the same seed, the per-step reward noise and the run mean of each ratio metric; per arm the
+  mean over seeds and the seed-to-seed spread (max - min).
+A comparison that was interrupted resumes where it stopped: a finished run (its `run.json` says so, with the same
+configuration) is read back, not trained again; a run of another configuration in the same folder is an error.
 With `report_to` naming wandb, every run is a W&B run (offline unless `WANDB_MODE` says otherwise) in group NAME,
 named `<arm>-s<seed>`. Final models are not saved. In-process use (tests, notebooks): `run_comparison`.
 """
@@ -24,23 +29,32 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import statistics
+import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from transformers import TrainerCallback, set_seed
 
-from grpo_ratio.plots import plot_metrics
+from grpo_ratio.plots import plot_comparison
 from grpo_ratio.scripts.train import build_trainer, make_parser
 
 
 RATIO_COLUMNS = {  # summary column -> logged key (mean over the run's logged steps)
     "new/old OOB": "ratio/new_old/oob_rate",
     "old/sampler OOB": "ratio/old_sampler/oob_rate",
+    "old/sampler OOB corrected": "ratio/old_sampler_corrected/oob_rate",
+    "kept mass": "ratio/kept_mass_mean",
     "clip flips": "ratio/clip_flip_rate",
+    "TRL clip": "clip_ratio/region_mean",
 }
+# what a run was configured with, recorded next to its results (what its label stands for)
+ARM_FIELDS = ("old_logprob_mode", "guided_fp32_layers", "truncation_correction", "top_p", "top_k", "min_p",
+              "temperature", "bf16", "learning_rate", "max_steps", "per_device_train_batch_size", "num_generations")
 
 
 class FirstRolloutRecorder(TrainerCallback):
@@ -58,9 +72,40 @@ class FirstRolloutRecorder(TrainerCallback):
             self.completions = list(self.trainer._logs["completion"])
 
 
+class Progress(TrainerCallback):
+    """One line per optimizer step across the whole comparison: run i/n, step, elapsed time and an ETA from the mean
+    step time so far (every run is assumed to have `steps_per_run` steps)."""
+
+    def __init__(self, name: str, num_runs: int, steps_per_run: int, stream=sys.stderr):
+        self.name, self.num_runs, self.steps_per_run, self.stream = name, num_runs, steps_per_run, stream
+        self.start = time.monotonic()
+        self.steps_done = 0
+        self.run_index, self.label = 0, ""
+
+    def begin_run(self, index: int, label: str) -> None:
+        self.run_index, self.label = index, label
+
+    def skip_run(self) -> None:
+        """A finished run read back from disk: its steps leave the remaining work, not the step-time mean."""
+        self.num_runs -= 1
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps_done += 1
+        elapsed = time.monotonic() - self.start
+        remaining = self.num_runs * self.steps_per_run - self.steps_done
+        eta = elapsed / self.steps_done * max(remaining, 0)
+        print(f"[{self.name}] run {self.run_index}/{self.num_runs} {self.label}: step {state.global_step}/"
+              f"{state.max_steps} | {_hms(elapsed)} elapsed | ETA {_hms(eta)}", file=self.stream, flush=True)
+
+
+def _hms(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
 @dataclass
 class RunResult:
-    """One (arm, seed) run: its log history and its step-1 rollouts."""
+    """One (arm, seed) run: its log history, its step-1 rollouts, and its configuration (`ARM_FIELDS`)."""
 
     arm: str
     seed: int
@@ -68,6 +113,7 @@ class RunResult:
     first_prompts: list
     first_completions: list
     run_dir: str
+    config: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -79,19 +125,34 @@ class Comparison:
     plot_path: str | None
     summary_path: str
     matched_first_rollouts: dict[int, bool] = field(default_factory=dict)
+    resumed: list[str] = field(default_factory=list)
+
+
+def logged(history: list[dict], key: str) -> list[float]:
+    """The values of `key` over the log rows that have it, in step order."""
+    return [row[key] for row in history if row.get(key) is not None]
 
 
 def last_k_mean(history: list[dict], key: str = "reward", k: int | None = 10) -> float | None:
     """Mean of `key` over the last `k` log rows that have it (fewer if the run logged fewer; every row when `k` is
     None); None if no row has it."""
-    values = [row[key] for row in history if row.get(key) is not None]
+    values = logged(history, key)
     return statistics.fmean(values[-k:] if k else values) if values else None
 
 
+def step_noise(values: Sequence[float]) -> float | None:
+    """Per-step noise of a logged series: std of the step-to-step differences / sqrt(2), which a slow trend (the
+    learning) barely moves; None with fewer than 3 values."""
+    if len(values) < 3:
+        return None
+    return statistics.stdev(b - a for a, b in zip(values, values[1:], strict=False)) / math.sqrt(2)
+
+
 def summarize(runs: Sequence[RunResult], last_k: int = 10, baseline: str = "bf16") -> dict:
-    """Per run: last-k mean reward, its difference to the `baseline` arm at the same seed (None without a baseline
-    run), and the run-mean of each `RATIO_COLUMNS` key. Per arm: mean over seeds of the last-k reward, mean
-    difference to the baseline, and the seed-to-seed spread (max - min over seeds; 0 with one seed).
+    """Per run: last-k and whole-run mean reward, their differences to the `baseline` arm at the same seed (None
+    without a baseline run), the per-step reward noise, and the run-mean of each `RATIO_COLUMNS` key. Per arm: mean
+    over seeds of the last-k reward, mean difference to the baseline, and the seed-to-seed spread (max - min over
+    seeds; 0 with one seed). `last_k_used` is the number of steps actually averaged (fewer when runs logged fewer).
 
     Raises:
         ValueError: `last_k` < 1.
@@ -99,15 +160,21 @@ def summarize(runs: Sequence[RunResult], last_k: int = 10, baseline: str = "bf16
     if last_k < 1:
         raise ValueError(f"last_k must be >= 1, got {last_k}")
     reward = {(r.arm, r.seed): last_k_mean(r.history, "reward", last_k) for r in runs}
+    whole = {(r.arm, r.seed): last_k_mean(r.history, "reward", None) for r in runs}
     rows = []
     for r in runs:
-        base = reward.get((baseline, r.seed))
-        mine = reward[(r.arm, r.seed)]
+        base, base_whole = reward.get((baseline, r.seed)), whole.get((baseline, r.seed))
+        mine, mine_whole = reward[(r.arm, r.seed)], whole[(r.arm, r.seed)]
         row = {
             "arm": r.arm,
             "seed": r.seed,
+            "steps": len(logged(r.history, "reward")),
             "reward_last_k": mine,
+            "reward_mean": mine_whole,
             "diff_vs_baseline": None if base is None or mine is None else mine - base,
+            "diff_mean_vs_baseline": None if base_whole is None or mine_whole is None else mine_whole - base_whole,
+            "reward_step_noise": step_noise(logged(r.history, "reward")),
+            "config": r.config,
         }
         row.update({col: last_k_mean(r.history, key, k=None) for col, key in RATIO_COLUMNS.items()})
         rows.append(row)
@@ -115,13 +182,20 @@ def summarize(runs: Sequence[RunResult], last_k: int = 10, baseline: str = "bf16
     for arm in dict.fromkeys(r.arm for r in runs):  # first-seen order
         values = [row["reward_last_k"] for row in rows if row["arm"] == arm and row["reward_last_k"] is not None]
         diffs = [row["diff_vs_baseline"] for row in rows if row["arm"] == arm and row["diff_vs_baseline"] is not None]
+        noise = [row["reward_step_noise"] for row in rows if row["arm"] == arm and row["reward_step_noise"] is not None]
         arms[arm] = {
             "mean": statistics.fmean(values) if values else None,
             "mean_diff_vs_baseline": statistics.fmean(diffs) if diffs else None,
             "spread": max(values) - min(values) if values else None,
+            "reward_step_noise": statistics.fmean(noise) if noise else None,
             "num_seeds": len(values),
         }
-    return {"last_k": last_k, "baseline": baseline, "runs": rows, "arms": arms}
+    steps = [row["steps"] for row in rows if row["steps"]]
+    return {"last_k": last_k, "last_k_used": min([last_k, *steps]), "baseline": baseline, "runs": rows, "arms": arms}
+
+
+def _fmt(x, signed=False, digits=4):
+    return "-" if x is None else (f"{x:+.{digits}f}" if signed else f"{x:.{digits}f}")
 
 
 def print_summary(summary: dict, name: str) -> None:
@@ -129,30 +203,43 @@ def print_summary(summary: dict, name: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    def fmt(x, signed=False):
-        return "-" if x is None else (f"{x:+.4f}" if signed else f"{x:.4f}")
-
-    k, base = summary["last_k"], summary["baseline"]
+    k, base = summary["last_k_used"], summary["baseline"]
     table = Table(title=f"{name}: mean reward over the last {k} logged steps (ratio columns: mean over all steps)")
     table.add_column("arm", no_wrap=True, min_width=11)
-    for col in ["seed", "reward", f"- {base}", *RATIO_COLUMNS, "seed spread"]:
+    for col in ["seed", "reward", f"- {base}", "step noise", *RATIO_COLUMNS, "seed spread"]:
         table.add_column(col, justify="right")
     for row in summary["runs"]:
-        ratios = [fmt(row[c]) for c in RATIO_COLUMNS]
-        table.add_row(
-            row["arm"], str(row["seed"]), fmt(row["reward_last_k"]), fmt(row["diff_vs_baseline"], True), *ratios, ""
-        )
+        ratios = [_fmt(row[c]) for c in RATIO_COLUMNS]
+        table.add_row(row["arm"], str(row["seed"]), _fmt(row["reward_last_k"]),
+                      _fmt(row["diff_vs_baseline"], True), _fmt(row["reward_step_noise"]), *ratios, "")
     table.add_section()
     for arm, stats in summary["arms"].items():
-        table.add_row(
-            arm,
-            f"all {stats['num_seeds']}",
-            fmt(stats["mean"]),
-            fmt(stats["mean_diff_vs_baseline"], True),
-            *[""] * len(RATIO_COLUMNS),
-            fmt(stats["spread"]),
-        )
-    Console(width=max(Console().width, 120)).print(table)  # not the 80 columns rich assumes without a terminal
+        table.add_row(arm, f"all {stats['num_seeds']}", _fmt(stats["mean"]), _fmt(stats["mean_diff_vs_baseline"], True),
+                      _fmt(stats["reward_step_noise"]), *[""] * len(RATIO_COLUMNS), _fmt(stats["spread"]))
+    Console(width=max(Console().width, 140)).print(table)  # not the 80 columns rich assumes without a terminal
+
+
+def render_markdown(summary: dict, command: str | None = None) -> str:
+    """The comparison as markdown (for the docs): one row per run, then one per arm."""
+    k, base = summary["last_k_used"], summary["baseline"]
+    lines = [f"`{command}`\n" if command else "",
+             f"Reward: mean over the last {k} logged steps and over the whole run; differences to `{base}` at the "
+             f"same seed; step noise = std of step-to-step reward changes / sqrt(2). Ratio columns: run means.\n",
+             "| arm | seed | steps | reward last-k | - " + base + " | reward whole run | - " + base + " | step noise | "
+             + " | ".join(RATIO_COLUMNS) + " |",
+             "|---" * (8 + len(RATIO_COLUMNS)) + "|"]
+    for row in summary["runs"]:
+        lines.append(f"| {row['arm']} | {row['seed']} | {row['steps']} | {_fmt(row['reward_last_k'], digits=3)} | "
+                     f"{_fmt(row['diff_vs_baseline'], True, 3)} | {_fmt(row['reward_mean'], digits=3)} | "
+                     f"{_fmt(row['diff_mean_vs_baseline'], True, 3)} | {_fmt(row['reward_step_noise'], digits=3)} | "
+                     + " | ".join(_fmt(row[c], digits=3) for c in RATIO_COLUMNS) + " |")
+    lines += ["", f"| arm | seeds | reward last-k, mean over seeds | - {base} | seed-to-seed spread | step noise |",
+              "|---|---|---|---|---|---|"]
+    for arm, stats in summary["arms"].items():
+        lines.append(f"| {arm} | {stats['num_seeds']} | {_fmt(stats['mean'], digits=3)} | "
+                     f"{_fmt(stats['mean_diff_vs_baseline'], True, 3)} | {_fmt(stats['spread'], digits=3)} | "
+                     f"{_fmt(stats['reward_step_noise'], digits=3)} |")
+    return "\n".join(line for line in lines if line != "") + "\n"
 
 
 def _start_wandb(name: str, arm: str, seed: int, run_dir: Path):
@@ -168,13 +255,41 @@ def _start_wandb(name: str, arm: str, seed: int, run_dir: Path):
     )
 
 
-def _run_one(arm: str, seed: int, build: Callable, name: str, run_dir: Path) -> RunResult:
+def _arm_config(args) -> dict:
+    return {k: getattr(args, k, None) for k in ARM_FIELDS}
+
+
+def _finished_run(arm: str, seed: int, run_dir: Path, fingerprint) -> RunResult | None:
+    """The run stored in `run_dir` when it finished with the same `fingerprint`; None when there is none to resume.
+
+    Raises:
+        FileExistsError: `run_dir` holds a run of another configuration (never overwritten).
+    """
+    meta_path = run_dir / "run.json"
+    if not meta_path.is_file():
+        return None
+    meta = json.loads(meta_path.read_text())
+    if meta.get("fingerprint") != fingerprint:
+        raise FileExistsError(f"{run_dir} holds a run of another configuration ({meta.get('config')}); use another "
+                              f"--name or --output_root, or delete that folder")
+    if not meta.get("completed"):
+        return None  # started, never finished: train it again
+    rollouts = json.loads((run_dir / "first_rollouts.json").read_text())
+    history = json.loads((run_dir / "log_history.json").read_text())
+    return RunResult(arm, seed, history, rollouts["prompts"], rollouts["completions"], str(run_dir), meta["config"])
+
+
+def _run_one(arm: str, seed: int, build: Callable, name: str, run_dir: Path, fingerprint, progress) -> RunResult:
     run_dir.mkdir(parents=True, exist_ok=True)
     trainer = build(arm, seed, run_dir)
     if trainer.args.seed != seed:
         raise ValueError(f"build({arm!r}, {seed}, ...) returned a trainer with args.seed={trainer.args.seed}")
+    meta = {"arm": arm, "seed": seed, "fingerprint": fingerprint, "config": _arm_config(trainer.args),
+            "completed": False}
+    (run_dir / "run.json").write_text(json.dumps(meta, indent=1))
     recorder = FirstRolloutRecorder(trainer)
     trainer.add_callback(recorder)
+    trainer.add_callback(progress)
     wandb_run = _start_wandb(name, arm, seed, run_dir) if "wandb" in trainer.args.report_to else None
     set_seed(seed)  # same RNG state at the first generation in every arm (see the module docstring)
     try:
@@ -182,13 +297,13 @@ def _run_one(arm: str, seed: int, build: Callable, name: str, run_dir: Path) -> 
     finally:
         if wandb_run is not None:
             wandb_run.finish()
-    result = RunResult(
-        arm, seed, list(trainer.state.log_history), recorder.prompts, recorder.completions, str(run_dir)
-    )
+    result = RunResult(arm, seed, list(trainer.state.log_history), recorder.prompts, recorder.completions,
+                       str(run_dir), meta["config"])
     (run_dir / "log_history.json").write_text(json.dumps(result.history, indent=1))
     (run_dir / "first_rollouts.json").write_text(
         json.dumps({"prompts": result.first_prompts, "completions": result.first_completions}, indent=1)
     )
+    (run_dir / "run.json").write_text(json.dumps({**meta, "completed": True}, indent=1))  # last: the run is whole
     del trainer, recorder
     gc.collect()  # one model at a time: free the last run's model and copies before the next
     return result
@@ -203,8 +318,10 @@ def run_comparison(
     last_k: int = 10,
     baseline: str = "bf16",
     show: bool = True,
+    fingerprints: dict[str, object] | None = None,
+    steps_per_run: int | None = None,
 ) -> Comparison:
-    """Train every (arm, seed), seed-major, and compare them.
+    """Train every (arm, seed), seed-major, and compare them; finished runs already in the folder are read back.
 
     Args:
         arms: arm labels (distinct), passed to `build`.
@@ -214,30 +331,63 @@ def run_comparison(
         name: comparison name: the output folder and the W&B group.
         output_root: parent folder of `name`.
         last_k: logged steps averaged for the summary reward.
-        baseline: arm the differences are taken to (`bf16`: TRL as shipped).
+        baseline: arm the differences are taken to (`bf16`: TRL as shipped); it need not be among `arms`, but then
+            no difference is computed (the command line refuses that).
         show: print the summary table.
+        fingerprints: per arm, what identifies its configuration (e.g. the parsed recipe); a finished run is resumed
+            only when its stored fingerprint matches. None: the arm label alone.
+        steps_per_run: for the progress line's ETA (default: read from the first trainer's `max_steps`).
 
     Returns:
         A `Comparison`; `matched_first_rollouts[seed]` says whether all arms drew identical step-1 completions.
 
     Raises:
         ValueError: repeated arms or seeds, or `build` returned a trainer with another seed.
+        FileExistsError: an (arm, seed) folder holds a run of another configuration.
     """
     if len(set(arms)) != len(arms) or len(set(seeds)) != len(seeds):
         raise ValueError(f"arms and seeds must be distinct, got arms={list(arms)}, seeds={list(seeds)}")
     out = Path(output_root) / name
-    runs = [_run_one(arm, seed, build, name, out / f"{arm}-s{seed}") for seed in seeds for arm in arms]
+    progress = Progress(name, len(arms) * len(seeds), steps_per_run or 0)
+    runs, resumed = [], []
+    for i, (seed, arm) in enumerate(((s, a) for s in seeds for a in arms), start=1):
+        run_dir = out / f"{arm}-s{seed}"
+        fingerprint = (fingerprints or {}).get(arm, arm)
+        done = _finished_run(arm, seed, run_dir, fingerprint)
+        if done is not None:
+            runs.append(done)
+            resumed.append(f"{arm}-s{seed}")
+            progress.skip_run()
+            continue
+        progress.begin_run(i - len(resumed), f"({arm} s{seed})")
+        runs.append(_run_one(arm, seed, _with_steps(build, progress), name, run_dir, fingerprint, progress))
     summary = summarize(runs, last_k=last_k, baseline=baseline)
     matched = {s: len({json.dumps(r.first_completions) for r in runs if r.seed == s}) == 1 for s in seeds}
     summary["matched_first_rollouts"] = {str(s): m for s, m in matched.items()}
     summary_path = out / "summary.json"
+    out.mkdir(parents=True, exist_ok=True)
     summary_path.write_text(json.dumps(summary, indent=1))
-    drawn = plot_metrics({f"{r.arm}-s{r.seed}": r.history for r in runs}, out / "comparison.png")
+    drawn = plot_comparison(runs, out / "comparison.png", title=f"{name}: {len(arms)} arms x {len(seeds)} seeds")
     if show:
         print_summary(summary, name)
+        if resumed:
+            print(f"Read back finished runs (not trained again): {', '.join(resumed)}")
         print(f"Step-1 rollouts identical across arms, per seed: {matched}")
         print(f"Summary: {summary_path}" + (f"\nPlot: {out / 'comparison.png'}" if drawn else ""))
-    return Comparison(runs, summary, str(out / "comparison.png") if drawn else None, str(summary_path), matched)
+    return Comparison(runs, summary, str(out / "comparison.png") if drawn else None, str(summary_path), matched,
+                      resumed)
+
+
+def _with_steps(build: Callable, progress: Progress) -> Callable:
+    """`build`, teaching `progress` the number of steps per run from the first trainer it makes."""
+
+    def wrapped(arm, seed, run_dir):
+        trainer = build(arm, seed, run_dir)
+        if not progress.steps_per_run:
+            progress.steps_per_run = trainer.args.max_steps
+        return trainer
+
+    return wrapped
 
 
 def load_recipe(recipe: str, seed: int, run_dir: Path, overrides: Sequence[str] = ()):
@@ -257,25 +407,69 @@ def recipe_builder(recipes: dict[str, str], overrides: Sequence[str] = ()) -> Ca
     return build
 
 
-def main(argv: Sequence[str] | None = None) -> Comparison:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--recipes", nargs="+", required=True, help="recipe YAMLs, one per arm (label = file name)")
+def _parsed_fields(parsed) -> dict:
+    """Every field of the parsed (script, training, model) arguments except the per-run ones, as plain values."""
+    per_run = {"seed", "output_dir", "run_name", "logging_dir"}
+    fields = {}
+    for group in parsed:
+        for key, value in vars(group).items():
+            if key not in per_run and not key.startswith("_"):
+                fields[key] = value if isinstance(value, (int, float, str, bool, type(None))) else repr(value)
+    return fields
+
+
+def check_overrides(recipes: dict[str, str], overrides: Sequence[str], probe_dir: Path) -> dict[str, dict]:
+    """Parse every recipe with and without `overrides`; refuse an override of a field the recipes differ in (the
+    arm labels would name what did not run). Returns each arm's parsed fields with the overrides.
+
+    Raises:
+        ValueError: an override changes a field that tells the arms apart.
+    """
+    plain = {arm: _parsed_fields(load_recipe(r, 0, probe_dir)) for arm, r in recipes.items()}
+    final = {arm: _parsed_fields(load_recipe(r, 0, probe_dir, overrides)) for arm, r in recipes.items()}
+    defining = {k for k in next(iter(plain.values())) if len({json.dumps(p.get(k)) for p in plain.values()}) > 1}
+    changed = sorted(k for k in defining if any(plain[a].get(k) != final[a].get(k) for a in recipes))
+    if changed:
+        values = "; ".join(f"{arm}: " + ", ".join(f"{k}={plain[arm].get(k)!r}" for k in changed) for arm in recipes)
+        raise ValueError(f"--{changed[0]} overrides what tells the arms apart ({values}); the results would be "
+                         f"labelled with arms that did not run. Remove the override, or make a recipe per arm.")
+    return final
+
+
+def main(argv: Sequence[str] | None = None) -> Comparison | None:
+    parser = argparse.ArgumentParser(prog="grpo-ratio compare", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipes", nargs="+", help="recipe YAMLs, one per arm (label = file name)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0], help="training seeds")
     parser.add_argument("--name", default="comparison", help="comparison name: output folder and W&B group")
     parser.add_argument("--output_root", default="runs/compare", help="parent folder of NAME")
     parser.add_argument("--last_k", type=int, default=10, help="logged steps averaged for the summary reward")
-    parser.add_argument("--baseline", default="bf16", help="arm the differences are taken to")
+    parser.add_argument("--baseline", default="bf16", help="arm the differences are taken to (one of the arms)")
+    parser.add_argument("--render", default=None, metavar="SUMMARY_JSON",
+                        help="print the markdown table of a finished comparison's summary.json and exit")
     args, overrides = parser.parse_known_args(argv)
+    if args.render:
+        summary = json.loads(Path(args.render).read_text())
+        print(render_markdown(summary, summary.get("command")), end="")
+        return None
+    if not args.recipes:
+        parser.error("--recipes is required (or --render SUMMARY_JSON)")
     recipes = {Path(r).stem: r for r in args.recipes}
     if len(recipes) != len(args.recipes):
         parser.error(f"--recipes: two recipes share a file name (the arm label): {args.recipes}")
     missing = [r for r in args.recipes if not Path(r).is_file()]
     if missing:
         parser.error(f"--recipes: no such file: {', '.join(missing)}")
-    for seed in args.seeds:  # parse every recipe first: a bad key or value fails before any training
-        for r in recipes.values():
-            load_recipe(r, seed, Path(args.output_root) / args.name / "check", overrides)
-    return run_comparison(
+    if args.baseline not in recipes:
+        parser.error(f"--baseline {args.baseline!r} is not an arm; the arms are: {', '.join(recipes)}")
+    try:  # parse every recipe first: a bad key, a bad value or a mislabelling override fails before any training
+        check_overrides(recipes, overrides, Path(args.output_root) / args.name / "check")
+    except ValueError as err:
+        parser.error(str(err))
+    # a run is resumed only for the same recipe text and overrides (what the user asked for)
+    fingerprints = {arm: json.dumps({"recipe": Path(r).read_text(), "overrides": list(overrides)})
+                    for arm, r in recipes.items()}
+    comparison = run_comparison(
         list(recipes),
         args.seeds,
         recipe_builder(recipes, overrides),
@@ -283,4 +477,9 @@ def main(argv: Sequence[str] | None = None) -> Comparison:
         output_root=args.output_root,
         last_k=args.last_k,
         baseline=args.baseline,
+        fingerprints=fingerprints,
     )
+    command = "python trainers/compare.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    comparison.summary["command"] = command
+    Path(comparison.summary_path).write_text(json.dumps(comparison.summary, indent=1))
+    return comparison

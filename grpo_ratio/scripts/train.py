@@ -30,7 +30,7 @@ from trl import ModelConfig, TrlParser, get_peft_config
 
 from grpo_ratio import RatioGRPOConfig, RatioGRPOTrainer
 from grpo_ratio.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
-from grpo_ratio.plots import plot_metrics
+from grpo_ratio.plots import plot_metrics, run_title
 from grpo_ratio.tasks import TASKS, load_task
 
 
@@ -170,7 +170,9 @@ def main(script_args, training_args, model_args):
     if trainer.accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)  # save_strategy "no" and no final save: nothing created it yet
         (out / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
-        drawn = plot_metrics({training_args.run_name: trainer.state.log_history}, out / "metrics.png")
+        title = run_title(model_args.model_name_or_path or DEFAULT_MODEL, training_args, trainer.state.global_step)
+        band = (training_args.ratio_band_low, training_args.ratio_band_high)
+        drawn = plot_metrics({training_args.run_name: trainer.state.log_history}, out / "metrics.png", title, band)
         trainer.accelerator.print(f"Log history: {out / 'log_history.json'}")
         if drawn:
             trainer.accelerator.print(f"Plot ({', '.join(drawn)}): {out / 'metrics.png'}")
