@@ -22,8 +22,10 @@ TOP_P = 0.8
 
 
 def _trainer(tmp_path, model_dir, **overrides):
+    from trainer_fixtures import tiny_grpo_args
+
     from grpo_ratio import RatioGRPOTrainer
-    from grpo_ratio.testing import letter_reward, tiny_grpo_args, tiny_prompts, tiny_tokenizer
+    from grpo_ratio.testing import letter_reward, tiny_prompts, tiny_tokenizer
 
     args = tiny_grpo_args(
         tmp_path,

@@ -95,7 +95,7 @@ def vllm_server(tiny_llama_dir, tmp_path_factory):
 
 
 def _server_args(tmp_path, url, **overrides):
-    from grpo_ratio.testing import tiny_grpo_args
+    from trainer_fixtures import tiny_grpo_args
 
     return tiny_grpo_args(
         tmp_path,
