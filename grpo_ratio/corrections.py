@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kept_sets import KeptSets, kept_set_logprobs
+from .kept_sets import KeptLogprobs, KeptSetFilter, KeptSets, logprobs_on_kept_sets
 
 
 # model-config fields of a logit transform applied after the LM head (softcapping, logit scaling)
@@ -58,20 +58,23 @@ def capture_last_hidden(model: nn.Module):
         handle.remove()
 
 
-def kept_set_logps_from_hidden(model: nn.Module, hidden: torch.Tensor, tokens: torch.Tensor, kept: KeptSets,
-                               temperature: float, fp32_head: bool, autocast_ctx) -> torch.Tensor:
+def kept_set_logps_from_hidden(model: nn.Module, hidden: torch.Tensor, tokens: torch.Tensor,
+                               kept: KeptSets | KeptSetFilter, temperature: float, fp32_head: bool, autocast_ctx,
+                               mask: torch.Tensor) -> KeptLogprobs:
     """Log-probs of `tokens` renormalised over their kept sets, from hidden states through the model's LM head.
 
     Args:
         model: the causal LM whose head (`get_output_embeddings()`) projects `hidden`.
         hidden: (B, T, H) hidden states at the positions predicting the T completion tokens (grad flows through).
         tokens: (B, T) completion ids.
-        kept: (B, T) kept sets (empty cells = padding, skipped).
+        kept: (B, T) kept sets (empty cells = padding, skipped), or a `KeptSetFilter` that recomputes them from
+            these logits (the "recompute" kept-set source).
         temperature: TRL's `temperature`.
         fp32_head: project in fp32 outside autocast (TRL's `cast_lm_head_to_fp32`), else under `autocast_ctx`.
         autocast_ctx: zero-argument callable returning the trainer's autocast context.
+        mask: (B, T) bool completion tokens.
     Returns:
-        (B, T) fp32 log-probs over S (0.0 where the cell has no kept set).
+        `KeptLogprobs`: (B, T) fp32 log-probs over S (0.0 where the cell has no kept set), the sets, the additions.
     Raises:
         ValueError: a sampled token outside its kept set ("inconsistent rollout", naming row and position).
     """
@@ -83,5 +86,4 @@ def kept_set_logps_from_hidden(model: nn.Module, hidden: torch.Tensor, tokens: t
     else:
         with autocast_ctx():
             logits = head(hidden)  # (B, T, V)
-    mask = kept.sizes.to(logits.device) > 0  # (B, T)
-    return kept_set_logprobs(logits, tokens, kept, temperature, mask=mask)
+    return logprobs_on_kept_sets(logits, tokens, kept, temperature, mask)

@@ -13,6 +13,8 @@ generation, where new/old must be 1 (seed 004, "it is the identity by constructi
   no extra forward is needed; for `bf16` the two anchors are the same and every decision agrees.
 - `ratio/old_sampler_corrected/*`, `ratio/kept_mass_mean`: with a truncation correction, the ratio after it
   (p_old,S(g) / q_S(g) for both corrections) and the old policy's mean mass on the kept sets.
+- `ratio/kept_set_added_rate`: with recomputed kept sets, the share of tokens the recomputed filter dropped although
+  the sampler drew them (added back to their set): where the trainer's logits disagree with the sampler's boundary.
 - `ratio/is_*`: share of tokens/sequences TRL's vLLM importance-sampling correction truncated or masked.
 - `ratio/fp16_fallback_rows`: `fp16_clone` rows re-scored in fp32 after an fp16 overflow, per generation batch.
 
@@ -66,6 +68,8 @@ class RatioDiagnostics:
         self.old_sampler_corrected = RatioStats(self.band)
         self.kept_mass_sum = torch.zeros((), dtype=torch.float64)
         self.kept_mass_count = torch.zeros((), dtype=torch.float64)
+        self.added_sum = torch.zeros((), dtype=torch.float64)  # recomputed kept sets: sampled tokens added back
+        self.added_count = torch.zeros((), dtype=torch.float64)
         self.flips = None
         self.is_stats = None
         self.touched = False
@@ -110,6 +114,10 @@ class RatioDiagnostics:
             self._update_kept_mass(log_mass, mask & ~torch.isnan(sampler))
         elif sampler is not None:
             self._update_old_sampler(old, sampler, log_mass, mask, inputs)
+        added = inputs.get("kept_set_added", micro_batch.kept_added)  # (B, T) bool | None
+        if added is not None:
+            self.added_sum += (added.bool() & mask).sum().double().cpu()
+            self.added_count += mask.sum().double().cpu()
         every = self.args.clip_flip_every
         if self.flips_supported and every and self.num_updates % every == 0:
             policy_log_ratio = new_old if mode_is_policy else torch.zeros_like(new_old)  # policy anchor: r == 1
@@ -165,6 +173,12 @@ class RatioDiagnostics:
                 sums = acc.reduce(sums, reduction="sum")
             if sums[1] > 0:
                 metrics["ratio/kept_mass_mean"] = (sums[0] / sums[1]).item()
+        if self.args.truncation_correction != "none" and self.args.resolved_kept_set_source == "recompute":
+            sums = torch.stack([self.added_sum, self.added_count]).to(self.accelerator.device)  # (2,)
+            if acc is not None:
+                sums = acc.reduce(sums, reduction="sum")
+            if sums[1] > 0:
+                metrics["ratio/kept_set_added_rate"] = (sums[0] / sums[1]).item()
         if self.flips is not None:
             metrics.update(self.flips.all_reduce(acc).as_metrics("ratio"))
         if self.is_stats is not None:

@@ -482,3 +482,140 @@ def lift_sampler_logprobs(sampler_logps: torch.Tensor, log_kept_mass: torch.Tens
         raise ValueError(f"sampler_logps {tuple(sampler_logps.shape)} and log_kept_mass "
                          f"{tuple(log_kept_mass.shape)} must have the same (B, T) shape")
     return sampler_logps.float() + log_kept_mass.float()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Kept sets recomputed from the trainer's logits (no sampling mask from the engine)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KeptSetFilter:
+    """The sampler's truncation, to re-apply to the trainer's logits: the kept set of a step is what transformers'
+    own warpers keep (`TemperatureLogitsWarper`, then `TopKLogitsWarper`, `TopPLogitsWarper`, `MinPLogitsWarper`,
+    generate's order; `min_tokens_to_keep=1`).
+
+    The "recompute" kept-set source (NeMo-RL's approach): works with any engine (vLLM server mode, vLLM versions
+    without sampling masks, CPU), at the price that the recomputed set can differ from the sampler's at the
+    boundary, where the trainer's and the sampler's logits disagree. vLLM applies the same filters in its own
+    order and tie rules; docs/truncation.md reports how often the sets differ.
+
+    Fields: `temperature` (> 0), `top_k` (0 = off), `top_p` (1.0 = off), `min_p` (0.0 = off).
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    def keep_mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """(K, V) bool: the tokens each row's filter keeps, from (K, V) raw logits (any float dtype)."""
+        from transformers.generation.logits_process import (
+            MinPLogitsWarper,
+            TemperatureLogitsWarper,
+            TopKLogitsWarper,
+            TopPLogitsWarper,
+        )
+
+        scores = logits.float()  # (K, V)
+        warpers = [TemperatureLogitsWarper(self.temperature)] if self.temperature != 1.0 else []
+        if self.top_k and self.top_k > 0:
+            warpers.append(TopKLogitsWarper(top_k=self.top_k))
+        if self.top_p < 1.0:
+            warpers.append(TopPLogitsWarper(top_p=self.top_p))
+        if self.min_p > 0.0:
+            warpers.append(MinPLogitsWarper(min_p=self.min_p))
+        for warper in warpers:
+            scores = warper(None, scores)
+        return scores != -math.inf
+
+
+def recompute_kept_sets(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    kept_filter: KeptSetFilter,
+    mask: torch.Tensor | None = None,
+    chunk_cells: int = DEFAULT_CHUNK_CELLS,
+) -> tuple[KeptSets, torch.Tensor]:
+    """Kept sets of every masked-in cell recomputed from `logits` by `kept_filter`; a sampled token the filter drops
+    (the trainer's logits put it just outside the set the sampler kept) is added to its set, and reported.
+
+    Args:
+        logits (`torch.Tensor`, (B, T, V), any float dtype): the old policy's raw logits at the completion positions.
+        tokens (`torch.Tensor`, (B, T) int): sampled token ids.
+        kept_filter (`KeptSetFilter`): the sampler's temperature / top_k / top_p / min_p.
+        mask (`torch.Tensor`, (B, T) bool, *optional*): completion tokens; other cells get empty sets.
+        chunk_cells (`int`): cells per fp32 chunk (memory K x V x 4 B).
+
+    Returns:
+        (`KeptSets` (B, T), `torch.Tensor` (B, T) bool: cells whose sampled token was outside and was added).
+
+    Raises:
+        ValueError: shapes disagree.
+    """
+    valid = _check_inputs(logits, torch.zeros(logits.shape[:2], dtype=torch.int32), 1.0, mask)
+    if tuple(tokens.shape) != tuple(logits.shape[:2]):
+        raise ValueError(f"tokens must be (B, T) = {tuple(logits.shape[:2])}, got {tuple(tokens.shape)}")
+    B, T = logits.shape[:2]
+    sizes = torch.zeros(B * T, dtype=torch.int32)  # (B*T,)
+    added = torch.zeros(B * T, dtype=torch.bool)  # (B*T,)
+    ids = []
+    cells, chunks = _chunks(valid, chunk_cells)
+    flat_tokens = tokens.reshape(-1).to(logits.device)  # (B*T,)
+    for c in chunks:  # ascending cells: the ids come out row-major, as CSR needs
+        keep = kept_filter.keep_mask(logits[c // T, c % T])  # (K, V)
+        g = flat_tokens[c][:, None]  # (K, 1)
+        outside = ~keep.gather(1, g).squeeze(1)  # (K,)
+        keep.scatter_(1, g, True)
+        sizes[c.cpu()] = keep.sum(-1, dtype=torch.int32).cpu()
+        added[c.cpu()] = outside.cpu()
+        ids.append(keep.nonzero()[:, 1].to(torch.int32).cpu())  # (nnz_chunk,) row-major, ascending ids
+    sizes = sizes.reshape(B, T)
+    flat_ids = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int32)
+    return KeptSets(sizes, flat_ids, _offsets_from_sizes(sizes)), added.reshape(B, T)
+
+
+def concat_kept_sets(parts: Sequence[KeptSets]) -> KeptSets:
+    """Stack the rows of kept sets with the same number of steps T (e.g. the chunks of one pass), in order.
+
+    Raises:
+        ValueError: no parts, different T, or explicit and size-only sets mixed.
+    """
+    if not parts:
+        raise ValueError("concat_kept_sets needs at least one KeptSets")
+    if len({p.num_steps for p in parts}) != 1 or len({p.support_size_only for p in parts}) != 1:
+        raise ValueError("concat_kept_sets: parts must share num_steps and support_size_only")
+    sizes = torch.cat([p.sizes for p in parts])  # (N, T)
+    if parts[0].support_size_only:
+        return KeptSets(sizes, support_size_only=True)
+    return KeptSets(sizes, torch.cat([p.ids for p in parts]), _offsets_from_sizes(sizes))
+
+
+@dataclass
+class KeptLogprobs:
+    """Log-probs over the kept sets, and the sets they were taken over.
+
+    Fields:
+        logps (`torch.Tensor`, (B, T) fp32): log p_S(g), 0.0 outside the mask.
+        kept (`KeptSets`, (B, T)): the sets used (given, or recomputed).
+        added (`torch.Tensor | None`, (B, T) bool): recomputed sets only: cells whose sampled token the filter
+            dropped and that were added back.
+        log_mass (`torch.Tensor | None`, (B, T) fp32): log M = full-vocabulary log-prob - `logps`, detached, where
+            the caller has the full-vocabulary log-probs of the same forward.
+    """
+
+    logps: torch.Tensor
+    kept: KeptSets
+    added: torch.Tensor | None = None
+    log_mass: torch.Tensor | None = None
+
+
+def logprobs_on_kept_sets(logits: torch.Tensor, tokens: torch.Tensor, kept: KeptSets | KeptSetFilter,
+                          temperature: float, mask: torch.Tensor) -> KeptLogprobs:
+    """`kept_set_logprobs` over given kept sets, or over sets recomputed from these same logits by a
+    `KeptSetFilter` (`recompute_kept_sets`). Shapes as there: logits (B, T, V), tokens and mask (B, T)."""
+    added = None
+    if isinstance(kept, KeptSetFilter):
+        kept, added = recompute_kept_sets(logits, tokens, kept, mask)
+    mask = mask.to(logits.device) & (kept.sizes.to(logits.device) > 0)  # (B, T) cells with a kept set
+    return KeptLogprobs(kept_set_logprobs(logits, tokens, kept, temperature, mask=mask), kept, added)

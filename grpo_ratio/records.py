@@ -44,6 +44,8 @@ class GenerationRecord:
             (B, T) and kept sets), when `record_sampler_logprobs` is on.
         kept (`KeptSets | None`, (B, T)): the kept set of every completion token, when a truncation correction
             needs them (from the `generate` recording or vLLM's sampling masks).
+        kept_added (`torch.Tensor | None`, (B, T) bool): recomputed kept sets only: cells whose sampled token the
+            recomputed filter dropped (added back).
         old_log_kept_mass (`torch.Tensor | None`, (B, T) fp32): log M_old, the old policy's log mass on the kept
             sets (0 on padding), when a correction is on.
         fallback_rows (`int`): `fp16_clone` rows re-scored in fp32 in this batch's old pass.
@@ -53,6 +55,7 @@ class GenerationRecord:
     old_pass_pending: bool = False
     sampler: SamplerRecord | None = None
     kept: KeptSets | None = None
+    kept_added: torch.Tensor | None = None
     old_log_kept_mass: torch.Tensor | None = None
     fallback_rows: int = 0
 
@@ -67,9 +70,12 @@ class MicroBatchRecord:
         train_logps (`torch.Tensor | None`, (b, T) fp32): the training forward's log-probs, detached (over the kept
             sets under `renormalize`).
         train_log_kept_mass (`torch.Tensor | None`, (b, T) fp32): log M of the training forward (kept sets only).
+        kept_added (`torch.Tensor | None`, (b, T) bool): when the training forward recomputed the kept sets (no old
+            pass ran), the cells whose sampled token the filter dropped.
     """
 
     inputs: dict
     kept: KeptSets | None = None
     train_logps: torch.Tensor | None = None
     train_log_kept_mass: torch.Tensor | None = None
+    kept_added: torch.Tensor | None = None

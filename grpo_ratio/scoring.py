@@ -33,7 +33,7 @@ from torch import nn
 
 from .config import PRECISION_MODES
 from .copies import ModuleCopy
-from .kept_sets import KeptSets, kept_set_logprobs
+from .kept_sets import KeptSetFilter, KeptSets, concat_kept_sets, logprobs_on_kept_sets
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -216,11 +216,15 @@ class ScoreResult:
         kept_logps (`torch.Tensor | None`, (B, T) fp32): the same tokens' log-probs renormalised over their kept sets
             (only when kept sets were given; 0.0 on cells without a set).
         fallback_rows (`int`): `fp16_clone` rows with non-finite fp16 log-probs, re-scored in fp32 (0 otherwise).
+        kept (`KeptSets | None`, (B, T)): the kept sets used (recomputed ones under a `KeptSetFilter`).
+        kept_added (`torch.Tensor | None`, (B, T) bool): recomputed sets only: sampled tokens the filter dropped.
     """
 
     logps: torch.Tensor
     kept_logps: torch.Tensor | None = None
     fallback_rows: int = 0
+    kept: KeptSets | None = None
+    kept_added: torch.Tensor | None = None
 
 
 class OldLogprobScorer:
@@ -323,14 +327,14 @@ class OldLogprobScorer:
             return self._logits_policy(input_ids, attention_mask, logits_to_keep)
 
     def _chunk_logprobs(self, input_ids, attention_mask, logits_to_keep, temperature, version, kept=None):
-        """(b, T) fp32 log-probs of one chunk and the number of its rows re-scored in fp32; with `kept`
-        (KeptSets of the chunk's rows), also the (b, T) log-probs renormalised over the kept sets."""
+        """(b, T) fp32 log-probs of one chunk and the number of its rows re-scored in fp32; with `kept` (KeptSets
+        of the chunk's rows, or a KeptSetFilter to recompute them from these logits), also the `KeptLogprobs`."""
         logps, n_fallback, logits = self._chunk_full(input_ids, attention_mask, logits_to_keep, temperature, version)
         if kept is None:
             return logps, n_fallback, None
-        mask = kept.sizes.to(logits.device) > 0  # (b, T) cells with a kept set (completion tokens)
-        kept_logps = kept_set_logprobs(logits[:, :-1], input_ids[:, -logits_to_keep:], kept, temperature, mask=mask)
-        return logps, n_fallback, kept_logps
+        completion = attention_mask[:, -logits_to_keep:].bool()  # (b, T)
+        on_kept = logprobs_on_kept_sets(logits[:, :-1], input_ids[:, -logits_to_keep:], kept, temperature, completion)
+        return logps, n_fallback, on_kept
 
     def _chunk_full(self, input_ids, attention_mask, logits_to_keep, temperature, version):
         completion_ids = input_ids[:, -logits_to_keep:]  # (b, T)
@@ -361,7 +365,7 @@ class OldLogprobScorer:
     @torch.no_grad()
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, *,
               temperature: float = 1.0, batch_size: int | None = None, version: int = 0,
-              kept: KeptSets | None = None) -> ScoreResult:
+              kept: KeptSets | KeptSetFilter | None = None) -> ScoreResult:
         """Old log-probs of the last `logits_to_keep` tokens of each row.
 
         Args:
@@ -371,8 +375,9 @@ class OldLogprobScorer:
             temperature: divides the logits before the log-softmax (TRL's `temperature`).
             batch_size: rows per forward chunk (TRL uses `per_device_train_batch_size`); None = all rows at once.
             version: the policy's optimizer-step count; copies synced at another version are refreshed first.
-            kept: optional `grpo_ratio.kept_sets.KeptSets` (B, T) of the sampler's kept sets; then the result also
-                holds the (B, T) log-probs renormalised over them (truncation correction).
+            kept: optional `grpo_ratio.kept_sets.KeptSets` (B, T) of the sampler's kept sets, or a `KeptSetFilter`
+                to recompute them from this pass's logits; then the result also holds the (B, T) log-probs
+                renormalised over them (truncation correction) and the sets used.
         Returns:
             `ScoreResult`: (B, T) fp32 full-vocabulary log-probs (values at padded positions are whatever the forward
             gives), the kept-set log-probs when `kept` is given, and the rows re-scored in fp32.
@@ -382,15 +387,21 @@ class OldLogprobScorer:
         with eval_mode(self.model):
             for start in range(0, input_ids.size(0), batch_size):
                 sl = slice(start, start + batch_size)
-                rows = None if kept is None else kept.select_rows(range(sl.start, min(sl.stop, input_ids.size(0))))
+                rows = kept if kept is None or isinstance(kept, KeptSetFilter) else kept.select_rows(
+                    range(sl.start, min(sl.stop, input_ids.size(0))))
                 logps, n, kept_logps = self._chunk_logprobs(input_ids[sl], attention_mask[sl], logits_to_keep,
                                                             temperature, version, rows)
                 chunks.append(logps)
                 kept_chunks.append(kept_logps)
                 fallback += n
         self.fallback_rows += fallback
-        kept_logps = None if kept is None else torch.cat(kept_chunks, dim=0)  # (B, T)
-        return ScoreResult(logps=torch.cat(chunks, dim=0), kept_logps=kept_logps, fallback_rows=fallback)
+        logps = torch.cat(chunks, dim=0)  # (B, T)
+        if kept is None:
+            return ScoreResult(logps=logps, fallback_rows=fallback)
+        added = [k.added for k in kept_chunks]
+        return ScoreResult(logps=logps, kept_logps=torch.cat([k.logps for k in kept_chunks], dim=0),
+                           fallback_rows=fallback, kept=concat_kept_sets([k.kept for k in kept_chunks]),
+                           kept_added=None if added[0] is None else torch.cat(added, dim=0))
 
 
 def score_completion_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,

@@ -34,7 +34,7 @@ from .config import RatioGRPOConfig
 from .copies import WeightsVersion
 from .corrections import capture_last_hidden, check_head_is_linear, kept_set_logps_from_hidden
 from .diagnostics import RatioDiagnostics
-from .kept_sets import lift_sampler_logprobs
+from .kept_sets import KeptSetFilter, lift_sampler_logprobs
 from .lints import check_dropout, check_positions, check_sampling
 from .ratios import importance_sampling_weights
 from .records import GenerationRecord, MicroBatchRecord
@@ -81,13 +81,17 @@ class RatioGRPOTrainer(GRPOTrainer):
                 f"RatioGRPOTrainer needs args=RatioGRPOConfig(...), got {type(args).__name__}; RatioGRPOConfig accepts "
                 f"every GRPOConfig field plus old_logprob_mode, guided_fp32_layers, ..."
             )
-        vllm_masks = args.use_vllm and args.truncation_correction != "none"
+        vllm_masks = args.use_vllm and args.truncation_correction != "none" and (
+            args.resolved_kept_set_source == "recorded")
         with vllm_engine_kwargs(return_sampling_mask=True) if vllm_masks else contextlib.nullcontext():
             super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         self._vllm_capture = VLLMOutputCapture(self.vllm_generation.llm) if vllm_masks else None
         policy = self.accelerator.unwrap_model(self.model)
         self.sampling = self._sampling_settings(policy)
         self._record_generate = self._can_record_generate()
+        # the sampler's truncation, re-applied to the old policy's logits by the "recompute" kept-set source
+        self._kept_filter = KeptSetFilter(self.sampling.temperature, self.sampling.top_k, self.sampling.top_p,
+                                          self.sampling.min_p)
         self._lint(policy)
         # copies are refreshed whenever the policy's weights may have changed (copies.WeightsVersion)
         self.weights_version = WeightsVersion()
@@ -160,10 +164,11 @@ class RatioGRPOTrainer(GRPOTrainer):
         check_dropout(self.args, policy)
         check_positions(self.args, policy)
         multi_turn = bool(self.tools) or self.environment_factories is not None
-        if multi_turn and self.args.truncation_correction != "none" and not self.use_vllm:
+        recorded = self.args.resolved_kept_set_source == "recorded"
+        if multi_turn and self.args.truncation_correction != "none" and not self.use_vllm and recorded:
             raise ValueError("truncation_correction with tools or environment_factory is not supported on the "
                              "transformers generate path: each tool turn is a separate generate call and the kept sets "
-                             "of the turns are not stitched together; set truncation_correction='none'")
+                             "of the turns are not stitched together; set kept_set_source='recompute'")
 
     def _trl_runs_old_pass(self) -> bool:
         """TRL 1.16's own condition for computing old log-probs (grpo_trainer.py, `_generate_and_score_completions`)."""
@@ -203,6 +208,8 @@ class RatioGRPOTrainer(GRPOTrainer):
             self._lift_sampler(output, generation)
         if generation.old_log_kept_mass is not None:
             output["old_log_kept_mass"] = generation.old_log_kept_mass  # (B, T), for the diagnostics
+        if generation.kept_added is not None:
+            output["kept_set_added"] = generation.kept_added.to(self.accelerator.device)  # (B, T) recomputed sets
         if self.scorer is not None and self.diagnostics is not None:
             for key, value in self.diagnostics.generation_metrics(generation.fallback_rows).items():
                 self._metrics[generation.mode][key].append(value)
@@ -240,14 +247,15 @@ class RatioGRPOTrainer(GRPOTrainer):
         if not self._record_generate:
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
                                                  has_tool_images)
-        recorder = SamplerLogprobRecorder(support_size_only=self.args.truncation_correction == "none")
+        keep_sets = self.args.truncation_correction != "none" and self.args.resolved_kept_set_source == "recorded"
+        recorder = SamplerLogprobRecorder(support_size_only=not keep_sets)
         with recording_sampler(self.accelerator.unwrap_model(self.model_wrapped), recorder):
             completion_ids, _ = super()._generate_single_turn(prompt_ids, images, multimodal_fields,
                                                               num_generations, has_tool_images)
         record = self._finish_recording(recorder, completion_ids)
         if generation.sampler is None:  # the first turn; later tool turns only extend the log-probs TRL stitches
             generation.sampler = record
-            generation.kept = record.kept if self.args.truncation_correction != "none" else None
+            generation.kept = record.kept if keep_sets else None
         # TRL pads these into `sampling_per_token_logps` (B, T) and stitches tool turns; NaN = not recorded
         return completion_ids, [record.logprobs[i, : len(ids)].tolist() for i, ids in enumerate(completion_ids)]
 
@@ -260,7 +268,7 @@ class RatioGRPOTrainer(GRPOTrainer):
                 return finalize_from_completions(recorder, completion_ids, self._tokenizer.pad_token_id)
             except ValueError:  # other rows or fewer steps than tokens returned: not the generate we recorded
                 pass
-        if self.args.truncation_correction != "none":
+        if self.args.truncation_correction != "none" and self.args.resolved_kept_set_source == "recorded":
             raise RuntimeError("truncation_correction needs the kept sets recorded during generate, but this generate "
                                "call did not run transformers' logits processors as recorded (a replaced generate?)")
         if not self._warned_unrecorded:
@@ -290,6 +298,7 @@ class RatioGRPOTrainer(GRPOTrainer):
         generation.fallback_rows += result.fallback_rows
         if kept is None:
             return result.logps
+        generation.kept, generation.kept_added = result.kept, result.kept_added  # recomputed sets: kept for the loss
         generation.old_log_kept_mass = result.logps - result.kept_logps  # log M = log p_full(g) - log p_S(g)
         return result.kept_logps if self.args.truncation_correction == "renormalize" else result.logps
 
@@ -299,8 +308,8 @@ class RatioGRPOTrainer(GRPOTrainer):
             input_ids, attention_mask, T, batch_size = self._scoring_inputs(output, generation.mode)
             kept = self._kept_rows(generation, None, input_ids.size(0), T)
             with torch.no_grad(), self._no_gradient_checkpointing():
-                _, _, _, generation.old_log_kept_mass = self._policy_logps(
-                    self.model, input_ids, attention_mask, T, batch_size, kept)
+                *_, on_kept = self._policy_logps(self.model, input_ids, attention_mask, T, batch_size, kept)
+            self._keep_old_sets(generation, on_kept)
         valid = output["completion_mask"].bool()  # (B, T)
         key = "sampling_per_token_logps" if "sampling_per_token_logps" in output else "sampler_per_token_logps"
         lifted = lift_sampler_logprobs(output[key], generation.old_log_kept_mass * valid)
@@ -330,19 +339,32 @@ class RatioGRPOTrainer(GRPOTrainer):
                 raise NotImplementedError("old_logprob_mode other than 'bf16' supports text-only models")
             return self._score_old(generation, input_ids, attention_mask, logits_to_keep, batch_size), None, None
         kept = self._kept_rows(generation, micro_batch, input_ids.size(0), logits_to_keep)
-        logps, entropies, aux, log_mass = self._policy_logps(model, input_ids, attention_mask, logits_to_keep,
+        logps, entropies, aux, on_kept = self._policy_logps(model, input_ids, attention_mask, logits_to_keep,
                                                              batch_size, kept, *args, **kwargs)
         if is_old_pass:
-            generation.old_log_kept_mass = log_mass
+            self._keep_old_sets(generation, on_kept)
         if micro_batch is not None:  # keep the training forward's log-probs for the diagnostics
-            micro_batch.train_logps, micro_batch.train_log_kept_mass = logps.detach(), log_mass
+            micro_batch.train_logps = logps.detach()
+            if on_kept is not None:
+                micro_batch.train_log_kept_mass, micro_batch.kept_added = on_kept.log_mass, on_kept.added
         return logps, entropies, aux
 
-    def _policy_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size, kept, *args, **kwargs):
-        """TRL's own call; with kept sets, plus the log-probs over them from the same forward's last hidden states.
+    @staticmethod
+    def _keep_old_sets(generation, on_kept) -> None:
+        """The old pass's log M_old and, when it recomputed them, its kept sets (the loss uses the same sets)."""
+        if on_kept is None:
+            return
+        generation.old_log_kept_mass = on_kept.log_mass
+        if on_kept.added is not None:
+            generation.kept, generation.kept_added = on_kept.kept, on_kept.added
 
-        Returns (logps, entropies, aux, log_mass): logps (B, T) as the correction needs them (over S under
-        `renormalize`), log_mass (B, T) = log M of this forward (detached), or None without kept sets.
+    def _policy_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size, kept, *args, **kwargs):
+        """TRL's own call; with kept sets (or a filter that recomputes them), plus the log-probs over them from the
+        same forward's last hidden states.
+
+        Returns (logps, entropies, aux, on_kept): logps (B, T) as the correction needs them (over S under
+        `renormalize`); on_kept = `KeptLogprobs` of this forward (log-probs over S, the sets, recomputed additions),
+        or None without kept sets.
         """
         if kept is None:
             return *super()._get_per_token_logps_and_entropies(
@@ -352,19 +374,22 @@ class RatioGRPOTrainer(GRPOTrainer):
             logps, entropies, aux = super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, *args, **kwargs)
         hidden = torch.cat(hidden, dim=0)[:, -logits_to_keep - 1 : -1]  # (B, T, H) positions predicting the T tokens
-        kept_logps = kept_set_logps_from_hidden(
+        on_kept = kept_set_logps_from_hidden(
             unwrapped, hidden, input_ids[:, -logits_to_keep:], kept, self.temperature,
-            self.args.cast_lm_head_to_fp32, self.accelerator.autocast)  # (B, T)
-        log_mass = (logps - kept_logps).detach()  # (B, T) log M of this call
+            self.args.cast_lm_head_to_fp32, self.accelerator.autocast, attention_mask[:, -logits_to_keep:].bool())
+        on_kept.log_mass = (logps - on_kept.logps).detach()  # (B, T) log M = log p_full(g) - log p_S(g)
         if self.args.truncation_correction == "renormalize":
-            return kept_logps, entropies, aux, log_mass
-        return logps, entropies, aux, log_mass
+            return on_kept.logps, entropies, aux, on_kept
+        return logps, entropies, aux, on_kept
 
     def _kept_rows(self, generation, micro_batch, num_rows: int, logits_to_keep: int):
         """KeptSets (num_rows, T) of the rows a log-prob call scores, or None when no correction is active: the
-        whole generation batch, or a micro-batch's rows (TRL shuffled and split them; `kept_row_index` follows)."""
-        if self.args.truncation_correction == "none" or generation is None or generation.kept is None:
+        whole generation batch, or a micro-batch's rows (TRL shuffled and split them; `kept_row_index` follows).
+        With the "recompute" source and no sets yet, the `KeptSetFilter` that recomputes them in this pass."""
+        if self.args.truncation_correction == "none" or generation is None:
             return None
+        if generation.kept is None:  # not recorded and not yet recomputed: this pass recomputes them from its logits
+            return self._kept_filter if self.args.resolved_kept_set_source == "recompute" else None
         kept = generation.kept
         if micro_batch is not None:
             kept = kept.select_rows(micro_batch.inputs["kept_row_index"].cpu())
@@ -373,12 +398,13 @@ class RatioGRPOTrainer(GRPOTrainer):
         return kept.resize_steps(logits_to_keep)
 
     def _no_gradient_checkpointing(self):
+        """No activation checkpointing in a no-grad pass (TRL does the same around its own old pass)."""
         from trl.models.utils import disable_gradient_checkpointing
 
-        model = self.accelerator.unwrap_model(self.model)
-        if not hasattr(model, "is_gradient_checkpointing"):
+        if not self.args.gradient_checkpointing:
             return contextlib.nullcontext()
-        return disable_gradient_checkpointing(model, self.args.gradient_checkpointing_kwargs)
+        return disable_gradient_checkpointing(self.accelerator.unwrap_model(self.model),
+                                              self.args.gradient_checkpointing_kwargs)
 
     # ------------------------------------------------------------------------------------------------------------
     # one loss micro-batch: diagnostics at the first inner step

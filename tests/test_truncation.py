@@ -96,7 +96,8 @@ def _vllm_config(**kw):
     from grpo_ratio import RatioGRPOConfig
 
     base = dict(output_dir="unused", use_cpu=True, truncation_correction="renormalize", use_vllm=True,
-                vllm_mode="colocate", vllm_tensor_parallel_size=1, top_p=0.8, top_k=1024, report_to="none")
+                vllm_mode="colocate", vllm_tensor_parallel_size=1, top_p=0.8, top_k=1024, report_to="none",
+                kept_set_source="recorded")  # the engine's sampling masks: what these checks are about
     return RatioGRPOConfig(**{**base, **kw})
 
 
@@ -150,3 +151,80 @@ def test_importance_sampling_weights_match_trl_modes():
     assert torch.allclose(tm, torch.tensor([[0.0, 0.5]]))
     sm = importance_sampling_weights(log_ratio, mask, "sequence_mask", None, 3.0)
     assert torch.allclose(sm, torch.tensor([[2.0]]))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# kept sets recomputed from the old policy's logits (kept_set_source="recompute")
+
+
+def _probs(logits):
+    return torch.softmax(torch.tensor(logits), -1).tolist()
+
+
+@pytest.mark.parametrize("kept_filter,expected", [
+    # logits [2, 1, 0, -1, -2]: softmax = 0.6364, 0.2341, 0.0861, 0.0317, 0.0117
+    (dict(top_k=2), [0, 1]),
+    (dict(top_p=0.8), [0, 1]),  # 0.636 < 0.8 <= 0.636 + 0.234: the smallest prefix with mass >= 0.8
+    (dict(top_p=0.9), [0, 1, 2]),  # 0.870 < 0.9 -> one more
+    (dict(min_p=0.1), [0, 1, 2]),  # keep p >= 0.1 * 0.636 = 0.064
+    (dict(min_p=0.4), [0]),  # 0.234 < 0.4 * 0.636 = 0.255
+    (dict(top_k=3, top_p=0.95), [0, 1, 2]),  # top_p alone would keep 4 (0.956); top_k cuts at 3
+    (dict(top_p=0.9, min_p=0.2), [0, 1]),  # top_p keeps 3, then min_p drops 0.086 < 0.2 * 0.636
+    (dict(temperature=2.0, top_p=0.8), [0, 1, 2]),  # T=2 flattens: 0.427, 0.259, 0.157 -> 0.843 >= 0.8
+])
+def test_recomputed_kept_sets_on_literal_logits(kept_filter, expected):
+    from grpo_ratio.kept_sets import KeptSetFilter, recompute_kept_sets
+
+    assert _probs([2.0, 1.0, 0.0, -1.0, -2.0])[0] == pytest.approx(0.6364, abs=1e-4)
+    logits = torch.tensor([[[2.0, 1.0, 0.0, -1.0, -2.0]]])  # (1, 1, 5)
+    kept, added = recompute_kept_sets(logits, torch.tensor([[0]]), KeptSetFilter(**kept_filter))
+    assert kept.cell_ids(0, 0).tolist() == expected and not added.any()
+
+
+def test_a_sampled_token_outside_the_recomputed_set_is_added_and_reported():
+    from grpo_ratio.kept_sets import KeptSetFilter, recompute_kept_sets
+
+    logits = torch.tensor([[[2.0, 1.0, 0.0, -1.0, -2.0], [0.0, 0.0, 0.0, 0.0, 0.0]]])  # (1, 2, 5)
+    kept, added = recompute_kept_sets(logits, torch.tensor([[4, 3]]), KeptSetFilter(top_k=2))
+    assert kept.cell_ids(0, 0).tolist() == [0, 1, 4]  # token 4 was sampled: it joins its set
+    assert added.tolist() == [[True, False]]
+    # equal logits at step 2: generate's top-k keeps every token tied with the k-th, so all 5 (token 3 included)
+    assert kept.cell_ids(0, 1).tolist() == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("correction", ["renormalize", "lift_sampler"])
+def test_recomputed_sets_equal_the_recorded_ones_in_fp32(tmp_path, correction):
+    # fp32 end to end: the trainer's logits are the sampler's, so recomputing the filter gives the recorded sets and
+    # the same corrected ratio (1 up to rounding); no sampled token falls outside.
+    rows = {}
+    for source in ("recorded", "recompute"):
+        trainer = tiny_trainer(tmp_path / source, "fp32_clone", bf16=False, max_steps=1, top_p=0.8,
+                               truncation_correction=correction, kept_set_source=source)
+        trainer.train()
+        (rows[source],) = _steps(trainer)
+    assert rows["recompute"]["ratio/kept_set_added_rate"] == 0.0
+    assert "ratio/kept_set_added_rate" not in rows["recorded"]
+    for key in ("ratio/kept_mass_mean", "ratio/old_sampler_corrected/mean", "ratio/old_sampler/mean"):
+        assert rows["recompute"][key] == pytest.approx(rows["recorded"][key], abs=1e-5), key
+    assert rows["recompute"]["ratio/old_sampler_corrected/oob_rate"] == 0.0
+
+
+def test_recompute_on_policy_bf16_recomputes_in_the_training_forward(tmp_path):
+    # bf16 mode, TRL skips its old pass: the training forward itself recomputes the sets from its logits
+    trainer = tiny_trainer(tmp_path, "bf16", bf16=False, max_steps=1, top_k=5, truncation_correction="renormalize",
+                           kept_set_source="recompute")
+    trainer.train()
+    (row,) = _steps(trainer)
+    assert row["ratio/kept_set_added_rate"] == 0.0 and row["ratio/new_old/oob_rate"] == 0.0
+    assert row["ratio/old_sampler_corrected/mean"] == pytest.approx(1.0, abs=1e-4)
+
+
+def test_recompute_lifts_the_server_mode_refusal():
+    from grpo_ratio import RatioGRPOConfig
+
+    args = RatioGRPOConfig(output_dir="unused", use_cpu=True, use_vllm=True, vllm_mode="server", top_p=0.8,
+                           truncation_correction="renormalize", report_to="none")  # auto -> recompute with vLLM
+    assert args.resolved_kept_set_source == "recompute"
+    with pytest.raises(ValueError, match="kept_set_source='recompute'"):
+        RatioGRPOConfig(output_dir="unused", use_cpu=True, use_vllm=True, vllm_mode="server", top_p=0.8,
+                        truncation_correction="renormalize", kept_set_source="recorded", report_to="none")
