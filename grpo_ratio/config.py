@@ -17,6 +17,7 @@ PRECISION_MODES = ("bf16", "fp32_clone", "fp16_clone", "fp32_head", "guided_fp32
 SCORING_MODES = (*PRECISION_MODES, "sampler")
 TRUNCATION_CORRECTIONS = ("none", "renormalize", "lift_sampler")
 KEPT_SET_SOURCES = ("auto", "recorded", "recompute")
+VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def parse_layer_spec(spec) -> list[int] | None:
@@ -91,6 +92,8 @@ class RatioGRPOConfig(GRPOConfig):
         Where the kept sets come from: `"recorded"` (the sampler's own: the `generate` recording, or vLLM's
         sampling masks), `"recompute"` (the filter re-applied to the old policy's logits; NeMo-RL's approach) or
         `"auto"` (recorded with transformers `generate`, recompute with vLLM).
+    vllm_dtype (`str`, *optional*):
+        dtype of TRL's colocate vLLM engine (`"float32"`, `"bfloat16"`, `"float16"`, `"auto"`); unset, vLLM chooses.
     record_sampler_logprobs (`bool`, *optional*, defaults to `True`):
         Without vLLM, record each sampled token's log-prob under the distribution it was sampled from.
     sampler_logprobs_in_loss (`bool`, *optional*, defaults to `False`):
@@ -142,6 +145,15 @@ class RatioGRPOConfig(GRPOConfig):
             "choices": list(KEPT_SET_SOURCES),
         },
     )
+    vllm_dtype: str | None = field(
+        default=None,
+        metadata={
+            "help": "dtype of TRL's colocate vLLM engine: 'float32', 'bfloat16', 'float16' or 'auto'. Unset: TRL "
+            "passes none and vLLM picks one (bf16 for an fp32 checkpoint on CPU, fp16 on GPU), which then differs "
+            "from an fp32 trainer. Server mode: start `trl vllm-serve --dtype ...` instead.",
+            "choices": list(VLLM_DTYPES),
+        },
+    )
     record_sampler_logprobs: bool = field(
         default=True,
         metadata={
@@ -185,6 +197,12 @@ class RatioGRPOConfig(GRPOConfig):
         if self.kept_set_source not in KEPT_SET_SOURCES:
             raise ValueError(f"kept_set_source={self.kept_set_source!r} is not allowed; allowed: "
                              f"{', '.join(KEPT_SET_SOURCES)}")
+        if self.vllm_dtype is not None and self.vllm_dtype not in VLLM_DTYPES:
+            raise ValueError(f"vllm_dtype={self.vllm_dtype!r} is not allowed; allowed: {', '.join(VLLM_DTYPES)}")
+        if self.vllm_dtype is not None and not (self.use_vllm and self.vllm_mode == "colocate"):
+            raise ValueError(f"vllm_dtype={self.vllm_dtype!r} sets TRL's colocate engine, but use_vllm="
+                             f"{self.use_vllm}, vllm_mode={self.vllm_mode!r}; for a server start `trl vllm-serve "
+                             f"--dtype {self.vllm_dtype}`")
         if self.truncation_correction not in TRUNCATION_CORRECTIONS:
             raise ValueError(
                 f"truncation_correction={self.truncation_correction!r} is not allowed; allowed: "

@@ -17,6 +17,8 @@ generation, where new/old must be 1 (seed 004, "it is the identity by constructi
   the sampler drew them (added back to their set): where the trainer's logits disagree with the sampler's boundary.
 - `ratio/is_*`: share of tokens/sequences TRL's vLLM importance-sampling correction truncated or masked.
 - `ratio/fp16_fallback_rows`: `fp16_clone` rows re-scored in fp32 after an fp16 overflow, per generation batch.
+- `ratio/importance_sampling_ratio/{min,mean,max}`: under `lift_sampler` with vLLM's IS correction, the IS weights
+  the loss uses (TRL's `sampling/importance_sampling_ratio/*` is computed before the lift).
 
 Token-weighted over valid tokens (`ratios.valid_token_mask`) across micro-batches and processes. An update with no
 valid token (every completion masked: `mask_truncated_completions`, tool masks) logs `ratio/new_old/num_tokens` = 0
@@ -81,6 +83,23 @@ class RatioDiagnostics:
             return {}
         rows = torch.tensor(float(fallback_rows), device=self.accelerator.device)
         return {"ratio/fp16_fallback_rows": self.accelerator.reduce(rows, reduction="sum").item()}
+
+    def importance_sampling_metrics(self, weights: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+        """`ratio/importance_sampling_ratio/{min,mean,max}` of the IS weights the loss really uses (after
+        `lift_sampler`), computed and gathered as TRL computes its `sampling/importance_sampling_ratio/*` (which it
+        logs before the lift). Every process must call it.
+
+        Args:
+            weights: (B, T) token-level or (B, 1) sequence-level IS weights. mask: (B, T) bool valid tokens.
+        """
+        flat = weights.flatten() if weights.size(1) == 1 else weights[mask]  # (n,)
+        zero = torch.zeros((), device=weights.device)
+        local = [flat.min() if flat.numel() else zero, flat.mean() if flat.numel() else zero,
+                 flat.max() if flat.numel() else zero]
+        gathered = [self.accelerator.gather(x.reshape(1)) for x in local]  # (P,) each
+        return {"ratio/importance_sampling_ratio/min": gathered[0].min().item(),
+                "ratio/importance_sampling_ratio/mean": gathered[1].nanmean().item(),
+                "ratio/importance_sampling_ratio/max": gathered[2].max().item()}
 
     def update(self, micro_batch: MicroBatchRecord, mode_is_policy: bool) -> None:
         """Add one first-inner-step micro-batch.

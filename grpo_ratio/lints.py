@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import warnings
 
+import torch
 from torch import nn
 
 from .rollouts import SamplingSettings
@@ -98,3 +99,43 @@ def check_positions(args, model: nn.Module) -> None:
                       f"positions shifted by their prompt's padding, while generate and grpo_ratio's other scoring "
                       f"modes count positions from the attention mask. Expect new/old to show this; prompts of one "
                       f"length (no left padding) avoid it (docs/compatibility.md).", stacklevel=3)
+
+
+def old_side_dtype(args, trainer_dtype: torch.dtype) -> torch.dtype:
+    """The precision of the old log-probs' LM head: fp32 for the fp32 modes, fp16 for `fp16_clone`, the training
+    forward's for `bf16` and `sampler` (whose new side is the training forward)."""
+    if args.old_logprob_mode in ("fp32_clone", "fp32_head", "guided_fp32") or args.cast_lm_head_to_fp32:
+        return torch.float32
+    return torch.float16 if args.old_logprob_mode == "fp16_clone" else trainer_dtype
+
+
+def check_vllm(args, engine_dtype: torch.dtype | None, trainer_dtype: torch.dtype) -> None:
+    """Sampler/trainer mismatches that cost a run before it starts, with vLLM.
+
+    Warns (UserWarning): the engine samples in another dtype than the trainer scores the old log-probs in (TRL
+    passes none: vLLM downcasts an fp32 checkpoint; on SmolLM2 a bf16 engine is 0.26 nats off an fp32 trainer, an
+    fp32 engine 3e-5); an fp32 LM head on the trainer side only; `lift_sampler` with TRL's own
+    `sampling/importance_sampling_ratio/*`, which TRL computes before the lift (the weights the loss uses are logged
+    as `ratio/importance_sampling_ratio/*`); server mode, where the engine's dtype cannot be read here.
+    """
+    if not args.use_vllm:
+        return
+    old = old_side_dtype(args, trainer_dtype)
+    if engine_dtype is not None and engine_dtype != old:
+        warnings.warn(f"vLLM samples in {engine_dtype} but the old log-probs are computed in {old} "
+                      f"(old_logprob_mode={args.old_logprob_mode!r}, bf16={args.bf16}): old/sampler and TRL's "
+                      f"importance-sampling ratio carry that precision gap. Set vllm_dtype="
+                      f"{str(old).replace('torch.', '')!r} to sample in the same dtype.", stacklevel=3)
+    if engine_dtype is None and args.vllm_mode == "server":
+        warnings.warn(f"vLLM server mode: the engine's dtype is set where the server starts; start it with `trl "
+                      f"vllm-serve --dtype {str(old).replace('torch.', '')}` so that the sampler matches the old "
+                      f"log-probs ({old})", stacklevel=3)
+    fp32_head = args.cast_lm_head_to_fp32 or args.old_logprob_mode in ("fp32_head", "guided_fp32")
+    if fp32_head and engine_dtype not in (None, torch.float32):
+        warnings.warn(f"an fp32 LM head on the trainer side only (old_logprob_mode={args.old_logprob_mode!r}, "
+                      f"cast_lm_head_to_fp32={args.cast_lm_head_to_fp32}) while vLLM runs its head in {engine_dtype}: "
+                      f"old/sampler measures that difference too", stacklevel=3)
+    if args.truncation_correction == "lift_sampler" and args.vllm_importance_sampling_correction:
+        warnings.warn("truncation_correction='lift_sampler': TRL computes its logged sampling/importance_sampling_"
+                      "ratio/* before the lift (it still carries the kept mass); the lifted weights the loss uses "
+                      "are logged as ratio/importance_sampling_ratio/*", stacklevel=3)

@@ -35,7 +35,7 @@ from .copies import WeightsVersion
 from .corrections import capture_last_hidden, check_head_is_linear, kept_set_logps_from_hidden
 from .diagnostics import RatioDiagnostics
 from .kept_sets import KeptSetFilter, lift_sampler_logprobs
-from .lints import check_dropout, check_positions, check_sampling
+from .lints import check_dropout, check_positions, check_sampling, check_vllm
 from .ratios import importance_sampling_weights
 from .records import GenerationRecord, MicroBatchRecord
 from .rollouts import (
@@ -83,7 +83,10 @@ class RatioGRPOTrainer(GRPOTrainer):
             )
         vllm_masks = args.use_vllm and args.truncation_correction != "none" and (
             args.resolved_kept_set_source == "recorded")
-        with vllm_engine_kwargs(return_sampling_mask=True) if vllm_masks else contextlib.nullcontext():
+        engine_kwargs = {"return_sampling_mask": True} if vllm_masks else {}
+        if args.vllm_dtype is not None:
+            engine_kwargs["dtype"] = args.vllm_dtype  # TRL passes none to its colocate engine
+        with vllm_engine_kwargs(**engine_kwargs) if engine_kwargs else contextlib.nullcontext():
             super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         self._vllm_capture = VLLMOutputCapture(self.vllm_generation.llm) if vllm_masks else None
         policy = self.accelerator.unwrap_model(self.model)
@@ -163,12 +166,27 @@ class RatioGRPOTrainer(GRPOTrainer):
         check_sampling(self.args, self.sampling)
         check_dropout(self.args, policy)
         check_positions(self.args, policy)
+        check_vllm(self.args, self._vllm_engine_dtype(), self._trainer_dtype(policy))
         multi_turn = bool(self.tools) or self.environment_factories is not None
         recorded = self.args.resolved_kept_set_source == "recorded"
         if multi_turn and self.args.truncation_correction != "none" and not self.use_vllm and recorded:
             raise ValueError("truncation_correction with tools or environment_factory is not supported on the "
                              "transformers generate path: each tool turn is a separate generate call and the kept sets "
                              "of the turns are not stitched together; set kept_set_source='recompute'")
+
+    def _vllm_engine_dtype(self):
+        """The colocate engine's dtype (vLLM's resolved `model_config.dtype`); None without one (server: unknown)."""
+        if not (self.use_vllm and self.vllm_mode == "colocate"):
+            return None
+        return self.vllm_generation.llm.llm_engine.model_config.dtype
+
+    def _trainer_dtype(self, policy) -> torch.dtype:
+        """The dtype the training forward computes in: the autocast dtype (TRL's `bf16`/`fp16`), else the weights'."""
+        if self.args.bf16:
+            return torch.bfloat16
+        if self.args.fp16:
+            return torch.float16
+        return next(policy.parameters()).dtype
 
     def _trl_runs_old_pass(self) -> bool:
         """TRL 1.16's own condition for computing old log-probs (grpo_trainer.py, `_generate_and_score_completions`)."""
@@ -319,6 +337,10 @@ class RatioGRPOTrainer(GRPOTrainer):
             output["importance_sampling_ratio"] = importance_sampling_weights(
                 output["old_per_token_logps"] - lifted, mask, self.vllm_importance_sampling_mode,
                 self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max)
+            if self.diagnostics is not None:  # TRL logged its IS metrics before the lift; these are the loss's
+                metrics = self.diagnostics.importance_sampling_metrics(output["importance_sampling_ratio"], mask)
+                for key, value in metrics.items():
+                    self._metrics[generation.mode][key].append(value)
 
     # ------------------------------------------------------------------------------------------------------------
     # every log-prob call of TRL: the old pass (replaced or measured), the training forward, the reference pass
