@@ -2,6 +2,7 @@
 
     grpo-ratio train   --config recipes/smollm2-135m/arithmetic/fp32_clone.yaml [--max_steps 10 ...]
     grpo-ratio compare --recipes recipes/smollm2-135m/arithmetic/{bf16,fp32_clone}.yaml --seeds 0 1 --name arms
+    grpo-ratio report  runs/compare/arms          # what the logged ratios say, and what to change (docs/reading.md)
     grpo-ratio probe batch  --model HuggingFaceTB/SmolLM2-135M-Instruct --prompts test.jsonl --num-prompts 8 --out DIR
     grpo-ratio probe ladder --layers recipes/smollm2-135m/calibration.json ...
     grpo-ratio probe layers ...      # writes DIR/calibration.json for RatioGRPOConfig(guided_fp32_layers=...)
@@ -41,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     top = parser.add_subparsers(dest="command", required=True)
     top.add_parser("train", help="train one arm from a recipe (flags: grpo-ratio train --help)", add_help=False)
     top.add_parser("compare", help="compare arms over seeds (flags: grpo-ratio compare --help)", add_help=False)
+    top.add_parser("report", help="read a run's or a comparison's ratio metrics (grpo-ratio report --help)",
+                   add_help=False)
     probe = top.add_parser("probe", help="measure the bf16 batch-shape precision gap of a causal LM")
     sub = probe.add_subparsers(dest="probe", required=True)
     for name, module in _probe_modules().items():
@@ -80,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
 
         compare_main(argv[1:])
         return 0
+    if argv[:1] == ["report"]:
+        from .report import main as report_main
+
+        return report_main(argv[1:])
     return _run_probe(build_parser().parse_args(argv))
 
 

