@@ -39,6 +39,7 @@ from .rollouts import (
     vllm_engine_kwargs,
 )
 from .scoring import OldLogprobScorer
+from .sharding import check_sharded_mode, fp32_logprob_output, sharded_policy
 
 
 class RatioGRPOTrainer(GRPOTrainer):
@@ -57,7 +58,8 @@ class RatioGRPOTrainer(GRPOTrainer):
     Raises:
         TypeError: `args` is a plain `GRPOConfig` (use `RatioGRPOConfig`, which has every GRPOConfig field).
         ValueError: `guided_fp32_layers` names a layer the model does not have.
-        NotImplementedError: a copy-based mode under DeepSpeed ZeRO-3 or FSDP (parameters would need gathering).
+        NotImplementedError: a sharded combination a mode cannot be exact in (`grpo_ratio.sharding.check_sharded_mode`:
+            FSDP1, PEFT or fp16 under FSDP2/ZeRO-3, parameter offload).
     """
 
     _tag_names = ["trl", "grpo", "grpo-ratio"]
@@ -77,15 +79,11 @@ class RatioGRPOTrainer(GRPOTrainer):
         self._vllm_capture = VLLMOutputCapture(self.vllm_generation.llm) if vllm_masks else None
         check_head_is_linear(args.truncation_correction, self.accelerator.unwrap_model(self.model).config)
         self.diagnostics = RatioDiagnostics(args, self.accelerator, self.eos_token_ids) if args.ratio_diagnostics else None
-        self.scorer = None
-        if args.old_logprob_mode != "bf16":
-            self._refuse_sharded_copies()
-            self.scorer = OldLogprobScorer(
-                self.accelerator.unwrap_model(self.model),
-                args.old_logprob_mode,
-                layers=args.guided_fp32_layer_ids,
-                policy_autocast=self.accelerator.autocast,
-            )
+        check_sharded_mode(self.accelerator, self.model, args)  # FSDP2/ZeRO-3 combinations that cannot be exact
+        if args.old_logprob_mode != "bf16":  # layer indices and model anatomy fail here, not at the first step
+            OldLogprobScorer(self.accelerator.unwrap_model(self.model), args.old_logprob_mode,
+                             layers=args.guided_fp32_layer_ids)
+        self._scorer = None  # built on first use (`scorer`): accelerate wraps FSDP2/ZeRO-3 models inside train()
         # The two records between TRL's hooks (grpo_ratio/records.py): one per generation batch and mode, one per
         # loss micro-batch. No other attribute is written in one hook and read in another.
         self._generations: dict[str, GenerationRecord] = {}
@@ -94,18 +92,16 @@ class RatioGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------------------------
     # setup checks
 
-    def _refuse_sharded_copies(self) -> None:
-        # A copy or an fp32 re-run needs the full parameters on every rank; under ZeRO-3/FSDP they are sharded.
-        if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
-            raise NotImplementedError(
-                f"old_logprob_mode={self.args.old_logprob_mode!r} is not supported under DeepSpeed ZeRO-3 yet "
-                f"(parameters are sharded); use old_logprob_mode='bf16' or ZeRO-1/2 (docs/distributed.md)"
-            )
-        if self.is_fsdp_enabled:
-            raise NotImplementedError(
-                f"old_logprob_mode={self.args.old_logprob_mode!r} is not supported under FSDP yet (parameters are "
-                f"sharded); use old_logprob_mode='bf16' or DDP (docs/distributed.md)"
-            )
+    @property
+    def scorer(self) -> OldLogprobScorer | None:
+        """The scoring mode's `OldLogprobScorer` (None for `bf16`), built on first use, after accelerate wrapped the
+        model: under FSDP2/ZeRO-3 its shadows and compute dtype come from the wrapped model (`grpo_ratio.sharding`)."""
+        if self._scorer is None and self.args.old_logprob_mode != "bf16":
+            policy = self.accelerator.unwrap_model(self.model)
+            self._scorer = OldLogprobScorer(policy, self.args.old_logprob_mode, layers=self.args.guided_fp32_layer_ids,
+                                            policy_autocast=self.accelerator.autocast,
+                                            sharded=sharded_policy(self.accelerator, policy))
+        return self._scorer
 
     def _trl_runs_old_pass(self) -> bool:
         """TRL 1.16's own condition for computing old log-probs (grpo_trainer.py, `_generate_and_score_completions`)."""
@@ -121,6 +117,7 @@ class RatioGRPOTrainer(GRPOTrainer):
     # one generation batch: generation, old pass, correction
 
     def _generate_and_score_completions(self, inputs):
+        fp32_logprob_output(self.accelerator.unwrap_model(self.model))  # FSDP2: no bf16 rounding of TRL's log-probs
         generation = GenerationRecord(mode=self._mode(), old_pass_pending=self._trl_runs_old_pass())
         self._generations[generation.mode] = generation  # replaces the previous batch's record of this mode
         try:
