@@ -92,7 +92,9 @@ def check_sharded_mode(accelerator, model: nn.Module, args) -> None:
     if args.fp16:
         _refuse(mode, name, "fp16 mixed precision (fp16=True) is not supported", "use bf16=True or bf16=False")
     if engine == "fsdp2":
-        if accelerator.state.fsdp_plugin.cpu_offload:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        if isinstance(accelerator.state.fsdp_plugin.cpu_offload, CPUOffloadPolicy):
             _refuse(mode, name, "parameter offload (fsdp_offload_params) is not supported",
                     "turn offload off, or use old_logprob_mode='bf16'")
         return
@@ -107,6 +109,14 @@ def check_sharded_mode(accelerator, model: nn.Module, args) -> None:
 
 def _refuse(mode: str, engine: str, why: str, instead: str):
     raise NotImplementedError(f"old_logprob_mode={mode!r} under {engine}: {why}; {instead} (docs/distributed.md)")
+
+
+def empty_model_like(model: nn.Module) -> nn.Module:
+    """A model of `model`'s class and config, weights uninitialised, with its head tied like the config says
+    (`copies._empty_like_model` skips the tying, so a tied head would be a second copy of the embedding)."""
+    module = _empty_like_model(model)
+    module.tie_weights()
+    return module
 
 
 def is_fsdp2_wrapped(model: nn.Module) -> bool:
@@ -136,6 +146,20 @@ def class_forward(module: nn.Module):
             del module.forward
         else:
             module.forward = saved
+
+
+@contextlib.contextmanager
+def _output_cast(module: nn.Module, dtype: torch.dtype):
+    """Within the context, `module`'s floating-point tensor output is cast to `dtype` (a forward hook)."""
+
+    def cast(mod, args, output):
+        return output.to(dtype) if isinstance(output, torch.Tensor) and output.is_floating_point() else output
+
+    handle = module.register_forward_hook(cast)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _sum_over_ranks(value: int, device) -> int:
@@ -298,7 +322,7 @@ class FSDPShadow:
         mesh = next(p.device_mesh for p in policy.parameters() if hasattr(p, "device_mesh"))
         device = next(policy.parameters()).device
         with torch.device("meta"):
-            module = _empty_like_model(policy).to(dtype)
+            module = empty_model_like(policy).to(dtype)
         for names in fsdp_layout(policy):  # the policy's own groups, innermost first, the root last
             group = [module.get_submodule(n) for n in names]
             fully_shard(group if len(group) > 1 else group[0], mesh=mesh, reshard_after_forward=True,
@@ -378,7 +402,7 @@ class ZeroShadow:
             "fp16": {"enabled": False},  # fp16 here is the storage dtype of a scoring copy, not loss-scaled training
         }
         with deepspeed.zero.Init(config_dict_or_path=config, dtype=dtype):
-            module = _empty_like_model(policy)
+            module = empty_model_like(policy)
         engine, *_ = deepspeed.initialize(model=module, config=config)
         self.engine = engine
         self.module = engine.module.requires_grad_(False)
@@ -493,6 +517,7 @@ class FSDP2Policy(ShardedPolicy):
     engine = "fsdp2"
 
     def __init__(self, model: nn.Module):
+        reshard_all(model)  # an unsharded group's parameters are the all-gathered ones, in the compute dtype
         storage = next(p.dtype for p in model.parameters() if p.is_floating_point())
         super().__init__(model, storage, fsdp_compute_dtype(model, storage))
 
@@ -515,8 +540,18 @@ class FSDP2Policy(ShardedPolicy):
         if self.compute_dtype == torch.float32:
             return contextlib.nullcontext()
         # the root too: its output cast would round the fp32 logits, its input cast is a no-op on token ids
-        states = [self.model._get_fsdp_state()] + [fsdp_state_owning(self.model, m) for m in modules]
-        return fsdp_policy_swapped(self.model, states, MixedPrecisionPolicy())
+        root = self.model._get_fsdp_state()
+        states = {id(s): s for s in [fsdp_state_owning(self.model, m) for m in modules]}
+        states.pop(id(root), None)
+        # a module sharing a swapped state without being upcast (the input embedding, tied to the head) would now
+        # compute in fp32 too: its output is cast to the compute dtype, where the policy's would be
+        upcast = {id(m) for m in modules}
+        bystanders = [m for s in states.values() for m in s._modules if id(m) not in upcast]
+        stack = contextlib.ExitStack()
+        stack.enter_context(fsdp_policy_swapped(self.model, [root, *states.values()], MixedPrecisionPolicy()))
+        for module in bystanders:
+            stack.enter_context(_output_cast(module, self.compute_dtype))
+        return stack
 
     def _shadow(self, dtype: torch.dtype):
         if dtype not in self._shadows:
@@ -552,7 +587,7 @@ class Zero3Policy(ShardedPolicy):
         if id(module) not in self._runners:
             if self._skeleton is None:
                 with torch.device("meta"):
-                    self._skeleton = _empty_like_model(self.model).float()
+                    self._skeleton = empty_model_like(self.model).float()
             name = {id(m): n for n, m in self.model.named_modules()}[id(module)]
             self._runners[id(module)] = MasterFP32Runner(module, self._skeleton.get_submodule(name))
         return self._runners[id(module)]
