@@ -363,6 +363,26 @@ class FSDPShadow:
 # tensor, padded at the end), the same slicing for every parameter of a given size and world size.
 
 
+def zero3_after_scoring(engine) -> None:
+    """After a scoring forward of the ZeRO-3 policy: release its gathered parameters and drop the module-order trace
+    recorded for prefetching, so the next training forward re-records it.
+
+    After a no-grad forward that follows the recorded trace, ZeRO-3 keeps the parameters it expects to reuse
+    gathered (on 2 ranks, 26 of 27 tensors of a tiny model: a full replica) until the next forward;
+    `empty_partition_cache()` (public) releases them.
+
+    A scoring forward calls the LM head as a module; TRL's fused head never does (it all-gathers `lm_head.weight`
+    itself, `trl.trainer.utils.maybe_gather_lm_head_ctx`). With the scoring order as the trace, the coordinator
+    prefetches the head in the training forward, TRL then skips its own gather, and the backward fails in
+    `AccumulateGrad` ("size of tensor a (0)"). Private: `PartitionedParameterCoordinator._invalidate_trace`
+    (deepspeed 0.19.8, runtime/zero/partitioned_param_coordinator.py).
+    """
+    coordinator = engine.optimizer.parameter_offload.get_param_coordinator()
+    if not coordinator.is_invalid_trace():
+        coordinator._invalidate_trace()
+    engine.empty_partition_cache()
+
+
 def zero3_engine_dtype(engine) -> torch.dtype:
     """The dtype a ZeRO-3 engine computes in (its `bf16`/`fp16` section; DeepSpeed casts the module itself)."""
     if engine.bfloat16_enabled():
@@ -399,11 +419,18 @@ class ZeroShadow:
             # every parameter partitioned (none kept whole as "persistent"), so a refresh is purely local
             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
             "bf16": {"enabled": dtype == torch.bfloat16},
-            "fp16": {"enabled": False},  # fp16 here is the storage dtype of a scoring copy, not loss-scaled training
+            "fp16": {"enabled": False},  # no optimizer: nothing to loss-scale (and CPU accelerators refuse fp16 here)
         }
-        with deepspeed.zero.Init(config_dict_or_path=config, dtype=dtype):
+        # Init takes the partitions' dtype from its config (its `dtype=` argument makes every copy bf16 on CPU
+        # accelerators: `dtype or fp16 if fp16 supported else bf16`); mem_efficient_linear=False: Init would otherwise
+        # swap torch.nn.functional.linear for its own, for good, and the policy's next backward reads released
+        # partitions ("size of tensor a (0)")
+        init_config = config | {"fp16": {"enabled": dtype == torch.float16}}
+        with deepspeed.zero.Init(config_dict_or_path=init_config, mem_efficient_linear=False):
             module = empty_model_like(policy)
         engine, *_ = deepspeed.initialize(model=module, config=config)
+        if {p.dtype for p in engine.module.parameters()} != {dtype}:
+            raise RuntimeError(f"grpo_ratio: the ZeRO-3 shadow holds {engine.module.dtype}, not {dtype}")
         self.engine = engine
         self.module = engine.module.requires_grad_(False)
         self.version: int | None = None
@@ -571,8 +598,15 @@ class Zero3Policy(ShardedPolicy):
         if held != {dtype}:  # never trust one of the two alone
             raise RuntimeError(f"grpo_ratio: ZeRO-3 engine computes in {dtype} but holds parameters in {held}")
         super().__init__(model, dtype, dtype)
+        self._engine = engine
         self._skeleton: nn.Module | None = None
         self._runners: dict[int, MasterFP32Runner] = {}
+
+    def forward(self, model: nn.Module, **kwargs):
+        output = super().forward(model, **kwargs)
+        if model is self.model:
+            zero3_after_scoring(self._engine)  # nothing left gathered; no prefetching from the scoring order
+        return output
 
     @contextlib.contextmanager
     def whole_model(self, dtype: torch.dtype, version: int):

@@ -170,7 +170,7 @@ def sharding_evidence(accelerator, model) -> dict:
         largest = max(params, key=lambda p: p.numel())
         local, full = largest.to_local().numel(), largest.numel()
     elif accelerator.distributed_type == DistributedType.DEEPSPEED:
-        sharded = [p for p in params if hasattr(p, "ds_id") and p.numel() == 0 and p.ds_tensor.numel() < p.ds_numel]
+        sharded = [p for p in params if hasattr(p, "ds_id") and p.data.numel() == 0 and p.ds_tensor.numel() < p.ds_numel]
         largest = max(params, key=lambda p: p.ds_numel if hasattr(p, "ds_numel") else p.numel())
         local, full = largest.ds_tensor.numel(), largest.ds_numel
     else:

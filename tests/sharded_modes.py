@@ -3,8 +3,9 @@
 Launched by tests/test_sharded.py (2 CPU processes, gloo):
     accelerate launch --config_file CONFIG tests/sharded_modes.py OUT.json ENGINE PRECISION
 
-For each mode and each head (untied Qwen2, tied Llama) one `RatioGRPOTrainer` trains 2 steps, then `train()` runs
-again (2 more steps; the step counter restarts). At every old pass the mode's (B, T) log-probs are compared with what
+For each mode and each head (untied Qwen2, tied Llama) one `RatioGRPOTrainer` trains 2 steps, then (FSDP2) `train()`
+runs again (2 more steps; the step counter restarts; under ZeRO-3 a second `train()` fails in stock TRL as well:
+`accelerator.deepspeed_engine_wrapped` is None after the first). At every old pass the mode's (B, T) log-probs are compared with what
 the same mode gives on an unsharded replica of the gathered weights, and the copies' versions and refresh counts are
 recorded. Then, once per launch: the fp16 fallback with an overflow forced on rank 0 only, the training forward's
 log-prob dtype with and without the fp32 output fix, and the PEFT refusal. Rank 0 writes everything to OUT.json.
@@ -89,15 +90,17 @@ def trl_logps(trainer, ids, mask, T):
 def check_mode(out_dir, mode, arch, tie, engine, bf16, rank):
     trainer = make_trainer(out_dir, mode, arch, tie, engine, bf16)
     trainer.train()
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    evidence = sharding_evidence(trainer.accelerator, policy)  # after the old passes of 2 steps: still sharded
     first = len(trainer.checks)
-    trainer.train()  # global_step restarts at 0; the copies must still follow the weights
+    if engine == "fsdp2":  # under ZeRO-3 a second train() fails in stock TRL too (transformers 5.24, accelerate 1.15)
+        trainer.train()  # global_step restarts at 0; the copies must still follow the weights
     ids, mask = batch(seed=10 + rank)
     before = trl_logps(trainer, ids, mask, T=5)
     trainer.scorer.score(ids, mask, 5, batch_size=2, version=trainer.state.global_step)
     after = trl_logps(trainer, ids, mask, T=5)  # a policy swap (FSDP2) must leave the training forward unchanged
-    policy = trainer.accelerator.unwrap_model(trainer.model)
     return trainer, {
-        "evidence": sharding_evidence(trainer.accelerator, policy),
+        "evidence": evidence,
         "checks": trainer.checks, "first_train_checks": first,
         "extra_bytes": trainer.scorer.extra_bytes(), "num_params": sum(p.numel() for p in policy.parameters())
         if engine == "fsdp2" else sum(p.ds_numel for p in policy.parameters()),
@@ -132,7 +135,7 @@ def forced_fp16_overflow(trainer, rank):
 
 
 def new_side(trainer, rank):
-    """The training forward's log-probs with the fp32 output fix and with accelerate's bf16 output cast restored."""
+    """The training forward's log-probs with the fp32 output fix and with accelerate's output cast restored."""
     import dataclasses
 
     policy = trainer.accelerator.unwrap_model(trainer.model)
@@ -140,8 +143,10 @@ def new_side(trainer, rank):
     fixed = trl_logps(trainer, ids, mask, T=5)
     states = [policy._get_fsdp_state(), fsdp_state_owning(policy, policy.get_output_embeddings())]
     saved = [s._mp_policy for s in states]
-    for state in states:
-        state._mp_policy = dataclasses.replace(state._mp_policy, output_dtype=torch.bfloat16)
+    accelerate_policy = trainer.accelerator.state.fsdp_plugin.mixed_precision_policy  # None without bf16
+    for state in states:  # what accelerate set up, before the fix
+        output_dtype = accelerate_policy.output_dtype if accelerate_policy is not None else None
+        state._mp_policy = dataclasses.replace(state._mp_policy, output_dtype=output_dtype)
     try:
         rounded = trl_logps(trainer, ids, mask, T=5)
     finally:
