@@ -226,3 +226,39 @@ def replica_scorer(model, weights: dict, mode: str, compute_dtype: torch.dtype, 
     scorer._copies[id(lo.norm)] = ModuleCopy(hi.norm, torch.float32)
     scorer._copies[id(lo.head)] = ModuleCopy(hi.head, torch.float32)
     return scorer
+
+
+def cpu_launch_config(recipe: str, out_dir, bf16: bool, num_processes: int = 2) -> str:
+    """An `accelerate launch` config for CPU processes made from one of `recipes/accelerate_configs/*.yaml`; returns
+    its path (written to `out_dir`, with the DeepSpeed JSON it points to for ZeRO-3).
+
+    Changed from the recipe: `num_processes`; FSDP2: `use_cpu` (the sharding itself needs
+    `patch_accelerate_for_cpu_sharding`) and `mixed_precision` from `bf16` (accelerate builds the FSDP policy from
+    the config's, whatever the trainer's `bf16` says); ZeRO-3: the inline `deepspeed_config` becomes a JSON file with
+    `stage3_param_persistence_threshold: 0` (at the default, a tiny model's parameters are all "persistent": whole on
+    every rank) and the mixed precision left to the trainer's `bf16` ("auto").
+    """
+    import json
+    from pathlib import Path
+
+    import yaml
+
+    config = yaml.safe_load(Path(recipe).read_text())
+    config["num_processes"] = num_processes
+    config.pop("gpu_ids", None)
+    if config["distributed_type"] == "FSDP":
+        config["use_cpu"] = True
+        config["mixed_precision"] = "bf16" if bf16 else "no"
+    if config["distributed_type"] == "DEEPSPEED":
+        inline = config.pop("deepspeed_config")
+        ds = {"zero_optimization": {"stage": inline["zero_stage"], "stage3_param_persistence_threshold": 0},
+              "bf16": {"enabled": "auto"}, "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+              "train_micro_batch_size_per_gpu": "auto"}
+        ds_path = Path(out_dir) / "deepspeed.json"
+        ds_path.write_text(json.dumps(ds, indent=1))
+        config["deepspeed_config"] = {"deepspeed_config_file": str(ds_path),
+                                      "zero3_init_flag": inline.get("zero3_init_flag", False)}
+        config.pop("mixed_precision", None)
+    path = Path(out_dir) / f"{Path(recipe).stem}_cpu.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)

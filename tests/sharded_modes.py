@@ -1,14 +1,17 @@
 """Every scoring mode under a real FSDP2 or ZeRO-3 run, checked against an unsharded replica of the same weights.
 
-Launched by tests/test_sharded.py (2 CPU processes, gloo):
+Launched by tests/test_sharded.py (2 CPU processes, gloo), once per engine and precision (one process cannot switch:
+accelerate keeps the first FSDP mixed-precision policy):
     accelerate launch --config_file CONFIG tests/sharded_modes.py OUT.json ENGINE PRECISION
 
-For each mode and each head (untied Qwen2, tied Llama) one `RatioGRPOTrainer` trains 2 steps, then (FSDP2) `train()`
-runs again (2 more steps; the step counter restarts; under ZeRO-3 a second `train()` fails in stock TRL as well:
-`accelerator.deepspeed_engine_wrapped` is None after the first). At every old pass the mode's (B, T) log-probs are compared with what
-the same mode gives on an unsharded replica of the gathered weights, and the copies' versions and refresh counts are
-recorded. Then, once per launch: the fp16 fallback with an overflow forced on rank 0 only, the training forward's
-log-prob dtype with and without the fp32 output fix, and the PEFT refusal. Rank 0 writes everything to OUT.json.
+PRECISION `bf16` is TRL's `bf16=True` (accelerate's bf16 FSDP2 policy, or DeepSpeed bf16), `fp32` is `bf16=False`.
+For each mode and each head (untied Qwen2, tied Llama), one `RatioGRPOTrainer` trains 2 steps, then (FSDP2) `train()` runs
+again (2 more steps, the step counter restarts; under ZeRO-3 a second `train()` fails in stock TRL as well:
+`accelerator.deepspeed_engine_wrapped` is None after the first). At every old pass the mode's (B, T) log-probs are
+compared with what the same mode gives on an unsharded replica of the gathered weights, and the copies' versions and
+refresh counts are recorded. Then: the fp16 fallback with an overflow forced on rank 0 only, the training forward's
+log-prob dtype with and without the fp32 output fix (FSDP2) and the PEFT refusal. Rank 0 writes OUT.json (a list
+with one entry per rank).
 """
 
 import json
@@ -46,10 +49,13 @@ class CheckedTrainer(RatioGRPOTrainer):
         logps = super()._score_old(generation, input_ids, attention_mask, logits_to_keep, batch_size)
         reference = self.replica().score(input_ids, attention_mask, logits_to_keep, temperature=self.temperature,
                                          batch_size=batch_size).logps
+        policy_pass = self.replica("bf16").score(input_ids, attention_mask, logits_to_keep, temperature=self.temperature,
+                                                 batch_size=batch_size).logps  # what TRL's own pass would give
         valid = attention_mask[:, -logits_to_keep:].bool()  # (B, T) completion tokens
         self.checks.append({
             "version": self.state.global_step,
             "max_abs": (logps - reference)[valid].abs().max().item(),
+            "gap_to_bf16_mode": (logps - policy_pass)[valid].abs().max().item(),
             "copies": [(c.version, c.num_refreshes) for c in self.scorer.copies()],
         })
         return logps
@@ -172,11 +178,8 @@ def peft_refusal(out_dir, engine, bf16):
     return None
 
 
-def main(out_path: str, engine: str, precision: str) -> None:
-    patch_accelerate_for_cpu_sharding()
+def check_precision(out_dir, engine, precision, rank):
     bf16 = precision == "bf16"
-    rank = int(os.environ["RANK"])
-    out_dir = f"{out_path}.runs"
     result = {"engine": engine, "precision": precision, "modes": {}}
     for mode in MODES:
         for arch, tie in HEADS:
@@ -190,7 +193,14 @@ def main(out_path: str, engine: str, precision: str) -> None:
             result["world_size"] = trainer.accelerator.num_processes
             del trainer
     result["peft_refused"] = peft_refusal(out_dir, engine, bf16)
-    results = [None] * dist.get_world_size()
+    return result
+
+
+def main(out_path: str, engine: str, precision: str) -> None:
+    patch_accelerate_for_cpu_sharding()
+    rank = int(os.environ["RANK"])
+    result = check_precision(f"{out_path}.runs", engine, precision, rank)
+    results = [None] * dist.get_world_size()  # one entry per rank
     dist.all_gather_object(results, result)
     if rank == 0:
         with open(out_path, "w") as f:
