@@ -371,14 +371,15 @@ class OldLogprobScorer:
         """
         batch_size = batch_size or input_ids.size(0)
         chunks, kept_chunks, fallback = [], [], 0
-        for start in range(0, input_ids.size(0), batch_size):
-            sl = slice(start, start + batch_size)
-            rows = None if kept is None else kept.select_rows(range(sl.start, min(sl.stop, input_ids.size(0))))
-            logps, n, kept_logps = self._chunk_logprobs(input_ids[sl], attention_mask[sl], logits_to_keep,
-                                                        temperature, version, rows)
-            chunks.append(logps)
-            kept_chunks.append(kept_logps)
-            fallback += n
+        with contextlib.nullcontext() if self.sharded is None else self.sharded.scoring():
+            for start in range(0, input_ids.size(0), batch_size):
+                sl = slice(start, start + batch_size)
+                rows = None if kept is None else kept.select_rows(range(sl.start, min(sl.stop, input_ids.size(0))))
+                logps, n, kept_logps = self._chunk_logprobs(input_ids[sl], attention_mask[sl], logits_to_keep,
+                                                            temperature, version, rows)
+                chunks.append(logps)
+                kept_chunks.append(kept_logps)
+                fallback += n
         self.fallback_rows += fallback
         kept_logps = None if kept is None else torch.cat(kept_chunks, dim=0)  # (B, T)
         return ScoreResult(logps=torch.cat(chunks, dim=0), kept_logps=kept_logps, fallback_rows=fallback)

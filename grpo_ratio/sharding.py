@@ -77,7 +77,8 @@ def check_sharded_mode(accelerator, model: nn.Module, args) -> None:
     Raises:
         NotImplementedError: FSDP1 (use `fsdp_version: 2`); a PEFT adapter under FSDP2 or ZeRO-3; fp16 mixed
             precision (`fp16=True`) under FSDP2 or ZeRO-3; parameter offload to CPU (`fsdp_offload_params`, ZeRO-3
-            `offload_param`); DeepSpeed's `torch_autocast`. Each message names the combination and what works.
+            `offload_param`); DeepSpeed's `torch_autocast`; under ZeRO-3, frozen parameters where the mode copies
+            from the fp32 masters (bf16 engines, or `fp16_clone`). Each message names the combination and what works.
     """
     mode = args.old_logprob_mode
     engine = engine_of(accelerator)
@@ -92,19 +93,32 @@ def check_sharded_mode(accelerator, model: nn.Module, args) -> None:
     if args.fp16:
         _refuse(mode, name, "fp16 mixed precision (fp16=True) is not supported", "use bf16=True or bf16=False")
     if engine == "fsdp2":
-        from torch.distributed.fsdp import CPUOffloadPolicy
+        _check_fsdp2(mode, name, accelerator.state.fsdp_plugin)
+    else:
+        _check_zero3(mode, name, accelerator.state.deepspeed_plugin.deepspeed_config, model)
 
-        if isinstance(accelerator.state.fsdp_plugin.cpu_offload, CPUOffloadPolicy):
-            _refuse(mode, name, "parameter offload (fsdp_offload_params) is not supported",
-                    "turn offload off, or use old_logprob_mode='bf16'")
-        return
-    ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
-    zero = ds_config.get("zero_optimization", {})
-    if str(zero.get("offload_param", {}).get("device", "none")).lower() not in ("none", "auto"):
+
+def _check_fsdp2(mode: str, name: str, plugin) -> None:
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    if isinstance(plugin.cpu_offload, CPUOffloadPolicy):  # the shadows and policy swaps assume on-device shards
+        _refuse(mode, name, "parameter offload (fsdp_offload_params) is not supported",
+                "turn offload off, or use old_logprob_mode='bf16'")
+
+
+def _check_zero3(mode: str, name: str, ds_config: dict, model: nn.Module) -> None:
+    offload = ds_config.get("zero_optimization", {}).get("offload_param", {}).get("device", "none")
+    if str(offload).lower() not in ("none", "auto"):  # the shadows' refresh reads on-device partitions
         _refuse(mode, name, "parameter offload (offload_param) is not supported",
                 "turn offload_param off, or use old_logprob_mode='bf16'")
-    if ds_config.get("torch_autocast", {}).get("enabled", False) is True:
+    if ds_config.get("torch_autocast", {}).get("enabled", False) is True:  # fp32 weights, bf16 compute: untested
         _refuse(mode, name, "DeepSpeed's torch_autocast is not supported", "use the bf16 section instead")
+    # bf16 engines hold fp32 only as the optimizer's masters; fp16_clone copies from them in any precision
+    needs_master = ds_config.get("bf16", {}).get("enabled", False) is True or mode == "fp16_clone"
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    if needs_master and frozen:
+        _refuse(mode, name, f"frozen parameters ({frozen[0]}, ...) have no fp32 master partition to copy from",
+                "train every parameter, or use old_logprob_mode='bf16'")
 
 
 def _refuse(mode: str, engine: str, why: str, instead: str):
@@ -364,12 +378,13 @@ class FSDPShadow:
 
 
 def zero3_after_scoring(engine) -> None:
-    """After a scoring forward of the ZeRO-3 policy: release its gathered parameters and drop the module-order trace
+    """After an old pass over the ZeRO-3 policy: release its gathered parameters and drop the module-order trace
     recorded for prefetching, so the next training forward re-records it.
 
     After a no-grad forward that follows the recorded trace, ZeRO-3 keeps the parameters it expects to reuse
     gathered (on 2 ranks, 26 of 27 tensors of a tiny model: a full replica) until the next forward;
-    `empty_partition_cache()` (public) releases them.
+    `empty_partition_cache()` (public) releases them. Done once per old pass, not per chunk: the chunks' forwards
+    follow one order and prefetch from it.
 
     A scoring forward calls the LM head as a module; TRL's fused head never does (it all-gathers `lm_head.weight`
     itself, `trl.trainer.utils.maybe_gather_lm_head_ctx`). With the scoring order as the trace, the coordinator
@@ -517,6 +532,10 @@ class ShardedPolicy:
     def sum_over_ranks(self, value: int) -> int:
         return _sum_over_ranks(value, self.device)
 
+    def scoring(self) -> contextlib.AbstractContextManager:
+        """Context around one whole old pass (all its chunks); ZeRO-3 cleans up after it."""
+        return contextlib.nullcontext()
+
     def copies(self) -> list:
         return list(self._shadows.values())
 
@@ -602,11 +621,12 @@ class Zero3Policy(ShardedPolicy):
         self._skeleton: nn.Module | None = None
         self._runners: dict[int, MasterFP32Runner] = {}
 
-    def forward(self, model: nn.Module, **kwargs):
-        output = super().forward(model, **kwargs)
-        if model is self.model:
-            zero3_after_scoring(self._engine)  # nothing left gathered; no prefetching from the scoring order
-        return output
+    @contextlib.contextmanager
+    def scoring(self):
+        try:
+            yield
+        finally:  # nothing left gathered; the training forward does not prefetch from the scoring order
+            zero3_after_scoring(self._engine)
 
     @contextlib.contextmanager
     def whole_model(self, dtype: torch.dtype, version: int):
