@@ -382,8 +382,8 @@ def zero3_after_scoring(engine) -> None:
     recorded for prefetching, so the next training forward re-records it.
 
     After a no-grad forward that follows the recorded trace, ZeRO-3 keeps the parameters it expects to reuse
-    gathered (on 2 ranks, 26 of 27 tensors of a tiny model: a full replica) until the next forward;
-    `empty_partition_cache()` (public) releases them. Done once per old pass, not per chunk: the chunks' forwards
+    gathered (on 2 ranks, 26 of 27 tensors of a tiny model: a full replica) until the next forward; the ZeRO-3
+    optimizer's `empty_partition_cache()` releases them. Done once per old pass, not per chunk: the chunks' forwards
     follow one order and prefetch from it.
 
     A scoring forward calls the LM head as a module; TRL's fused head never does (it all-gathers `lm_head.weight`
@@ -395,7 +395,7 @@ def zero3_after_scoring(engine) -> None:
     coordinator = engine.optimizer.parameter_offload.get_param_coordinator()
     if not coordinator.is_invalid_trace():
         coordinator._invalidate_trace()
-    engine.empty_partition_cache()
+    engine.optimizer.empty_partition_cache()  # engine.empty_partition_cache() adds a gc.collect(): 3x the old pass
 
 
 def zero3_engine_dtype(engine) -> torch.dtype:

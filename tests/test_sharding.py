@@ -87,3 +87,20 @@ def test_class_forward_sets_instance_patches_aside_and_restores_them():
     with class_forward(plain):
         plain(input_ids=ids)
     assert "forward" not in plain.__dict__
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp2", "zero3"])
+def test_accelerate_configs_load_and_say_how_to_launch(name):
+    from pathlib import Path
+
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    path = Path(__file__).resolve().parents[1] / "recipes" / "accelerate_configs" / f"{name}.yaml"
+    config = load_config_from_file(str(path))
+    assert config.distributed_type.value == {"ddp": "MULTI_GPU", "fsdp2": "FSDP", "zero3": "DEEPSPEED"}[name]
+    header = [line for line in path.read_text().splitlines() if line.startswith("#")]
+    assert any(f"accelerate launch --config_file recipes/accelerate_configs/{name}.yaml" in h for h in header)
+    if name == "fsdp2":
+        assert config.fsdp_config["fsdp_version"] == 2
+    if name == "zero3":
+        assert config.deepspeed_config["zero_stage"] == 3
