@@ -48,8 +48,6 @@ from .copies import _empty_like_model
 
 logger = logging.getLogger(__name__)
 
-ENGINES = ("none", "fsdp2", "zero3")
-
 
 # ---------------------------------------------------------------------------------------------------------------------
 # which engine, and what it refuses
