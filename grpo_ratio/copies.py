@@ -130,6 +130,7 @@ def _empty_like_model(model: nn.Module) -> nn.Module:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     with no_init_weights():
         fresh = type(base)(base.config)
+    fresh.tie_weights()  # a tied head stays one tensor (else the copy holds the embedding twice)
     return fresh
 
 

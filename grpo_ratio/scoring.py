@@ -34,6 +34,7 @@ from torch import nn
 from .config import PRECISION_MODES
 from .copies import ModuleCopy
 from .kept_sets import KeptSetFilter, KeptSets, concat_kept_sets, logprobs_on_kept_sets
+from .sharding import ShardedPolicy
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -113,9 +114,8 @@ def _patched_forward(module: nn.Module, new_forward: Callable):
         del module.forward  # ... and deleting it restores the class method: the policy is left untouched
 
 
-def _fp32_forward(runner: nn.Module, out_dtype: torch.dtype | None, rope_cache: dict | None):
+def _fp32_forward(runner: nn.Module, out_dtype: torch.dtype | None, rope_cache: dict | None, device_type: str):
     """A forward that runs `runner` in fp32 outside autocast, casting float inputs to fp32 and outputs to out_dtype."""
-    device_type = next(runner.parameters()).device.type
 
     def forward(*args, **kwargs):
         if rope_cache and "position_embeddings" in kwargs and rope_cache.get("fp32") is not None:
@@ -178,15 +178,19 @@ def _accepts_position_ids(model: nn.Module) -> bool:
     return "position_ids" in inspect.signature(type(base).forward).parameters
 
 
+def forward_kwargs(model: nn.Module, input_ids, attention_mask, logits_to_keep: int) -> dict:
+    """The keyword arguments of every scoring forward: the last T + 1 positions' logits, no KV cache, and positions
+    as generation counts them (from the attention mask): with absolute position embeddings (GPT-2 style) a
+    completion's log-prob would otherwise depend on how much left padding its prompt got in this batch."""
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep + 1, use_cache=False)
+    if _accepts_position_ids(model):
+        kwargs["position_ids"] = generation_position_ids(attention_mask)
+    return kwargs
+
+
 def _plain_forward(model: nn.Module, input_ids, attention_mask, logits_to_keep: int) -> torch.Tensor:
-    # type(model).forward bypasses the instance-level patches of accelerate (forced autocast) and TRL (fused head).
-    # Positions are generation's (from the attention mask): with absolute position embeddings (GPT-2 style) a
-    # completion's log-prob would otherwise depend on how much left padding its prompt got in this batch.
-    extra = {"position_ids": generation_position_ids(attention_mask)} if _accepts_position_ids(model) else {}
-    out = type(model).forward(
-        model, input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep + 1, use_cache=False,
-        **extra,
-    )
+    # type(model).forward bypasses the instance-level patches of accelerate (forced autocast) and TRL (fused head)
+    out = type(model).forward(model, **forward_kwargs(model, input_ids, attention_mask, logits_to_keep))
     return out.logits  # (B, T + 1, V)
 
 
@@ -236,6 +240,9 @@ class OldLogprobScorer:
         layers: decoder-layer indices for `guided_fp32` (required there, refused elsewhere).
         policy_autocast: zero-argument callable returning the context the policy trains under (the trainer passes
             `accelerator.autocast`); by default bf16 autocast when the weights are fp32, else no autocast.
+        sharded: a `grpo_ratio.sharding.ShardedPolicy` when `model` is FSDP2- or ZeRO-3-sharded (built after
+            accelerate wrapped it): then the compute dtype is the engine's, forwards go through the sharded root,
+            copies are sharded shadows (`FSDPShadow`, `ZeroShadow`) and the fp16 fallback is collective.
 
     Copies are built lazily, only when the policy's weights are not already in the dtype a mode needs:
     `fp32_clone` on fp32 weights and `fp32_head`/`guided_fp32` on fp32 weights use no copy at all (they run the
@@ -247,7 +254,8 @@ class OldLogprobScorer:
     """
 
     def __init__(self, model: nn.Module, mode: str, layers: Iterable[int] | None = None,
-                 policy_autocast: Callable[[], contextlib.AbstractContextManager] | None = None):
+                 policy_autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
+                 sharded: ShardedPolicy | None = None):
         if mode not in PRECISION_MODES:
             raise ValueError(f"old_logprob_mode={mode!r} is not a precision mode (a forward pass); allowed: "
                              f"{', '.join(PRECISION_MODES)}")
@@ -258,7 +266,11 @@ class OldLogprobScorer:
             raise ValueError(f"guided_fp32_layers is only used by 'guided_fp32', not by {mode!r}")
         self.model = model
         self.mode = mode
-        self.weight_dtype = next(model.parameters()).dtype
+        self.sharded = sharded
+        self.weight_dtype = next(model.parameters()).dtype if sharded is None else sharded.storage_dtype
+        # dtype of the hidden states between layers: the weights' unsharded (fp32 weights stay fp32 under autocast),
+        # the engine's compute dtype sharded (an FSDP bf16 policy hands bf16 weights to fp32-stored parameters)
+        self.hidden_dtype = self.weight_dtype if sharded is None else sharded.compute_dtype
         self.device_type = next(model.parameters()).device.type
         self.policy_autocast = policy_autocast or self._default_policy_autocast
         self.upcast: list[nn.Module] = []
@@ -287,24 +299,43 @@ class OldLogprobScorer:
         return self._copies[key].get(version)
 
     def copies(self) -> list[ModuleCopy]:
-        """The copies built so far (empty when the mode runs on the policy's own weights)."""
-        return list(self._copies.values())
+        """The copies built so far (empty when the mode runs on the policy's own weights); sharded: the shadows,
+        whose `num_bytes()` is what this rank keeps."""
+        return list(self._copies.values()) + (self.sharded.copies() if self.sharded is not None else [])
 
     def extra_bytes(self) -> int:
-        """Memory held by this scorer's copies, in bytes (0 when the mode needs no copy)."""
-        return sum(c.num_bytes() for c in self._copies.values())
+        """Memory held by this scorer's copies on this rank, in bytes (0 when the mode needs no copy)."""
+        return sum(c.num_bytes() for c in self.copies())
+
+    def _forward(self, model: nn.Module, input_ids, attention_mask, logits_to_keep: int) -> torch.Tensor:
+        if self.sharded is None:
+            return _plain_forward(model, input_ids, attention_mask, logits_to_keep)
+        out = self.sharded.forward(model, **forward_kwargs(model, input_ids, attention_mask, logits_to_keep))
+        return out.logits  # (B, T + 1, V)
 
     # -- one chunk per mode ------------------------------------------------------------------------------------------
 
     def _logits_full(self, dtype: torch.dtype, input_ids, attention_mask, logits_to_keep, version):
         """Whole forward in `dtype` outside autocast: the policy itself when its weights are already `dtype`."""
+        if self.sharded is not None:
+            with self.sharded.whole_model(dtype, version) as model, self._no_autocast():
+                return self._forward(model, input_ids, attention_mask, logits_to_keep)
         model = self.model if self.weight_dtype == dtype else self._copy_of(self.model, dtype, version, True)
         with self._no_autocast():
             return _plain_forward(model, input_ids, attention_mask, logits_to_keep)
 
     def _logits_policy(self, input_ids, attention_mask, logits_to_keep):
         with self.policy_autocast():
-            return _plain_forward(self.model, input_ids, attention_mask, logits_to_keep)
+            return self._forward(self.model, input_ids, attention_mask, logits_to_keep)
+
+    def _fp32_runner(self, module: nn.Module, version: int, feeds_fp32: bool):
+        """(runner, output dtype) running `module` in fp32: the module itself where its fp32 weights are at hand."""
+        if self.sharded is not None:
+            out_dtype = None if feeds_fp32 or self.hidden_dtype == torch.float32 else self.hidden_dtype
+            return self.sharded.fp32_runner(module), out_dtype
+        if self.weight_dtype == torch.float32:
+            return module, None  # fp32 weights: just leave autocast; no copy, no cast back
+        return self._copy_of(module, torch.float32, version), None if feeds_fp32 else self.weight_dtype
 
     def _logits_upcast(self, input_ids, attention_mask, logits_to_keep, version):
         """The policy's forward with `self.layers`, the final norm and the head in fp32 (fp32_head, guided_fp32)."""
@@ -315,14 +346,13 @@ class OldLogprobScorer:
         consumers_fp32 |= {id(a.norm), id(a.head)}  # norm feeds the fp32 head; head output is the fp32 logits
         rope_cache: dict = {}
         with contextlib.ExitStack() as stack:
+            if self.sharded is not None:
+                stack.enter_context(self.sharded.fp32_modules(chain))
             for module in chain:
-                if self.weight_dtype == torch.float32:
-                    runner, out_dtype = module, None  # fp32 weights: just leave autocast; no copy, no cast back
-                else:
-                    runner = self._copy_of(module, torch.float32, version)
-                    out_dtype = None if id(module) in consumers_fp32 else self.weight_dtype
-                stack.enter_context(_patched_forward(module, _fp32_forward(runner, out_dtype, rope_cache)))
-            if self.layers and a.rotary is not None and self.weight_dtype != torch.float32:
+                runner, out_dtype = self._fp32_runner(module, version, id(module) in consumers_fp32)
+                forward = _fp32_forward(runner, out_dtype, rope_cache, self.device_type)
+                stack.enter_context(_patched_forward(module, forward))
+            if self.layers and a.rotary is not None and self.hidden_dtype != torch.float32:
                 stack.enter_context(_patched_forward(a.rotary, _rope_fp32_forward(a.rotary, rope_cache)))
             return self._logits_policy(input_ids, attention_mask, logits_to_keep)
 
@@ -352,13 +382,18 @@ class OldLogprobScorer:
         # fp16 overflow (activations past 65,504) must never reach the ratio: re-score such rows in fp32
         scored = attention_mask[:, -logits_to_keep:].bool()  # (b, T)
         bad = (~torch.isfinite(logps) & scored).any(dim=1)  # (b,)
-        if bad.any():
-            rows = bad.nonzero().squeeze(1)
-            logits32 = self._logits_full(torch.float32, input_ids[rows], attention_mask[rows], logits_to_keep, version)
+        n_bad = int(bad.sum())
+        # sharded, every rank must run the same forwards: all re-score when any has a bad row (a rank-local fallback
+        # deadlocks); a rank without one re-scores its first row and drops the result
+        if (n_bad if self.sharded is None else self.sharded.sum_over_ranks(n_bad)) == 0:
+            return logps, 0, logits
+        rows = bad.nonzero().squeeze(1) if n_bad else torch.zeros(1, dtype=torch.long, device=bad.device)
+        logits32 = self._logits_full(torch.float32, input_ids[rows], attention_mask[rows], logits_to_keep, version)
+        if n_bad:
             logps[rows] = completion_logprobs_from_logits(logits32, completion_ids[rows], temperature)
             logits = logits.float()
             logits[rows] = logits32.float()
-        return logps, int(bad.sum()), logits
+        return logps, n_bad, logits
 
     # -- public ------------------------------------------------------------------------------------------------------
 
@@ -384,7 +419,8 @@ class OldLogprobScorer:
         """
         batch_size = batch_size or input_ids.size(0)
         chunks, kept_chunks, fallback = [], [], 0
-        with eval_mode(self.model):
+        sharding = contextlib.nullcontext() if self.sharded is None else self.sharded.scoring()
+        with eval_mode(self.model), sharding:
             for start in range(0, input_ids.size(0), batch_size):
                 sl = slice(start, start + batch_size)
                 rows = kept if kept is None or isinstance(kept, KeptSetFilter) else kept.select_rows(

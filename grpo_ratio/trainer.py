@@ -30,7 +30,7 @@ import torch
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 
-from .config import RatioGRPOConfig
+from .config import PRECISION_MODES, RatioGRPOConfig
 from .copies import WeightsVersion
 from .corrections import capture_last_hidden, check_head_is_linear, kept_set_logps_from_hidden
 from .diagnostics import RatioDiagnostics
@@ -49,6 +49,7 @@ from .rollouts import (
     vllm_engine_kwargs,
 )
 from .scoring import OldLogprobScorer
+from .sharding import check_sharded_mode, engine_of, fp32_logprob_output, sharded_policy
 
 
 class RatioGRPOTrainer(GRPOTrainer):
@@ -67,7 +68,8 @@ class RatioGRPOTrainer(GRPOTrainer):
     Raises:
         TypeError: `args` is a plain `GRPOConfig` (use `RatioGRPOConfig`, which has every GRPOConfig field).
         ValueError: `guided_fp32_layers` names a layer the model does not have.
-        NotImplementedError: a copy-based mode under DeepSpeed ZeRO-3 or FSDP (parameters would need gathering).
+        NotImplementedError: a sharded combination a mode cannot be exact in (`grpo_ratio.sharding.check_sharded_mode`:
+            FSDP1, PEFT or fp16 under FSDP2/ZeRO-3, parameter offload).
     """
 
     _tag_names = ["trl", "grpo", "grpo-ratio"]
@@ -100,15 +102,11 @@ class RatioGRPOTrainer(GRPOTrainer):
         self.weights_version = WeightsVersion()
         self.add_callback(_WeightsVersionCallback(self.weights_version))
         self.diagnostics = RatioDiagnostics(args, self.accelerator, self.eos_token_ids) if args.ratio_diagnostics else None
-        self.scorer = None
-        if args.old_logprob_mode not in ("bf16", "sampler"):  # the other modes run a forward pass of their own
-            self._refuse_sharded_copies()
-            self.scorer = OldLogprobScorer(
-                self.accelerator.unwrap_model(self.model),
-                args.old_logprob_mode,
-                layers=args.guided_fp32_layer_ids,
-                policy_autocast=self.accelerator.autocast,
-            )
+        check_sharded_mode(self.accelerator, self.model, args)  # FSDP2/ZeRO-3 combinations that cannot be exact
+        if args.old_logprob_mode in PRECISION_MODES[1:]:  # layer indices and model anatomy fail here, not at step 1
+            OldLogprobScorer(self.accelerator.unwrap_model(self.model), args.old_logprob_mode,
+                             layers=args.guided_fp32_layer_ids)
+        self._scorer = None  # built on first use (`scorer`): accelerate wraps FSDP2/ZeRO-3 models inside train()
         # The two records between TRL's hooks (grpo_ratio/records.py): one per generation batch and mode, one per
         # loss micro-batch. No other attribute is written in one hook and read in another.
         self._generations: dict[str, GenerationRecord] = {}
@@ -118,18 +116,16 @@ class RatioGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------------------------
     # setup checks
 
-    def _refuse_sharded_copies(self) -> None:
-        # A copy or an fp32 re-run needs the full parameters on every rank; under ZeRO-3/FSDP they are sharded.
-        if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
-            raise NotImplementedError(
-                f"old_logprob_mode={self.args.old_logprob_mode!r} is not supported under DeepSpeed ZeRO-3 yet "
-                f"(parameters are sharded); use old_logprob_mode='bf16' or ZeRO-1/2 (docs/distributed.md)"
-            )
-        if self.is_fsdp_enabled:
-            raise NotImplementedError(
-                f"old_logprob_mode={self.args.old_logprob_mode!r} is not supported under FSDP yet (parameters are "
-                f"sharded); use old_logprob_mode='bf16' or DDP (docs/distributed.md)"
-            )
+    @property
+    def scorer(self) -> OldLogprobScorer | None:
+        """The scoring mode's `OldLogprobScorer` (None for `bf16` and `sampler`), built on first use, after accelerate wrapped the
+        model: under FSDP2/ZeRO-3 its shadows and compute dtype come from the wrapped model (`grpo_ratio.sharding`)."""
+        if self._scorer is None and self.args.old_logprob_mode in PRECISION_MODES[1:]:
+            policy = self.accelerator.unwrap_model(self.model)
+            self._scorer = OldLogprobScorer(policy, self.args.old_logprob_mode, layers=self.args.guided_fp32_layer_ids,
+                                            policy_autocast=self.accelerator.autocast,
+                                            sharded=sharded_policy(self.accelerator, policy))
+        return self._scorer
 
     def _sampling_settings(self, policy):
         """The sampling settings the rollouts really use: on the transformers path, TRL's generation config with the
@@ -167,6 +163,11 @@ class RatioGRPOTrainer(GRPOTrainer):
         check_dropout(self.args, policy)
         check_positions(self.args, policy)
         check_vllm(self.args, self._vllm_engine_dtype(), self._trainer_dtype(policy))
+        if engine_of(self.accelerator) == "fsdp2" and self.args.bf16 and self.args.old_logprob_mode == "bf16":
+            warnings.warn("FSDP2 with a bf16 mixed-precision policy returns TRL's per-token log-probs rounded to bf16 "
+                          "(up to 1.5e-2 nats, on both sides of every ratio). old_logprob_mode='bf16' keeps TRL's numbers "
+                          "bit for bit, rounding included; every other mode returns the training forward's log-probs in "
+                          "fp32 (docs/distributed.md)", stacklevel=3)
         multi_turn = bool(self.tools) or self.environment_factories is not None
         recorded = self.args.resolved_kept_set_source == "recorded"
         if multi_turn and self.args.truncation_correction != "none" and not self.use_vllm and recorded:
@@ -202,6 +203,8 @@ class RatioGRPOTrainer(GRPOTrainer):
     # one generation batch: generation, old pass, correction
 
     def _generate_and_score_completions(self, inputs):
+        if self.args.old_logprob_mode != "bf16":  # bf16 keeps TRL's numbers, bf16 rounding included (warned at init)
+            fp32_logprob_output(self.accelerator.unwrap_model(self.model))  # FSDP2: no bf16 rounding of log-probs
         generation = GenerationRecord(mode=self._mode(), old_pass_pending=self._trl_runs_old_pass())
         self._generations[generation.mode] = generation  # replaces the previous batch's record of this mode
         try:

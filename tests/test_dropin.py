@@ -255,3 +255,15 @@ def test_public_functions_accept_empty_input():
     assert R.RatioStats().update(zeros, nothing).as_metrics("ratio/new_old") == {}
     assert R.clip_flips(zeros, zeros, torch.ones(2), nothing, 0.2, 0.2).as_metrics() == {}
     assert R.importance_sampling_stats(zeros, nothing, "sequence_mask", None, 3.0).as_metrics() == {}
+
+
+def test_a_copy_of_a_tied_model_keeps_one_embedding():
+    from grpo_ratio.copies import ModuleCopy
+
+    model = tiny_model("llama", tie_word_embeddings=True)
+    copy_ = ModuleCopy(model, torch.float16, whole_model=True)
+    module = copy_.get(1)
+    assert module.lm_head.weight is module.model.embed_tokens.weight
+    embedding_bytes = model.model.embed_tokens.weight.numel() * 2  # fp16
+    assert copy_.num_bytes() == sum(p.numel() for p in model.parameters()) * 2  # one embedding, not two
+    assert embedding_bytes > 0 and torch.equal(module.lm_head.weight, model.lm_head.weight.half())

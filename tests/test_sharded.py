@@ -1,0 +1,108 @@
+"""Scoring modes under real FSDP2 and DeepSpeed ZeRO-3 sharding: 2 CPU processes, tiny models, `accelerate launch`.
+
+Run: pytest tests/test_sharded.py                 (FSDP2, bf16 policy and none: 2 launches, about 1 minute each)
+     pip install -e ".[deepspeed]" && pytest -m slow tests/test_sharded.py   (ZeRO-3, bf16 and fp32; the first run on
+     a machine compiles one DeepSpeed CPU op, about 1.5 minutes, then about 1 minute per launch)
+
+Each launch (tests/sharded_modes.py) checks every mode on both head kinds; the assertions are here. A run that
+silently fell back to DDP fails at the sharding evidence.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from grpo_ratio.testing import cpu_launch_config
+
+
+ROOT = Path(__file__).resolve().parents[1]
+MODES = ("fp32_clone", "fp16_clone", "fp32_head", "guided_fp32")
+
+
+def launch(tmp_path, engine: str, precision: str) -> list[dict]:
+    """Run tests/sharded_modes.py under `accelerate launch` with the recipe's config made CPU-ready."""
+    recipe = ROOT / "recipes" / "accelerate_configs" / ("fsdp2.yaml" if engine == "fsdp2" else "zero3.yaml")
+    config = cpu_launch_config(str(recipe), tmp_path, bf16=precision == "bf16")
+    out = tmp_path / "result.json"
+    accelerate = Path(sys.executable).parent / "accelerate"
+    cmd = [str(accelerate), "launch", "--config_file", config, str(ROOT / "tests" / "sharded_modes.py"), str(out),
+           engine, precision]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1",
+           "DS_ACCELERATOR": "cpu", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def check(ranks: list[dict], engine: str, precision: str) -> None:
+    assert len(ranks) == 2
+    for rank, run in enumerate(ranks):
+        assert run["world_size"] == 2
+        assert run["compute_dtype"] == ("torch.bfloat16" if precision == "bf16" else "torch.float32")
+        for mode in MODES:
+            for head, row in run["modes"][mode].items():
+                check_row(row, engine, precision, mode, f"rank {rank} {precision} {mode} {head}")
+        check_fallback(run["fp16_fallback"], rank)
+        assert "PEFT adapter is not supported" in run["peft_refused"]
+
+
+def check_row(row: dict, engine: str, precision: str, mode: str, where: str) -> None:
+    evidence = row["evidence"]  # real sharding, not a silent DDP fallback
+    assert evidence["distributed_type"].endswith("FSDP" if engine == "fsdp2" else "DEEPSPEED"), where
+    assert evidence["num_sharded"] == evidence["num_params"] > 0, where
+    assert evidence["largest_local"] * 2 == evidence["largest_full"], where
+    checks = row["checks"]
+    assert len(checks) == (4 if engine == "fsdp2" else 2), where  # an old pass per step, second train() included
+    assert max(c["max_abs"] for c in checks) == 0.0, where  # bitwise equal to the unsharded replica
+    # the mode is not TRL's own pass in disguise: where the engine computes in bf16 every mode differs from it;
+    # in fp32 only fp16_clone does
+    differs = precision == "bf16" or mode == "fp16_clone"
+    assert (min(c["gap_to_bf16_mode"] for c in checks) > 0) == differs, where
+    assert row["policy_forward_unchanged"], where  # policy swaps leave the training forward bit-identical
+    check_copies(row, engine, precision, mode, where)
+
+
+def check_copies(row: dict, engine: str, precision: str, mode: str, where: str) -> None:
+    shadowed = mode == "fp16_clone" or (engine == "zero3" and precision == "bf16" and mode == "fp32_clone")
+    checks = row["checks"]
+    if not shadowed:  # the mode runs on the policy's own shards (or gathers fp32 masters per module): nothing kept
+        assert all(c["copies"] == [] for c in checks) and row["extra_bytes"] == 0, where
+        return
+    for i, c in enumerate(checks):  # used at the trainer's version, refreshed exactly when it changed
+        ((version, refreshes),) = c["copies"]
+        assert version == c["version"] and refreshes == i + 1, where
+    bytes_per_value = 4 if mode == "fp32_clone" else 2
+    # this rank's half of the parameters (ZeRO-3 pads each partition, the buffers are whole on every rank)
+    assert 0 <= row["extra_bytes"] - row["num_params"] * bytes_per_value // 2 < 512, where
+
+
+def check_fallback(fallback: dict, rank: int) -> None:
+    # overflow forced on rank 0 only: rank 0 re-scored its 2 bad rows in fp32, rank 1 ran the same fp32 forwards on
+    # a dummy row (else the ranks deadlock) and kept its fp16 values; both equal the replica
+    assert fallback["fallback_rows"] == (2 if rank == 0 else 0)
+    assert fallback["finite"] and fallback["max_abs"] == 0.0
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_fsdp2_modes(tmp_path, precision):
+    ranks = launch(tmp_path, "fsdp2", precision)
+    check(ranks, "fsdp2", precision)
+    for run in ranks:  # the new side: under the bf16 policy TRL's log-probs were rounded to bf16, now fp32
+        side = run["new_side"]
+        assert side["dtype_fixed"] == "torch.float32" and side["fix_idempotent"]
+        if precision == "bf16":
+            assert side["dtype_unfixed"] == "torch.bfloat16" and side["unfixed_is_bf16_of_fixed"]
+            assert side["max_abs_rounding"] > 1e-3
+        else:
+            assert side["max_abs_rounding"] == 0.0  # no policy, no output cast
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_zero3_modes(tmp_path, precision):
+    pytest.importorskip("deepspeed", reason='ZeRO-3 tests need `pip install -e ".[deepspeed]"`')
+    check(launch(tmp_path, "zero3", precision), "zero3", precision)
