@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
 from transformers import TrainerCallback, set_seed
 
 from grpo_ratio.plots import plot_comparison
@@ -466,9 +467,9 @@ def main(argv: Sequence[str] | None = None) -> Comparison | None:
         check_overrides(recipes, overrides, Path(args.output_root) / args.name / "check")
     except ValueError as err:
         parser.error(str(err))
-    # a run is resumed only for the same recipe text and overrides (what the user asked for)
-    fingerprints = {arm: json.dumps({"recipe": Path(r).read_text(), "overrides": list(overrides)})
-                    for arm, r in recipes.items()}
+    # a run is resumed only for the same recipe values and overrides (what the user asked for; comments may change)
+    fingerprints = {arm: json.dumps({"recipe": yaml.safe_load(Path(r).read_text()), "overrides": list(overrides)},
+                                    sort_keys=True) for arm, r in recipes.items()}
     comparison = run_comparison(
         list(recipes),
         args.seeds,
