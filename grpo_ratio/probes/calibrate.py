@@ -157,6 +157,7 @@ def run(args) -> list:
     calib = Path(args.calibration_out or Path(args.out) / "calibration.json")
     calib.parent.mkdir(parents=True, exist_ok=True)
     record = {"guided_fp32_layers": result["guided_fp32_layers"], "model": args.model,
+              "num_layers": model.config.num_hidden_layers,  # checked against the trained model (lints)
               "recommended_mode": result["recommended_mode"], "target": args.target, "reached": result["reached"],
               "ranking": ranking, "ranking_source": source, "eval_prompts": {"path": payload["info"]["prompts"],
                                                                              "indices": idx},

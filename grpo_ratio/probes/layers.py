@@ -193,7 +193,8 @@ def markdown(payload: dict) -> str:
 def calibration_record(payload: dict) -> dict:
     """The calibration JSON accepted by `RatioGRPOConfig(guided_fp32_layers=PATH)` (key `guided_fp32_layers`)."""
     info, r = payload["info"], payload["result"]
-    return {"guided_fp32_layers": r["guided_fp32_layers"], "model": info["model"], "increments": r["increments"],
+    return {"guided_fp32_layers": r["guided_fp32_layers"], "model": info["model"], "num_layers": info["num_layers"],
+            "increments": r["increments"],
             "divergence": r["divergence"], "ranking": r["ranking"], "top_k": r["top_k"],
             "selection_prompts": {"path": info["prompts"], "indices": info["prompt_indices"]},
             "num_positions": r["num_positions"], "regime": payload["regime"], "batch_size": payload["batch_size"],
