@@ -141,6 +141,24 @@ def test_main_runs_a_recipe_on_a_tiny_model(grpo, tiny_dir, tmp_path):
     assert not (out / "model.safetensors").exists()
 
 
+def test_a_finished_run_is_not_overwritten(grpo, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "log_history.json").write_text("[]")  # what main() writes when a run finishes
+    recipe = str(ROOT / "recipes/smollm2-135m/arithmetic/bf16.yaml")
+    common = dict(output_dir=out, report_to="none", model_name_or_path=tmp_path / "no-model")
+    args = _parse(grpo, ["--config", recipe], **common)
+    with pytest.raises(FileExistsError, match=r"already holds a finished run .*--seed 1 --output_dir .*run-s1.*"
+                                              r"--resume_from_checkpoint.*--overwrite_output_dir true"):
+        grpo.main(*args)  # refused before the model (which does not exist) is even looked for
+    assert sorted(p.name for p in out.iterdir()) == ["log_history.json"]  # nothing written (no wandb dir either)
+    for opt_in in (dict(overwrite_output_dir="true"), dict(resume_from_checkpoint=str(out / "checkpoint-1"))):
+        script_args, training_args, _ = _parse(grpo, ["--config", recipe], **common, **opt_in)
+        grpo.check_output_dir(script_args, training_args)  # allowed: the run goes on to load the model
+    script_args, training_args, _ = _parse(grpo, ["--config", recipe], **{**common, "output_dir": tmp_path / "new"})
+    grpo.check_output_dir(script_args, training_args)  # a fresh output_dir
+
+
 @pytest.mark.skipif(not (SHARED / "data" / "gsm8k").is_dir(), reason="needs ../shared/data/gsm8k")
 def test_gsm8k_recipe_data_path_resolves_from_repo_root(grpo, monkeypatch):
     from grpo_ratio.tasks import load_task
