@@ -255,6 +255,8 @@ def test_calibrate_probe_on_tiny_model(tmp_path, capsys):
     layers_file.write_text(json.dumps({"guided_fp32_layers": [1], "increments": [0.1, 0.5]}))
     res = _run(tmp_path, "calibrate", "--target", "0.0", "--calibration", str(layers_file))
     assert res["ranking_source"] == str(layers_file) and res["ranking"] == [1, 0]
+    layers_file.write_text(json.dumps({"probe": "layers", "result": {"increments": [0.5, 0.1]}}))  # layers.json
+    assert _run(tmp_path, "calibrate", "--target", "0.0", "--calibration", str(layers_file))["ranking"] == [0, 1]
     layers_file.write_text(json.dumps({"guided_fp32_layers": [1], "increments": [0.5]}))  # 1 increment, 2 layers
     assert main(["probe", "calibrate", *TINY, "--calibration", str(layers_file), "--out", str(tmp_path)]) == 2
     assert "has 1 increments, the model has 2" in capsys.readouterr().err

@@ -111,8 +111,8 @@ def add_arguments(p) -> None:
     common.add_common_arguments(p)
     p.add_argument("--target", type=float, default=0.01, help="out-of-band rate to reach (default 0.01 = 1%%)")
     p.add_argument("--calibration", default=None,
-                   help="layer order from a `probe layers` calibration JSON; default: measured here on the selection "
-                        "split (the last --num-prompts prompts)")
+                   help="layer order from a `probe layers` calibration JSON or its layers.json; default: measured here "
+                        "on the selection split (the last --num-prompts prompts)")
     p.add_argument("--max-layers", type=int, default=None, help="try at most this many decoder layers")
     p.add_argument("--calibration-out", default=None, help="calibration JSON path; default OUT/calibration.json")
 
@@ -125,10 +125,11 @@ def _ranking(args, model, tok) -> tuple[list[int], str]:
         try:
             with open(args.calibration) as f:
                 data = json.load(f)
-            inc = data["increments"]
+            # a `probe layers` calibration file, or the probe's own result (layers.json: increments under "result")
+            inc = data["increments"] if "increments" in data else data["result"]["increments"]
         except (OSError, ValueError, KeyError, TypeError) as err:
-            raise common.ProbeError(f"--calibration {args.calibration!r}: not a `probe layers` calibration JSON with "
-                                    f"an 'increments' list ({type(err).__name__}: {err})") from None
+            raise common.ProbeError(f"--calibration {args.calibration!r}: not a `probe layers` calibration JSON or "
+                                    f"layers.json with an 'increments' list ({type(err).__name__}: {err})") from None
         if len(inc) != model.config.num_hidden_layers:
             raise common.ProbeError(f"--calibration {args.calibration!r} has {len(inc)} increments, the model has "
                                     f"{model.config.num_hidden_layers} decoder layers")
