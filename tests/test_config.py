@@ -73,7 +73,7 @@ def test_bad_layer_specs_name_the_field(spec, match):
 def test_layer_specs(tmp_path):
     assert parse_layer_spec("3, 1") == [1, 3]
     assert parse_layer_spec([2, 0]) == [0, 2]
-    assert parse_layer_spec("") == []  # no layers: guided_fp32 then asks for some (test_bad_values_fail_at_config_time)
+    assert parse_layer_spec("") == []  # no layers: guided_fp32 then asks for some (see test_bad_values_fail_...)
     calib = tmp_path / "calib.json"
     calib.write_text(json.dumps({"guided_fp32_layers": [0, 1, 29]}))
     assert _cfg(tmp_path, old_logprob_mode="guided_fp32", guided_fp32_layers=str(calib)).guided_fp32_layer_ids == [0, 1, 29]
