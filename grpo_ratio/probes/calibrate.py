@@ -1,9 +1,9 @@
 """`grpo-ratio probe calibrate`: the smallest guided fp32 layer set that meets a target out-of-band rate, and its
-cost (seed 004 `selective_fp32.py`, T7/T7b, turned into a search).
+cost (the batch-logprob-gap report's `selective_fp32.py`, tables T7/T7b, turned into a search).
 
-Layers are added in decreasing order of their divergence increment (from a `probe layers` calibration file, or
-measured here on the selection split), always with the final norm and LM head in fp32: k = 0 is `fp32_head`, k >= 1
-is `guided_fp32` with the top-k layers. Each candidate is scored on the held-out evaluation split at batch 1 (each
+Layers are added in decreasing order of their divergence increment (from a `probe layers` calibration file or
+layers.json, or measured here on the selection split), always with the final norm and LM head in fp32: k = 0 is
+`fp32_head`, k >= 1 is `guided_fp32` with the top-k layers. Each candidate is scored on the held-out evaluation split at batch 1 (each
 sequence alone) and batch 8 (the padded batch); the search stops at the first k whose out-of-band rate is <= target.
 The cost is the time of the batch-8 pass relative to the `bf16` mode's, on the same data (one timed pass after an
 untimed one).

@@ -54,7 +54,13 @@ class GRPOScriptArguments:
     task_seed: int | None = field(
         default=None, metadata={"help": "Seed of the task data (arithmetic problems, gsm8k shuffle), not of training."}
     )
-    reward: str | None = field(default=None, metadata={"help": "gsm8k: 'lenient' (default, seed 004) or 'strict'."})
+    reward: str | None = field(
+        default=None,
+        metadata={
+            "help": "gsm8k: 'lenient' (default, as in the batch-logprob-gap report: the completion's last number) or "
+            "'strict' (its last '#### <integer>')."
+        },
+    )
     max_operand: int | None = field(default=None, metadata={"help": "arithmetic: operands in [1, max_operand]."})
     operations: str | None = field(default=None, metadata={"help": "arithmetic: operators, e.g. '+' or '+-'."})
     save_final_model: bool = field(default=True, metadata={"help": "Save the trained model to output_dir."})
