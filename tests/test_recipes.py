@@ -165,8 +165,8 @@ def test_a_finished_run_is_not_overwritten(grpo, tmp_path):
     (out / "log_history.json").write_text("[]")  # what main() writes when a run finishes
     recipe = str(ROOT / "recipes/smollm2-135m/arithmetic/bf16.yaml")
     common = dict(output_dir=out, report_to="none", model_name_or_path=tmp_path / "no-model")
-    args = _parse(grpo, ["--config", recipe], **common)
-    with pytest.raises(FileExistsError, match=r"already holds a finished run .*--seed 1 --output_dir .*run-s1.*"
+    args = _parse(grpo, ["--config", recipe], **common, seed=1)  # a second seed into the recipe's output_dir
+    with pytest.raises(FileExistsError, match=r"already holds a finished run .*--seed 1 --output_dir .*run-s1\).*"
                                               r"--resume_from_checkpoint.*--overwrite_output_dir true"):
         grpo.main(*args)  # refused before the model (which does not exist) is even looked for
     assert sorted(p.name for p in out.iterdir()) == ["log_history.json"]  # nothing written (no wandb dir either)

@@ -105,8 +105,8 @@ def check_output_dir(script_args: GRPOScriptArguments, training_args: RatioGRPOC
         return
     raise FileExistsError(
         f"output_dir={training_args.output_dir!r} already holds a finished run ({finished}); this run would "
-        f"overwrite it. Pass another --output_dir (one per seed, e.g. --seed 1 --output_dir "
-        f"{training_args.output_dir.rstrip('/')}-s1), --resume_from_checkpoint to continue it, or "
+        f"overwrite it. Pass another --output_dir (one per seed, e.g. --seed {training_args.seed} --output_dir "
+        f"{training_args.output_dir.rstrip('/')}-s{training_args.seed}), --resume_from_checkpoint to continue it, or "
         f"--overwrite_output_dir true to replace it."
     )
 
