@@ -20,49 +20,115 @@ KEPT_SET_SOURCES = ("auto", "recorded", "recompute")
 VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
-def parse_layer_spec(spec) -> list[int] | None:
-    """Turn a `guided_fp32_layers` value into a sorted list of distinct decoder-layer indices.
+_LAYER_FORMS = "comma-separated indices ('0,29'), a list ('[0, 29]'), one index (29) or a calibration .json path"
 
-    Accepts `None`, a list/tuple of ints, a string of comma-separated ints (`"0,1,27"`), or the path of a
-    calibration JSON file written by `grpo-ratio probe layers`/`calibrate` (key `"guided_fp32_layers"`).
+
+def read_calibration(path: str) -> dict:
+    """The calibration JSON at `path` (written by `grpo-ratio probe layers`/`calibrate`), checked to hold a
+    `guided_fp32_layers` list.
 
     Raises:
-        ValueError: an entry is not a non-negative integer, or the JSON file has no `guided_fp32_layers` list.
-        FileNotFoundError: the value looks like a path (ends in `.json`) but the file does not exist.
+        FileNotFoundError: no file at `path`.
+        ValueError: not JSON, or no `guided_fp32_layers` list in it.
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"guided_fp32_layers: calibration file {path!r} does not exist")
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"guided_fp32_layers: calibration file {path!r} is not JSON ({err})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("guided_fp32_layers"), list):
+        raise ValueError(f"guided_fp32_layers: {path!r} has no 'guided_fp32_layers' list of layer indices")
+    return data
+
+
+def calibration_metadata(path: str, data: dict) -> dict:
+    """What a calibration file says about the model it was measured on: `path`, `model` (the `--model` of the
+    probe, or None) and `num_layers` (its decoder-layer count: recorded, else the length of its per-layer `ranking`
+    or `increments`, else None). `grpo_ratio.lints.check_calibration` compares them with the trained model."""
+    num_layers = data.get("num_layers")
+    for key in ("ranking", "increments"):  # files written before num_layers was recorded: one entry per layer
+        if num_layers is None and isinstance(data.get(key), list):
+            num_layers = len(data[key])
+    return {"path": path, "model": data.get("model"), "num_layers": num_layers, "source": data.get("source")}
+
+
+def _is_calibration_path(text: str) -> bool:
+    return text.endswith(".json") or os.path.sep in text or "/" in text
+
+
+def _string_items(text: str) -> list:
+    """Entries of a string `guided_fp32_layers`: a JSON-style list ('[0, 29]') or comma-separated ('0,29')."""
+    if text.startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError:
+            raise ValueError(f"guided_fp32_layers={text!r} is not a valid list; expected {_LAYER_FORMS}") from None
+        if not isinstance(items, list):
+            raise ValueError(f"guided_fp32_layers={text!r}: expected {_LAYER_FORMS}")
+        return items
+    entries = [x.strip() for x in text.split(",")] if text else []
+    if "" in entries:  # '0,,29' or '0,29,': a typo, not "no layer" (a silently dropped entry hides it)
+        raise ValueError(f"guided_fp32_layers={text!r} has an empty entry; expected {_LAYER_FORMS}")
+    return entries
+
+
+def _layer_index(x) -> int:
+    """One entry as a non-negative int: an int (not a bool) or the string of one (`"7"`, `"+7"`)."""
+    if isinstance(x, bool) or not isinstance(x, (int, str)):
+        raise ValueError(f"guided_fp32_layers: {x!r} is not an integer layer index")
+    try:
+        i = int(x)
+    except ValueError:
+        raise ValueError(f"guided_fp32_layers: {x!r} is not an integer layer index") from None
+    if i < 0:
+        raise ValueError(f"guided_fp32_layers: {x!r} is not a non-negative integer layer index")
+    return i
+
+
+def resolve_layer_spec(spec) -> tuple[list[int] | None, dict | None]:
+    """`guided_fp32_layers` as (sorted distinct decoder-layer indices, calibration metadata or None).
+
+    Accepts `None`; an int (a YAML `29`); a list/tuple of ints; a string of comma-separated ints (`"0,1,27"`) or a
+    JSON-style list (`"[0, 29]"`); or the path of a calibration JSON written by `grpo-ratio probe layers`/`calibrate`
+    (key `"guided_fp32_layers"`), whose metadata (`calibration_metadata`) comes back as the second item.
+
+    Raises:
+        ValueError: an entry is empty or not a non-negative integer, an index is listed twice, or the JSON file has
+            no `guided_fp32_layers` list.
+        FileNotFoundError: the value looks like a path (ends in `.json` or holds a `/`) but the file does not exist.
     """
     if spec is None:
-        return None
-    if isinstance(spec, str):
-        s = spec.strip()
-        if s.endswith(".json") or os.path.sep in s:
-            if not os.path.isfile(s):
-                raise FileNotFoundError(f"guided_fp32_layers: calibration file {s!r} does not exist")
-            with open(s) as f:
-                data = json.load(f)
-            if not isinstance(data, dict) or not isinstance(data.get("guided_fp32_layers"), list):
-                raise ValueError(f"guided_fp32_layers: {s!r} has no 'guided_fp32_layers' list of layer indices")
-            items = data["guided_fp32_layers"]
-        elif s == "":
-            items = []
-        else:
-            items = [x for x in s.replace(" ", "").split(",") if x != ""]
+        return None, None
+    calibration = None
+    if isinstance(spec, bool):
+        raise ValueError(f"guided_fp32_layers must be {_LAYER_FORMS}, got {spec!r}")
+    if isinstance(spec, int):
+        items = [spec]
     elif isinstance(spec, (list, tuple)):
         items = list(spec)
+    elif isinstance(spec, str) and _is_calibration_path(spec.strip()):
+        path = spec.strip()
+        data = read_calibration(path)
+        items, calibration = data["guided_fp32_layers"], calibration_metadata(path, data)
+    elif isinstance(spec, str):
+        items = _string_items(spec.strip())
     else:
-        raise ValueError(f"guided_fp32_layers must be a list of ints, a comma-separated string or a .json path, "
-                         f"got {type(spec).__name__}")
+        raise ValueError(f"guided_fp32_layers must be {_LAYER_FORMS}, got {type(spec).__name__}")
     layers = []
     for x in items:
-        try:
-            i = int(x)
-        except (TypeError, ValueError):
-            raise ValueError(f"guided_fp32_layers: {x!r} is not an integer layer index") from None
-        if i < 0 or str(x).strip() not in (str(i), f"+{i}") and not isinstance(x, int):
-            raise ValueError(f"guided_fp32_layers: {x!r} is not a non-negative integer layer index")
+        i = _layer_index(x)
         if i in layers:
             raise ValueError(f"guided_fp32_layers: layer {i} is listed twice")
         layers.append(i)
-    return sorted(layers)
+    return sorted(layers), calibration
+
+
+def parse_layer_spec(spec) -> list[int] | None:
+    """Turn a `guided_fp32_layers` value into a sorted list of distinct decoder-layer indices (the forms and errors
+    of `resolve_layer_spec`)."""
+    return resolve_layer_spec(spec)[0]
 
 
 @dataclass
@@ -79,9 +145,11 @@ class RatioGRPOConfig(GRPOConfig):
         and head in fp32), or `"sampler"`: the log-probs the sampler recorded for the rollout tokens (HF `generate`
         recording or vLLM's), with no old pass at all (verl `bypass_mode`, slime `--use-rollout-logprobs`). Source of
         the precision modes: the batch-logprob-gap report (tables T7/T10).
-    guided_fp32_layers (`str` or `list[int]`, *optional*):
-        Decoder layers run in fp32 by `"guided_fp32"`: comma-separated indices (`"0,1,27"`) or the path of a
-        calibration JSON written by `grpo-ratio probe layers`. Required by `"guided_fp32"`, refused otherwise.
+    guided_fp32_layers (`str`, `int` or `list[int]`, *optional*):
+        Decoder layers run in fp32 by `"guided_fp32"`: comma-separated indices (`"0,1,27"`), a list (`[0, 29]` or
+        `"[0, 29]"`), one index (`29`) or the path of a calibration JSON written by `grpo-ratio probe layers` or
+        `calibrate` (its model and layer count are checked against the trained model when the trainer starts).
+        Required by `"guided_fp32"`, refused otherwise.
 
     > Parameters that control truncated-sampling correction
 
@@ -124,7 +192,8 @@ class RatioGRPOConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "Decoder layers run in fp32 by old_logprob_mode='guided_fp32': comma-separated indices such as "
-            "'0,1,27', or the path of a calibration JSON written by `grpo-ratio probe layers`."
+            "'0,1,27', a list '[0, 29]', one index, or the path of a calibration JSON written by `grpo-ratio probe "
+            "layers` or `grpo-ratio probe calibrate`."
         },
     )
     truncation_correction: str = field(
@@ -208,7 +277,7 @@ class RatioGRPOConfig(GRPOConfig):
                 f"truncation_correction={self.truncation_correction!r} is not allowed; allowed: "
                 f"{', '.join(TRUNCATION_CORRECTIONS)}"
             )
-        layers = parse_layer_spec(self.guided_fp32_layers)
+        layers, self.guided_fp32_calibration = resolve_layer_spec(self.guided_fp32_layers)
         if self.old_logprob_mode == "guided_fp32" and not layers:
             raise ValueError(
                 "old_logprob_mode='guided_fp32' needs guided_fp32_layers: decoder-layer indices such as '0,1,27' or a "
@@ -219,7 +288,9 @@ class RatioGRPOConfig(GRPOConfig):
                 f"guided_fp32_layers is only used by old_logprob_mode='guided_fp32', but old_logprob_mode="
                 f"{self.old_logprob_mode!r}; remove guided_fp32_layers or switch the mode"
             )
-        self.guided_fp32_layer_ids = layers  # resolved list (None unless guided_fp32); validated against L at init
+        # resolved list (None unless guided_fp32), checked against the model's layers when the trainer starts; a
+        # calibration file's metadata (`calibration_metadata`) too, for `grpo_ratio.lints.check_calibration`
+        self.guided_fp32_layer_ids = layers
         if not 0.0 < self.ratio_band_low < 1.0 < self.ratio_band_high:
             raise ValueError(
                 f"ratio band must satisfy 0 < ratio_band_low < 1 < ratio_band_high, got "

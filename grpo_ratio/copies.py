@@ -4,7 +4,8 @@ A copy is only built when the scoring mode needs weights in a dtype the policy d
 in fp32 and trains under bf16 autocast by default, so the fp32 modes run the policy's own weights with no copy;
 an fp16 copy, or fp32 copies of a bf16-stored policy, are what this module makes.
 
-Rules (seed 004 arms B/D/F; trl_grpo_internals.md §3 pitfalls):
+Rules (from the fp32/fp16 clones of the batch-logprob-gap report's GRPO runs, and TRL 1.16's `GRPOTrainer`, whose
+fused LM head patches `forward`):
 - never `copy.deepcopy` a policy TRL has patched (its fused-head `forward` closure keeps calling the original model):
   a whole-model copy is built from the config and loaded from the policy's state dict;
 - a copy carries a version (the `WeightsVersion` it was synced at: it moves whenever the policy's weights may have

@@ -63,8 +63,9 @@ class KeptSets:
         offsets (`torch.Tensor | None`, (N * T + 1,) int64): the ids of cell c are `ids[offsets[c]:offsets[c + 1]]`.
             None when `support_size_only`.
         support_size_only (`bool`): only |S| is kept. Valid when S is the top-|S| prefix of the trainer's distribution
-            (top_k / top_p / min_p keep a prefix of the sorted distribution; verl `support_size_replay`, seed notes
-            1(c): sets identical 99.5% of the time at top_p=0.8, 72% at top_k=20, ratios equal to four decimals).
+            (top_k / top_p / min_p keep a prefix of the sorted distribution; the batch-logprob-gap repository's
+            verl `support_size_replay.py`: sets identical 99.5% of the time at top_p=0.8, 72% at top_k=20, ratios
+            equal to four decimals).
 
     Memory: 4 B per kept id + 8 B per cell of offsets + 4 B per cell of sizes. top_k=1024 over 8,192 tokens is
     8,388,608 ids = 32 MiB per sequence (2 GiB for 64 sequences); `support_size_only` keeps 32 KiB per sequence.
@@ -309,7 +310,8 @@ def kept_set_logprobs(
 ) -> torch.Tensor:
     """Log-probs of `tokens` renormalised over the kept sets: log p_S(g) = z_g - logsumexp_{v in S} z_v, z = logits/T.
 
-    The `renormalize` correction (seed 004 README; DeepSeek-V3.2 "Keep Sampling Mask", arXiv 2512.02556): used for
+    The `renormalize` correction (the batch-logprob-gap README; DeepSeek-V3.2 "Keep Sampling Mask", arXiv
+    2512.02556): used for
     both old and new log-probs, it puts the trainer on the sampler's support. Differentiable (new log-probs); a
     token's gradient reaches only the logits in its kept set. A kept set of size 1 gives 0.0.
 
@@ -368,7 +370,8 @@ def log_kept_mass(
     mask: torch.Tensor | None = None,
     chunk_cells: int = DEFAULT_CHUNK_CELLS,
 ) -> torch.Tensor:
-    """log M_S = log sum_{v in S} softmax(logits / temperature)_v per cell, <= 0 (seed notes 1(c); trunc_bias.py).
+    """log M_S = log sum_{v in S} softmax(logits / temperature)_v per cell, <= 0 (batch-logprob-gap
+    `trunc_bias.py`).
 
     `kept_set_logprobs = full-vocab log-prob - log_kept_mass`. With `support_size_only` kept sets this is
     `log_kept_mass_top_prefix`. Differentiable.
@@ -404,7 +407,8 @@ def log_kept_mass_top_prefix(
 ) -> torch.Tensor:
     """log kept mass when S is the top-|S| prefix: logcumsumexp(top-|S| of z)[|S| - 1] - logsumexp(z), z = logits/T.
 
-    Support-size replay (verl `support_size_replay.py`, `log_kept_mass_from_logits`; seed notes 1(c)): only |S| travels
+    Support-size replay (the batch-logprob-gap repository's verl `support_size_replay.py`,
+    `log_kept_mass_from_logits`): only |S| travels
     from the sampler; the trainer takes its own top-|S|. Equals `log_kept_mass` whenever the sampler's S is the
     trainer's top-|S| (see `is_top_prefix`).
 

@@ -6,12 +6,15 @@ something the user may not expect (`UserWarning` naming the fields and the fix).
 
 from __future__ import annotations
 
+import re
 import warnings
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from .rollouts import SamplingSettings
+from .scoring import model_anatomy
 
 
 # config fields of transformers models that set a dropout probability applied inside the forward
@@ -139,3 +142,40 @@ def check_vllm(args, engine_dtype: torch.dtype | None, trainer_dtype: torch.dtyp
         warnings.warn("truncation_correction='lift_sampler': TRL computes its logged sampling/importance_sampling_"
                       "ratio/* before the lift (it still carries the kept mass); the lifted weights the loss uses "
                       "are logged as ratio/importance_sampling_ratio/*", stacklevel=3)
+
+
+def _model_key(name: str) -> str:
+    """A model's name without owner or location, lower-cased, so that a hub id, its hub-cache snapshot
+    (`.../models--Owner--Name/snapshots/<hash>`) and a converted copy (`~/.cache/grpo_ratio/Name`) compare equal."""
+    hub_cache = re.search(r"models--([^/\\]+)", name)
+    if hub_cache:
+        name = hub_cache.group(1).replace("--", "/")
+    return Path(name.rstrip("/\\")).name.lower()
+
+
+def check_calibration(args, model: nn.Module) -> None:
+    """A `guided_fp32_layers` calibration file against the model being trained (`args.guided_fp32_calibration`,
+    kept by `RatioGRPOConfig` when `guided_fp32_layers` is a file; nothing to check otherwise).
+
+    Raises:
+        ValueError: the file was measured on a model with another number of decoder layers: its layer choice (and
+            even its indices) belong to another architecture.
+    Warns (UserWarning): the file names another model (same layer count): the layers that carry the batch-shape
+        divergence differ between models, so its choice may not be the right one for this model.
+    """
+    calibration = getattr(args, "guided_fp32_calibration", None)
+    if not calibration:
+        return
+    num_layers = len(model_anatomy(model).layers)
+    path, recorded = calibration["path"], calibration.get("model")
+    fix = (f"measure this model with `grpo-ratio probe calibrate --model <it> --calibration-out FILE` and pass FILE, "
+           f"or pass layer indices (guided_fp32_layers='0,{num_layers - 1}')")
+    if calibration.get("num_layers") is not None and calibration["num_layers"] != num_layers:
+        raise ValueError(f"guided_fp32_layers={path!r} is a calibration for {recorded or 'another model'} with "
+                         f"{calibration['num_layers']} decoder layers, but the trained model has {num_layers}; "
+                         f"{fix}")
+    name = getattr(getattr(model, "config", None), "name_or_path", "") or ""
+    if recorded and name and _model_key(recorded) != _model_key(name):
+        warnings.warn(f"guided_fp32_layers={path!r} is a calibration for model {recorded!r}, but the trained model is "
+                      f"{name!r}: the layers that carry the bf16 batch-shape divergence differ between models, so its "
+                      f"choice {args.guided_fp32_layer_ids} may not suit this one; {fix}", stacklevel=3)

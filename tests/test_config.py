@@ -36,14 +36,65 @@ def test_bad_values_fail_at_config_time(tmp_path, kw, match):
         _cfg(tmp_path, **kw)
 
 
+@pytest.mark.parametrize("spec", ["0,29", " 29 , 0 ", "[0, 29]", [29, 0], (0, 29), "[29,0]"])
+def test_layer_spec_forms(spec):
+    assert parse_layer_spec(spec) == [0, 29]
+
+
+def test_layer_spec_single_int_as_yaml_gives_it(tmp_path):
+    from trl import TrlParser
+
+    assert parse_layer_spec(29) == [29] and parse_layer_spec("29") == [29]
+    yaml = tmp_path / "r.yaml"  # `guided_fp32_layers: 29` reaches the config as a YAML int, `"[0, 29]"` as a string
+    for value, layers in (("29", [29]), ('"[0, 29]"', [0, 29]), ("[0, 29]", [0, 29])):
+        yaml.write_text(f"output_dir: {tmp_path}\nuse_cpu: true\nreport_to: none\nold_logprob_mode: guided_fp32\n"
+                        f"guided_fp32_layers: {value}\n")
+        (cfg,) = TrlParser((RatioGRPOConfig,)).parse_args_and_config(["--config", str(yaml)])
+        assert cfg.guided_fp32_layer_ids == layers and cfg.guided_fp32_calibration is None
+
+
+@pytest.mark.parametrize("spec,match", [
+    ("0,,29", "'0,,29' has an empty entry"),
+    ("0,29,", "has an empty entry"),
+    (",", "has an empty entry"),
+    ("[0, 29", "is not a valid list"),
+    ('{"a": 1}', "not an integer|expected"),
+    ("[0, true]", "True is not an integer"),
+    (True, "guided_fp32_layers must be"),
+    (1.5, "guided_fp32_layers must be"),
+    ([0, "x"], "'x' is not an integer"),
+])
+def test_bad_layer_specs_name_the_field(spec, match):
+    with pytest.raises(ValueError, match=match) as err:
+        parse_layer_spec(spec)
+    assert "guided_fp32_layers" in str(err.value)
+
+
 def test_layer_specs(tmp_path):
     assert parse_layer_spec("3, 1") == [1, 3]
     assert parse_layer_spec([2, 0]) == [0, 2]
+    assert parse_layer_spec("") == []  # no layers: guided_fp32 then asks for some (see test_bad_values_fail_...)
     calib = tmp_path / "calib.json"
     calib.write_text(json.dumps({"guided_fp32_layers": [0, 1, 29]}))
     assert _cfg(tmp_path, old_logprob_mode="guided_fp32", guided_fp32_layers=str(calib)).guided_fp32_layer_ids == [0, 1, 29]
     with pytest.raises(FileNotFoundError, match="missing.json"):
         parse_layer_spec(str(tmp_path / "missing.json"))
+    calib.write_text("{not json")
+    with pytest.raises(ValueError, match="is not JSON"):
+        parse_layer_spec(str(calib))
+
+
+def test_calibration_metadata_is_kept_on_the_config(tmp_path):
+    calib = tmp_path / "calib.json"
+    calib.write_text(json.dumps({"guided_fp32_layers": [0, 29], "model": "HuggingFaceTB/SmolLM2-135M-Instruct",
+                                 "ranking": list(range(30)), "source": "grpo-ratio probe calibrate"}))
+    cfg = _cfg(tmp_path, old_logprob_mode="guided_fp32", guided_fp32_layers=str(calib))
+    assert cfg.guided_fp32_calibration == {"path": str(calib), "model": "HuggingFaceTB/SmolLM2-135M-Instruct",
+                                           "num_layers": 30, "source": "grpo-ratio probe calibrate"}
+    calib.write_text(json.dumps({"guided_fp32_layers": [1], "num_layers": 2, "increments": [0.1, 0.2, 0.3]}))
+    assert _cfg(tmp_path, old_logprob_mode="guided_fp32",
+                guided_fp32_layers=str(calib)).guided_fp32_calibration["num_layers"] == 2  # recorded count wins
+    assert _cfg(tmp_path, old_logprob_mode="guided_fp32", guided_fp32_layers="1").guided_fp32_calibration is None
 
 
 def test_fields_are_cli_flags_and_yaml_keys(tmp_path):

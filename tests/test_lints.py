@@ -4,13 +4,15 @@ weights logged under `lift_sampler`. The end-to-end versions against a real vLLM
 Run: pytest tests/test_lints.py
 """
 
+import json
 import warnings
 
 import pytest
 import torch
 
 from grpo_ratio import RatioGRPOConfig
-from grpo_ratio.lints import check_vllm, old_side_dtype
+from grpo_ratio.lints import check_calibration, check_vllm, old_side_dtype
+from grpo_ratio.testing import tiny_model
 
 
 def _vllm_args(**kw):
@@ -86,3 +88,57 @@ def test_logged_is_weights_are_trls_formula(level):
         expected = (0.25, 1.625, 3.0)
     metrics = diagnostics.importance_sampling_metrics(weights, mask)
     assert [metrics[f"ratio/importance_sampling_ratio/{k}"] for k in ("min", "mean", "max")] == pytest.approx(expected)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# check_calibration: a guided_fp32_layers calibration file against the trained model
+
+
+def _guided_args(tmp_path, **record):
+    calib = tmp_path / "calibration.json"
+    calib.write_text(json.dumps({"guided_fp32_layers": [0, 1], **record}))
+    return RatioGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", old_logprob_mode="guided_fp32",
+                           guided_fp32_layers=str(calib))
+
+
+def _named_tiny(name_or_path: str):
+    model = tiny_model("qwen2")  # 2 decoder layers
+    model.config.name_or_path = name_or_path
+    return model
+
+
+def test_calibration_for_another_layer_count_fails(tmp_path):
+    args = _guided_args(tmp_path, model="HuggingFaceTB/SmolLM2-135M-Instruct", ranking=list(range(30)))
+    with pytest.raises(ValueError, match=r"calibration for HuggingFaceTB/SmolLM2-135M-Instruct with 30 decoder "
+                                         r"layers, but the trained model has 2; .*probe calibrate"):
+        check_calibration(args, _named_tiny("HuggingFaceTB/SmolLM2-135M-Instruct"))
+
+
+@pytest.mark.parametrize("name_or_path", [
+    "HuggingFaceTB/SmolLM2-135M-Instruct",
+    "/root/.cache/huggingface/hub/models--HuggingFaceTB--SmolLM2-135M-Instruct/snapshots/12fd25f77366fa6b",
+    "/root/.cache/grpo_ratio/SmolLM2-135M-Instruct/",  # the converted GGUF (grpo_ratio.models)
+    "",  # an in-memory model with no name: nothing to compare
+])
+def test_calibration_for_the_same_model_passes(tmp_path, name_or_path):
+    args = _guided_args(tmp_path, model="HuggingFaceTB/SmolLM2-135M-Instruct", num_layers=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_calibration(args, _named_tiny(name_or_path))
+
+
+def test_calibration_for_another_model_warns(tmp_path):
+    args = _guided_args(tmp_path, model="Qwen/Qwen2.5-0.5B-Instruct", num_layers=2)
+    with pytest.warns(UserWarning, match=r"calibration for model 'Qwen/Qwen2.5-0.5B-Instruct', but the trained "
+                                         r"model is 'HuggingFaceTB/SmolLM2-135M-Instruct'"):
+        check_calibration(args, _named_tiny("HuggingFaceTB/SmolLM2-135M-Instruct"))
+
+
+def test_layer_indices_and_old_files_are_not_checked(tmp_path):
+    indices = RatioGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none",
+                              old_logprob_mode="guided_fp32", guided_fp32_layers="0,1")
+    unrecorded = _guided_args(tmp_path)  # a file without model or per-layer lists: nothing to compare
+    for args in (indices, unrecorded):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            check_calibration(args, _named_tiny("some/model"))

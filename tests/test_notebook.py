@@ -12,7 +12,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_walkthrough_notebook_executes(tmp_path):
+def test_walkthrough_notebook_executes(tmp_path, monkeypatch):
+    gsm8k = ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"  # the project's copy; else the built-in prompts
+    if gsm8k.is_file():
+        monkeypatch.setenv("GSM8K_TEST_JSONL", str(gsm8k))  # the kernel inherits the environment
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     nb = nbformat.read(ROOT / "notebooks" / "walkthrough.ipynb", as_version=4)

@@ -204,6 +204,7 @@ def test_layers_probe_writes_calibration_that_config_accepts(tmp_path):
     res = _run(tmp_path, "layers")
     calib = json.loads((tmp_path / "calibration.json").read_text())
     assert calib["guided_fp32_layers"] == res["result"]["guided_fp32_layers"] and len(calib["increments"]) == 2
+    assert calib["model"] == "tiny" and calib["num_layers"] == 2  # what check_calibration compares at trainer start
     assert calib["selection_prompts"]["indices"] == list(range(24, 32))  # last 8 of the 32 built-in prompts
     _assert_png(tmp_path / "layers.png")
     args = tiny_grpo_args(tmp_path / "run", old_logprob_mode="guided_fp32",
@@ -247,12 +248,15 @@ def test_calibrate_probe_on_tiny_model(tmp_path, capsys):
     assert res["info"]["prompt_indices"] == list(range(8)) and res["ranking_source"] == "selection prompts 24..31"
     calib = json.loads((tmp_path / "calibration.json").read_text())
     assert calib["guided_fp32_layers"] == [] and calib["recommended_mode"] == "fp32_head"
+    assert calib["model"] == "tiny" and calib["num_layers"] == 2
     _assert_png(tmp_path / "calibrate.png")
     # a layer order from a `probe layers` file: increments [0.1, 0.5] rank layer 1 first
     layers_file = tmp_path / "layers.json"
     layers_file.write_text(json.dumps({"guided_fp32_layers": [1], "increments": [0.1, 0.5]}))
     res = _run(tmp_path, "calibrate", "--target", "0.0", "--calibration", str(layers_file))
     assert res["ranking_source"] == str(layers_file) and res["ranking"] == [1, 0]
+    layers_file.write_text(json.dumps({"probe": "layers", "result": {"increments": [0.5, 0.1]}}))  # layers.json
+    assert _run(tmp_path, "calibrate", "--target", "0.0", "--calibration", str(layers_file))["ranking"] == [0, 1]
     layers_file.write_text(json.dumps({"guided_fp32_layers": [1], "increments": [0.5]}))  # 1 increment, 2 layers
     assert main(["probe", "calibrate", *TINY, "--calibration", str(layers_file), "--out", str(tmp_path)]) == 2
     assert "has 1 increments, the model has 2" in capsys.readouterr().err

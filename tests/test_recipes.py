@@ -61,12 +61,30 @@ def test_recipe_parses_into_valid_configs(grpo, recipe):
     assert training_args.output_dir.endswith(f"{recipe.parent.name}/{recipe.stem}")
     if recipe.stem == "guided_fp32":
         assert all(0 <= i < 30 for i in training_args.guided_fp32_layer_ids)  # SmolLM2-135M has 30 layers
+    if script_args.task == "gsm8k":  # the hub id by default (a user has no local copy); --dataset_path overrides
+        assert script_args.dataset_path is None and "--dataset_path FOLDER_OR_JSONL" in recipe.read_text()
     text = recipe.read_text()
     rel = recipe.relative_to(ROOT)
     assert text.startswith("#") and f"python trainers/grpo.py --config {rel}\n" in text  # launch command
     assert f"python trainers/grpo.py --config {rel} --" in text  # an override example
     for header in ("# Model arguments", "# Data", "# GRPO trainer", "# grpo_ratio"):
         assert f"\n{header}" in text
+
+
+def _is_calibration(data) -> bool:
+    """A calibration file as `grpo-ratio probe layers`/`calibrate` write it (not a probe's result, e.g. ladder.json)."""
+    return isinstance(data, dict) and "guided_fp32_layers" in data and str(data.get("source")).startswith("grpo-ratio")
+
+
+def test_one_calibration_file_for_smollm2():
+    # The guided_fp32 recipes read one calibration file; no other committed file offers SmolLM2 a different layer
+    # set (a second copy drifted once: [0, 29] here, the top 8 of `probe layers` there).
+    files = sorted(p for folder in ("recipes", "results") for p in (ROOT / folder).glob("**/*.json"))
+    calibrations = [p.relative_to(ROOT).as_posix() for p in files if _is_calibration(json.loads(p.read_text()))]
+    assert calibrations == ["recipes/smollm2-135m/calibration.json"]
+    for recipe in RECIPES:
+        if "guided_fp32_layers" in recipe.read_text():
+            assert recipe.read_text().count("\nguided_fp32_layers: recipes/smollm2-135m/calibration.json") == 1
 
 
 def test_command_line_overrides_recipe(grpo):
@@ -141,11 +159,29 @@ def test_main_runs_a_recipe_on_a_tiny_model(grpo, tiny_dir, tmp_path):
     assert not (out / "model.safetensors").exists()
 
 
+def test_a_finished_run_is_not_overwritten(grpo, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "log_history.json").write_text("[]")  # what main() writes when a run finishes
+    recipe = str(ROOT / "recipes/smollm2-135m/arithmetic/bf16.yaml")
+    common = dict(output_dir=out, report_to="none", model_name_or_path=tmp_path / "no-model")
+    args = _parse(grpo, ["--config", recipe], **common, seed=1)  # a second seed into the recipe's output_dir
+    with pytest.raises(FileExistsError, match=r"already holds a finished run .*--seed 1 --output_dir .*run-s1\).*"
+                                              r"--resume_from_checkpoint.*--overwrite_output_dir true"):
+        grpo.main(*args)  # refused before the model (which does not exist) is even looked for
+    assert sorted(p.name for p in out.iterdir()) == ["log_history.json"]  # nothing written (no wandb dir either)
+    for opt_in in (dict(overwrite_output_dir="true"), dict(resume_from_checkpoint=str(out / "checkpoint-1"))):
+        script_args, training_args, _ = _parse(grpo, ["--config", recipe], **common, **opt_in)
+        grpo.check_output_dir(script_args, training_args)  # allowed: the run goes on to load the model
+    script_args, training_args, _ = _parse(grpo, ["--config", recipe], **{**common, "output_dir": tmp_path / "new"})
+    grpo.check_output_dir(script_args, training_args)  # a fresh output_dir
+
+
 @pytest.mark.skipif(not (SHARED / "data" / "gsm8k").is_dir(), reason="needs ../shared/data/gsm8k")
-def test_gsm8k_recipe_data_path_resolves_from_repo_root(grpo, monkeypatch):
+def test_gsm8k_recipe_with_a_local_copy(grpo):
     from grpo_ratio.tasks import load_task
 
-    monkeypatch.chdir(ROOT)  # recipes are launched from the repository root
-    script_args, _, _ = _parse(grpo, ["--config", "recipes/smollm2-135m/gsm8k/bf16.yaml"])
+    recipe = str(ROOT / "recipes/smollm2-135m/gsm8k/bf16.yaml")
+    script_args, _, _ = _parse(grpo, ["--config", recipe], dataset_path=SHARED / "data" / "gsm8k")
     dataset, rewards = load_task(script_args.task, **grpo.task_kwargs(script_args))
     assert len(dataset) == 2048 and rewards[0].__name__ == "gsm8k_lenient_reward"

@@ -30,7 +30,7 @@ def _run_setting(setting, steps=1, tokens=48, task="gsm8k"):
 def test_gsm8k_recipe_two_steps(tmp_path):
     # The issue-6 path: the real entry point, a real recipe, the local JSONL, 2 steps.
     cmd = [sys.executable, "trainers/grpo.py", "--config", "recipes/smollm2-135m/gsm8k/fp16_clone.yaml",
-           "--max_steps", "2", "--max_completion_length", "32", "--output_dir", str(tmp_path), "--report_to", "none",
+           "--dataset_path", str(GSM8K), "--max_steps", "2", "--max_completion_length", "32", "--output_dir", str(tmp_path), "--report_to", "none",
            "--save_final_model", "false"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -158,6 +158,21 @@ def test_gsm8k_missing_path_is_clear(tmp_path):
         load_gsm8k(str(tmp_path), split="validation")
 
 
+def test_gsm8k_offline_error_says_how_to_get_the_data(monkeypatch):
+    from grpo_ratio.tasks import gsm8k
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub (OfflineModeIsEnabled)")
+
+    monkeypatch.setattr(gsm8k, "load_dataset", offline)
+    with pytest.raises(OSError) as err:
+        load_gsm8k(split="test")  # no dataset_path: the hub id, as the recipes do
+    message = str(err.value)
+    assert "openai/gsm8k" in message and "OfflineModeIsEnabled" in message
+    assert "from the Hub: with network access" in message and "HF_HUB_OFFLINE" in message
+    assert "--dataset_path FOLDER_OR_JSONL" in message and "to_json('gsm8k/test.jsonl')" in message
+
+
 @pytest.mark.skipif(not SHARED_GSM8K.is_dir(), reason="needs ../shared/data/gsm8k")
 def test_gsm8k_from_shared_jsonl():
     full = load_gsm8k(str(SHARED_GSM8K / "train.jsonl"))

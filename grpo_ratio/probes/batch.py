@@ -1,13 +1,14 @@
-"""`grpo-ratio probe batch`: the bf16 batch-shape gap, dtype x batch size (seed 004 table T1, `hf_only.py`).
+"""`grpo-ratio probe batch`: the bf16 batch-shape gap, dtype x batch size (the batch-logprob-gap report, table T1,
+`hf_only.py`).
 
 The same sampled completions are scored teacher-forced at batch 1 and at batch 8 (and 32), with the model's weights
 cast to bf16, fp16 and fp32 and run natively (no autocast), log-softmax in fp32. Reported per dtype: the out-of-band
 rate of r = exp(logp_b8 - logp_b1) with its Wilson 95% interval, max |logp_b8 - logp_b1|, and the rerun control
-(bf16 batch 1 scored twice; the seed measured 0 tokens moved: the gap is a deterministic function of the batch shape,
+(bf16 batch 1 scored twice; the report measured 0 tokens moved: the gap is a deterministic function of the batch shape,
 not nondeterminism).
 
-Batch 1 is each sequence alone, with no padding (the seed's definition, and shared/README.md's); batch 8 is the
-right-padded batch in TRL's layout, chunked in order as TRL chunks its old pass. A third comparison, `b1_padded`,
+Batch 1 is each sequence alone, with no padding (the report's definition); batch 8 is the right-padded batch in TRL's
+layout, chunked in order as TRL chunks its old pass. A third comparison, `b1_padded`,
 scores the rows of the padded batch one at a time (TRL with per_device_train_batch_size=1): it keeps the padding and
 changes only the number of rows, so it separates the batch size from the padding (`probe controls` goes further).
 """
@@ -101,7 +102,7 @@ def plot_payload(payload: dict, path) -> bool:
 
 
 def markdown(payload: dict) -> str:
-    """The result as markdown: one row per dtype (seed table T1's columns, transposed)."""
+    """The result as markdown: one row per dtype (the report's table T1 columns, transposed)."""
     r, info = payload["results"], payload["info"]
     sizes = payload["batch_sizes"]
     head = ["dtype", "tokens"] + [f"b1 vs b{s} OOB [95% CI]" for s in sizes] + \

@@ -1,9 +1,9 @@
 """`grpo-ratio probe calibrate`: the smallest guided fp32 layer set that meets a target out-of-band rate, and its
-cost (seed 004 `selective_fp32.py`, T7/T7b, turned into a search).
+cost (the batch-logprob-gap report's `selective_fp32.py`, tables T7/T7b, turned into a search).
 
-Layers are added in decreasing order of their divergence increment (from a `probe layers` calibration file, or
-measured here on the selection split), always with the final norm and LM head in fp32: k = 0 is `fp32_head`, k >= 1
-is `guided_fp32` with the top-k layers. Each candidate is scored on the held-out evaluation split at batch 1 (each
+Layers are added in decreasing order of their divergence increment (from a `probe layers` calibration file or
+layers.json, or measured here on the selection split), always with the final norm and LM head in fp32: k = 0 is
+`fp32_head`, k >= 1 is `guided_fp32` with the top-k layers. Each candidate is scored on the held-out evaluation split at batch 1 (each
 sequence alone) and batch 8 (the padded batch); the search stops at the first k whose out-of-band rate is <= target.
 The cost is the time of the batch-8 pass relative to the `bf16` mode's, on the same data (one timed pass after an
 untimed one).
@@ -111,8 +111,8 @@ def add_arguments(p) -> None:
     common.add_common_arguments(p)
     p.add_argument("--target", type=float, default=0.01, help="out-of-band rate to reach (default 0.01 = 1%%)")
     p.add_argument("--calibration", default=None,
-                   help="layer order from a `probe layers` calibration JSON; default: measured here on the selection "
-                        "split (the last --num-prompts prompts)")
+                   help="layer order from a `probe layers` calibration JSON or its layers.json; default: measured here "
+                        "on the selection split (the last --num-prompts prompts)")
     p.add_argument("--max-layers", type=int, default=None, help="try at most this many decoder layers")
     p.add_argument("--calibration-out", default=None, help="calibration JSON path; default OUT/calibration.json")
 
@@ -125,10 +125,11 @@ def _ranking(args, model, tok) -> tuple[list[int], str]:
         try:
             with open(args.calibration) as f:
                 data = json.load(f)
-            inc = data["increments"]
+            # a `probe layers` calibration file, or the probe's own result (layers.json: increments under "result")
+            inc = data["increments"] if "increments" in data else data["result"]["increments"]
         except (OSError, ValueError, KeyError, TypeError) as err:
-            raise common.ProbeError(f"--calibration {args.calibration!r}: not a `probe layers` calibration JSON with "
-                                    f"an 'increments' list ({type(err).__name__}: {err})") from None
+            raise common.ProbeError(f"--calibration {args.calibration!r}: not a `probe layers` calibration JSON or "
+                                    f"layers.json with an 'increments' list ({type(err).__name__}: {err})") from None
         if len(inc) != model.config.num_hidden_layers:
             raise common.ProbeError(f"--calibration {args.calibration!r} has {len(inc)} increments, the model has "
                                     f"{model.config.num_hidden_layers} decoder layers")
@@ -157,6 +158,7 @@ def run(args) -> list:
     calib = Path(args.calibration_out or Path(args.out) / "calibration.json")
     calib.parent.mkdir(parents=True, exist_ok=True)
     record = {"guided_fp32_layers": result["guided_fp32_layers"], "model": args.model,
+              "num_layers": model.config.num_hidden_layers,  # checked against the trained model (lints)
               "recommended_mode": result["recommended_mode"], "target": args.target, "reached": result["reached"],
               "ranking": ranking, "ranking_source": source, "eval_prompts": {"path": payload["info"]["prompts"],
                                                                              "indices": idx},

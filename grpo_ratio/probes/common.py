@@ -2,7 +2,7 @@
 
 Shapes: B = sequences, P = prompt tokens (left-padded), T = completion tokens (right-padded), V = vocabulary.
 
-Method (seed 004, batch-logprob-gap, and shared/reference/seed_systems.md §1(a)):
+Method (the batch-logprob-gap report, github.com/GuoCheng24/batch-logprob-gap, section 1(a) of its metric definitions):
 - completions are sampled once, with a fixed seed, `do_sample=True`, temperature 1.0, no top-k/top-p truncation;
 - they are scored teacher-forced, completion tokens only, `log_softmax(logits.float())`, so only the reductions
   inside the forward pass differ between two scorings;
@@ -23,7 +23,7 @@ from ..ratios import RatioStats, valid_token_mask
 
 
 TINY = "tiny"
-# seed 004 §1(e): the GSM8K system prompt of its GRPO runs
+# the GSM8K system prompt of the batch-logprob-gap report's GRPO runs
 GSM8K_SYSTEM = ("Solve the problem. Reason briefly, then give the final integer answer on its own line in the form "
                 "'#### <number>'.")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -86,7 +86,8 @@ def read_prompts(path: str | Path) -> list[str]:
 
 def select_prompts(prompts: list[str], num: int, split: str = "eval") -> tuple[list[str], list[int]]:
     """The `num` prompts of a split, and their line indices. `eval` = the first `num`, `select` = the last `num`, so
-    the layer-selection split never overlaps the evaluation split of the same size (seed pitfall 7).
+    the layer-selection split never overlaps the evaluation split of the same size (layers chosen on the tokens they
+    are judged on would look better than they are).
 
     Raises:
         ProbeError: `num` < 1, more prompts asked than the file has, or (for `select`) not enough prompts for two
@@ -103,8 +104,8 @@ def select_prompts(prompts: list[str], num: int, split: str = "eval") -> tuple[l
 
 
 def format_prompt(tokenizer, text: str, gsm8k: bool) -> str:
-    """The chat-templated prompt (with the seed's GSM8K system prompt for GSM8K questions) when the tokenizer has a
-    chat template, else the raw text (as the seed's `hf_only`, which used no template)."""
+    """The chat-templated prompt (with the report's GSM8K system prompt for GSM8K questions) when the tokenizer has
+    a chat template, else the raw text (as the report's `hf_only.py`, which used no template)."""
     if not getattr(tokenizer, "chat_template", None):
         return text
     messages = ([{"role": "system", "content": GSM8K_SYSTEM}] if gsm8k else []) + [{"role": "user", "content": text}]
@@ -177,7 +178,7 @@ def sample_completions(model, tokenizer, prompts: list[str], max_new_tokens: int
     """Sample one completion per prompt with `model.generate` (do_sample, temperature 1.0, top_k 0, top_p 1.0) under
     `torch.manual_seed(seed)`, in batches of `batch_size` left-padded prompts, and lay them out as TRL does.
 
-    `fixed_length=True` is the seed's equal-length control (`pad_control`): prompts left-truncated to the shortest
+    `fixed_length=True` is the report's equal-length control (`pad_control.py`): prompts left-truncated to the shortest
     prompt length, EOS disabled and exactly `max_new_tokens` tokens, so nothing is padded.
     The sampling dtype does not matter to the measurement (the tokens are then fixed); use fp32 weights on CPU.
     """
@@ -231,7 +232,7 @@ def layout_trl(prompt_rows: list[torch.Tensor], completion_rows: list[torch.Tens
 
 
 def score_alone(score_fn, data: Completions) -> torch.Tensor:
-    """Batch 1 as the seed scores it: each sequence alone, no padding at all (seed 004 `hf_only`; shared/README.md).
+    """Batch 1 as the batch-logprob-gap report scores it: each sequence alone, no padding at all (its `hf_only.py`).
 
     Args:
         score_fn: (input_ids (1, S), attention_mask (1, S), logits_to_keep t) -> (1, t) fp32 log-probs.
@@ -250,7 +251,8 @@ def score_alone(score_fn, data: Completions) -> torch.Tensor:
 
 
 def wilson_interval(k: int, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
-    """Wilson score interval of a binomial proportion k / n (default 95%: z = Phi^-1(0.975)); seed 004 `robust.py`.
+    """Wilson score interval of a binomial proportion k / n (default 95%: z = Phi^-1(0.975)); as the batch-logprob-gap
+    report's `robust.py`.
 
     center = (p + z^2 / 2n) / (1 + z^2 / n), half-width = z sqrt(p (1 - p) / n + z^2 / 4n^2) / (1 + z^2 / n).
 
@@ -293,7 +295,7 @@ def compare(logp_a: torch.Tensor, logp_b: torch.Tensor, valid: torch.Tensor, ban
 
 
 def pct(x: float) -> str:
-    """A rate as a percentage with two decimals (the seed's tables)."""
+    """A rate as a percentage with two decimals (as in the batch-logprob-gap report's tables)."""
     return f"{100 * x:.2f}%"
 
 

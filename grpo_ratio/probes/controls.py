@@ -1,4 +1,5 @@
-"""`grpo-ratio probe controls`: padding, batch size, or batch membership (seed 004 table T2, `pad_control.py`).
+"""`grpo-ratio probe controls`: padding, batch size, or batch membership (the batch-logprob-gap report, table T2,
+`pad_control.py`).
 
 Four comparisons, all with the model's weights cast to one dtype (default bf16) and run natively, log-softmax in fp32:
 
@@ -8,7 +9,7 @@ Four comparisons, all with the model's weights cast to one dtype (default bf16) 
 - C the same sequence x8: sequence 0 of B scored alone vs 8 identical copies scored together. C > 0 means batch size
   alone suffices;
 - D two groupings of one batch: 2 x 8 sequences of B scored as rows (0..7), (8..15) and as (0, 2, .., 14),
-  (1, 3, .., 15). D > 0 means batch membership matters (the seed found this only for MoE routing).
+  (1, 3, .., 15). D > 0 means batch membership matters (the report found this only for MoE routing).
 """
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ def markdown(payload: dict) -> str:
     for key, res in r.items():
         lines.append(f"| {LABELS[key]} | {res['num_tokens']} | {pct_ci(res)} | {res['max_abs_dlogp']:.2g} |")
     lines += ["", ("Reading: B ~ A means padding is not the cause, B << A that it is; C > 0 means batch size alone "
-                   "suffices; D > 0 means batch membership matters (seed 004, on GPUs: B ~ A, C > 0, D > 0 only "
-                   "under MoE routing)."), ""]
+                   "suffices; D > 0 means batch membership matters (the batch-logprob-gap report, on GPUs: B ~ A, "
+                   "C > 0, D > 0 only under MoE routing)."), ""]
     return "\n".join(lines)
 
 

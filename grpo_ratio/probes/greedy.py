@@ -1,5 +1,5 @@
-"""`grpo-ratio probe greedy`: does greedy decoding agree across precisions and batch shapes? (seed 000, "Greedy
-decoding has a precision clause", after Du et al.: Exact Agreement Rate, top-two logit margins, and the margin-gated
+"""`grpo-ratio probe greedy`: does greedy decoding agree across precisions and batch shapes? ("Greedy decoding has a
+precision clause", after Du et al.: Exact Agreement Rate, top-two logit margins, and the margin-gated
 fp32 lm_head.)
 
 Every decoding runs through one loop, `greedy_decode_rows`: prompt prefill, then token by token with the KV cache,
@@ -9,7 +9,7 @@ cast to the dtype and run natively (no autocast). Reported:
 - EAR, the exact agreement rate of two decodings of the same prompts: the share of prompts whose complete generated
   token sequences are identical (one differing token makes a pair divergent), with a Wilson 95% interval; the first
   divergent step of each divergent pair, and the top-two logit margin z(v1) - z(v2) of the FIRST decoding's own
-  logits (in fp32) at that step: the seed's account is that flips happen where this margin is small;
+  logits (in fp32) at that step: the article's account is that flips happen where this margin is small;
 - pairs: the first dtype decoded twice (the within-format control, EAR 100% expected), every dtype against the first
   and fp16 against fp32, all at batch 1 (each prompt alone); and per dtype batch 1 vs batch `batch_size` (each prompt
   inside a left-padded batch, the layout of TRL's generation);
@@ -17,7 +17,7 @@ cast to the dtype and run natively (no autocast). Reported:
 - with `tau`: the margin-gated fp32 head. Where the low-precision top-two margin of a row is below tau, that row's
   logits are recomputed as hidden.float() @ W.float().T (+ bias) outside autocast and their argmax is taken. Reported
   per low-precision dtype: EAR against the fp32 decode without and with the gate, the share of decoding steps where
-  the gate fired, and the gated bf16 vs gated fp16 EAR (the seed's cross-format metric).
+  the gate fired, and the gated bf16 vs gated fp16 EAR (the article's cross-format metric).
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
 
 
 def fp32_head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
-    """The LM head recomputed in fp32: hidden.float() @ W.float().T (+ bias.float()), outside autocast (seed 000's
-    gated recomputation; W is the model's own, possibly low-precision, weight upcast, not a separate fp32 copy).
+    """The LM head recomputed in fp32: hidden.float() @ W.float().T (+ bias.float()), outside autocast (the
+    article's gated recomputation; W is the model's own, possibly low-precision, weight upcast, not a separate fp32 copy).
 
     hidden (R, H) any float dtype -> (R, V) fp32.
     """
@@ -82,7 +82,8 @@ def greedy_decode_rows(model, rows: list[list[int]], pad_id: int, eos: list[int]
         rows: B prompt token-id lists; B = 1 is each prompt alone.
         pad_id / eos: padding id, EOS ids (a row stops after emitting one; finished rows are fed `pad_id`).
         max_new_tokens: T, steps at most.
-        tau: margin gate (seed 000). None or 0: plain argmax of the model's logits. Else, at each step, rows whose
+        tau: margin gate ("Greedy decoding has a precision clause"). None or 0: plain argmax of the model's logits.
+            Else, at each step, rows whose
             fp32 top-two margin of the model's logits is < tau take the argmax of `fp32_head_logits` instead
             (tau = inf: every step, i.e. an fp32-head decode).
 
@@ -324,9 +325,9 @@ def markdown(payload: dict) -> str:
     if "gate" in result:
         lines += [*_gate_table(result["gate"]), ""]
     lines += [("EAR: share of prompts whose complete greedy token sequences are identical. Margins: top-two logits "
-               "of the first decoding of the pair, fp32. `bN`: decoded inside left-padded batches of N. Gate (seed "
-               "000): where the top-two margin is below tau, that step's head is recomputed in fp32 "
-               "(hidden.float() @ W.float().T) and its argmax taken."), ""]
+               "of the first decoding of the pair, fp32. `bN`: decoded inside left-padded batches of N. Gate (\"Greedy "
+               "decoding has a precision clause\"): where the top-two margin is below tau, that step's head is "
+               "recomputed in fp32 (hidden.float() @ W.float().T) and its argmax taken."), ""]
     return "\n".join(lines)
 
 

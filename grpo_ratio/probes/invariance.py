@@ -1,5 +1,6 @@
-"""`grpo-ratio probe invariance`: bitwise invariance of the old log-probs, per scoring mode (seed 001, DetLLM's
-zero-tolerance test harness: rerun, alone vs random co-prompts, prefill vs token-by-token; logits chain-hashed).
+"""`grpo-ratio probe invariance`: bitwise invariance of the old log-probs, per scoring mode (after DetLLM's
+zero-tolerance test harness, "Eliminating Nondeterminism in LLM Inference with Integer-Only Arithmetic": rerun, alone
+vs random co-prompts, prefill vs token-by-token; logits chain-hashed).
 
 Completions are sampled once (`common.sample_completions`), then, for each `old_logprob_mode` of
 `grpo_ratio.scoring.OldLogprobScorer` on an fp32-weights model (TRL's regime: `bf16` = bf16 autocast), the fp32

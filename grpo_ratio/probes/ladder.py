@@ -1,4 +1,5 @@
-"""`grpo-ratio probe ladder`: the precision ladder of the old-logprob scoring modes (seed 004 tables T7/T7b).
+"""`grpo-ratio probe ladder`: the precision ladder of the old-logprob scoring modes (the batch-logprob-gap report,
+tables T7/T7b).
 
 Every scoring mode of `grpo_ratio.scoring.OldLogprobScorer` scores the same sampled completions at batch 1 (each
 sequence alone, unpadded) and at batch 8 (the right-padded batch in TRL's layout), on a model with fp32 weights

@@ -1,18 +1,18 @@
-"""`grpo-ratio probe layers`: where the batch-shape divergence enters, layer by layer (seed 004 table T8,
-`attribution.py`), and the guided choice of fp32 layers it supports (`selective_fp32.py`).
+"""`grpo-ratio probe layers`: where the batch-shape divergence enters, layer by layer (the batch-logprob-gap report,
+table T8, `attribution.py`), and the guided choice of fp32 layers it supports (`selective_fp32.py`).
 
 The same completions are run at batch 1 (each sequence alone, unpadded) and at batch 8 (the right-padded batch in
 TRL's layout) in the bf16 regime. Forward hooks capture the input of the
 first decoder layer (depth 0) and the OUTPUT of every decoder layer (depths 1..L), so the final norm is never mixed
-into the last layer's increment (seed pitfall 6: HF `hidden_states[-1]` is post-norm); the final norm's output is
-reported separately. At each depth, over the positions whose logits score a valid completion token:
+into the last layer's increment (HF `hidden_states[-1]` is post-norm, which inflates the last layer's); the final
+norm's output is reported separately. At each depth, over the positions whose logits score a valid completion token:
 
     div[l] = mean_tokens ||h_b1 - h_b8|| / (||h_b1|| + 1e-6),   l = 0..L     (norms in fp32)
     increment[i] = div[i + 1] - div[i],                            i = 0..L-1
 
 The guided fp32 layers are the top-k decoder layers by increment. They must be chosen on prompts disjoint from the
-ones they are evaluated on (seed pitfall 7): this probe uses the selection split (the LAST --num-prompts prompts),
-the other probes the evaluation split (the first ones).
+ones they are evaluated on (else they look better than they are): this probe uses the selection split (the LAST
+--num-prompts prompts), the other probes the evaluation split (the first ones).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ REGIMES = ("autocast", "bf16")  # fp32 weights under bf16 autocast (TRL's defaul
 
 
 def default_top_k(num_layers: int) -> int:
-    """ceil(L / 4): the seed's budget (8 of 28 layers for Qwen2.5-1.5B)."""
+    """ceil(L / 4): the batch-logprob-gap report's budget (8 of 28 layers for Qwen2.5-1.5B)."""
     return max(1, math.ceil(num_layers / 4))
 
 
@@ -193,7 +193,8 @@ def markdown(payload: dict) -> str:
 def calibration_record(payload: dict) -> dict:
     """The calibration JSON accepted by `RatioGRPOConfig(guided_fp32_layers=PATH)` (key `guided_fp32_layers`)."""
     info, r = payload["info"], payload["result"]
-    return {"guided_fp32_layers": r["guided_fp32_layers"], "model": info["model"], "increments": r["increments"],
+    return {"guided_fp32_layers": r["guided_fp32_layers"], "model": info["model"], "num_layers": info["num_layers"],
+            "increments": r["increments"],
             "divergence": r["divergence"], "ranking": r["ranking"], "top_k": r["top_k"],
             "selection_prompts": {"path": info["prompts"], "indices": info["prompt_indices"]},
             "num_positions": r["num_positions"], "regime": payload["regime"], "batch_size": payload["batch_size"],

@@ -15,7 +15,9 @@ unknown scoring mode, a missing data path or an unreadable model fails before an
 
 Writes to `output_dir`: the model (unless `--save_final_model false`), `log_history.json` (TRL's log rows: reward,
 `ratio/*`, `clip_ratio/*`, ...), `metrics.png` (those curves per step) and, with `report_to: [wandb]`, an offline W&B
-run under `output_dir/wandb` (`WANDB_MODE=offline` unless you set it; upload later with `wandb sync`).
+run under `output_dir/wandb` (`WANDB_MODE=offline` unless you set it; upload later with `wandb sync`). A run refuses
+to start over a finished one (an `output_dir` holding `log_history.json`) unless it resumes it
+(`--resume_from_checkpoint`) or `--overwrite_output_dir true` says to replace it.
 """
 
 from __future__ import annotations
@@ -52,10 +54,24 @@ class GRPOScriptArguments:
     task_seed: int | None = field(
         default=None, metadata={"help": "Seed of the task data (arithmetic problems, gsm8k shuffle), not of training."}
     )
-    reward: str | None = field(default=None, metadata={"help": "gsm8k: 'lenient' (default, seed 004) or 'strict'."})
+    reward: str | None = field(
+        default=None,
+        metadata={
+            "help": "gsm8k: 'lenient' (default, as in the batch-logprob-gap report: the completion's last number) or "
+            "'strict' (its last '#### <integer>')."
+        },
+    )
     max_operand: int | None = field(default=None, metadata={"help": "arithmetic: operands in [1, max_operand]."})
     operations: str | None = field(default=None, metadata={"help": "arithmetic: operators, e.g. '+' or '+-'."})
     save_final_model: bool = field(default=True, metadata={"help": "Save the trained model to output_dir."})
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Train even when output_dir already holds a finished run (its log_history.json), replacing its "
+            "outputs. Off: such a run refuses to start, unless --resume_from_checkpoint continues it; give each "
+            "seed its own --output_dir instead (e.g. --seed 1 --output_dir runs/.../<arm>-s1)."
+        },
+    )
 
 
 # script argument -> keyword of the task loader (`grpo_ratio.tasks.load_task`)
@@ -74,6 +90,25 @@ def task_kwargs(script_args: GRPOScriptArguments) -> dict:
     """The task-loader keywords set in `script_args` (unset ones are left to the task's defaults)."""
     values = {kw: getattr(script_args, name) for name, kw in _TASK_KWARGS.items()}
     return {kw: v for kw, v in values.items() if v is not None}
+
+
+def check_output_dir(script_args: GRPOScriptArguments, training_args: RatioGRPOConfig) -> None:
+    """Refuse to start a run whose `output_dir` already holds a finished run's `log_history.json`: the recipes name
+    one `output_dir` per arm, so re-running one (say with another `--seed`) would silently overwrite the first run's
+    log, plot and model. Resuming (`--resume_from_checkpoint`) and `--overwrite_output_dir true` are allowed.
+
+    Raises:
+        FileExistsError: naming the finished run and the three ways on.
+    """
+    finished = Path(training_args.output_dir) / "log_history.json"
+    if not finished.is_file() or training_args.resume_from_checkpoint or script_args.overwrite_output_dir:
+        return
+    raise FileExistsError(
+        f"output_dir={training_args.output_dir!r} already holds a finished run ({finished}); this run would "
+        f"overwrite it. Pass another --output_dir (one per seed, e.g. --seed {training_args.seed} --output_dir "
+        f"{training_args.output_dir.rstrip('/')}-s{training_args.seed}), --resume_from_checkpoint to continue it, or "
+        f"--overwrite_output_dir true to replace it."
+    )
 
 
 def configure_reporting(training_args: RatioGRPOConfig) -> None:
@@ -139,8 +174,9 @@ def wandb_run_dir() -> str | None:
 
 def main(script_args, training_args, model_args):
     ################
-    # Run setup: W&B offline by default, a readable run name, seed
+    # Run setup: never over a finished run, W&B offline by default, a readable run name, seed
     ################
+    check_output_dir(script_args, training_args)
     configure_reporting(training_args)
     if training_args.run_name is None:
         training_args.run_name = f"{training_args.old_logprob_mode}-s{training_args.seed}"

@@ -4,7 +4,7 @@
 
 | name | data | rewards |
 | --- | --- | --- |
-| `gsm8k` | GSM8K from a local JSONL or `openai/gsm8k` (seed 004's prompt and gold) | `gsm8k_lenient_reward` or `gsm8k_strict_reward` |
+| `gsm8k` | GSM8K from a local JSONL or `openai/gsm8k` (the batch-logprob-gap report's prompt and gold) | `gsm8k_lenient_reward` or `gsm8k_strict_reward` |
 | `arithmetic` | seeded small additions, generated in memory (no download) | `arithmetic_correct_reward` + `arithmetic_format_reward` |
 """
 
@@ -35,7 +35,8 @@ def gsm8k_task(
     seed: int = 0,
     reward: str = "lenient",
 ) -> tuple[Dataset, list[RewardFunc]]:
-    """GSM8K rows (see `load_gsm8k`) and one reward: `reward="lenient"` (seed 004's default) or `"strict"`.
+    """GSM8K rows (see `load_gsm8k`) and one reward: `reward="lenient"` (the batch-logprob-gap report's
+    default) or `"strict"`.
 
     Raises:
         ValueError: unknown `reward`, plus the errors of `load_gsm8k`.

@@ -1,11 +1,11 @@
-"""GSM8K (grade-school math word problems) with the prompt, gold answers and rewards of the batch-logprob-gap GRPO
-runs (seed 004; shared/reference/seed_systems.md §1(e)).
+"""GSM8K (grade-school math word problems) with the prompt, gold answers and rewards of the GRPO runs of the
+batch-logprob-gap report (github.com/GuoCheng24/batch-logprob-gap).
 
 - Data: a local JSONL file or folder (`{split}.jsonl`, fields `question`/`answer`), else the hub id `openai/gsm8k`
   (config "main") through `datasets`.
 - Prompt: `[{"role": "system", "content": GSM8K_SYSTEM_PROMPT}, {"role": "user", "content": question}]`.
 - Gold: `answer.split("####")[-1].strip().replace(",", "")`.
-- Rewards (1.0 / 0.0): `gsm8k_lenient_reward` (the seed's default) and `gsm8k_strict_reward`.
+- Rewards (1.0 / 0.0): `gsm8k_lenient_reward` (the report's default) and `gsm8k_strict_reward`.
 """
 
 from __future__ import annotations
@@ -40,15 +40,28 @@ def _to_prompt(row: dict) -> dict:
     }
 
 
+def _hub_message(split: str, err: Exception) -> str:
+    """Why GSM8K could not be loaded from the hub, and the two ways to get it."""
+    reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+    return (
+        f"Cannot load GSM8K ({GSM8K_HUB_ID!r}, config 'main', split {split!r}) from the Hugging Face Hub or the "
+        f"datasets cache: {reason}\nTo get it:\n"
+        f"  - from the Hub: with network access and HF_HUB_OFFLINE / HF_DATASETS_OFFLINE unset, the first run "
+        f"downloads it (a few MB) into the datasets cache (HF_HOME, default ~/.cache/huggingface); later runs, "
+        f"offline too, reuse it\n"
+        f"  - a local copy: --dataset_path FOLDER_OR_JSONL (dataset_path= in Python), a folder holding "
+        f"train.jsonl/test.jsonl or one .jsonl file with fields 'question' and 'answer'; on a machine with access, "
+        f"`python -c \"from datasets import load_dataset; load_dataset('{GSM8K_HUB_ID}', 'main', split='{split}')"
+        f".to_json('gsm8k/{split}.jsonl')\"` writes one"
+    )
+
+
 def _read_raw(dataset_path: str | None, split: str) -> Dataset:
     if dataset_path is None:
         try:
             return load_dataset(GSM8K_HUB_ID, "main", split=split)
-        except Exception as err:  # offline, no network: say how to use a local copy instead
-            raise OSError(
-                f"Cannot load {GSM8K_HUB_ID!r} (config 'main', split {split!r}) from the Hugging Face Hub: {err}. "
-                "Pass dataset_path=<folder with train.jsonl/test.jsonl, or a .jsonl file> to use a local copy."
-            ) from err
+        except Exception as err:  # offline, no network, no cache: say how to get the data
+            raise OSError(_hub_message(split, err)) from err
     path = Path(dataset_path).expanduser()
     file = path / f"{split}.jsonl" if path.is_dir() else path
     if not file.is_file():
@@ -68,7 +81,7 @@ def load_gsm8k(
     Args:
         dataset_path: a JSONL file, or a folder holding `{split}.jsonl`; None loads `openai/gsm8k` from the hub.
         split: "train" or "test".
-        num_examples: keep this many rows after shuffling with `seed` (the seed's GRPO runs used 2048, seed 0);
+        num_examples: keep this many rows after shuffling with `seed` (the report's GRPO runs used 2048, seed 0);
             None keeps every row in file order.
         seed: shuffle seed used with `num_examples`.
 
@@ -94,13 +107,13 @@ def load_gsm8k(
 
 
 def _integer_part(number: str) -> str:
-    # "1,234." -> "1234"; "18.99" -> "18" (the seed's lenient rule compares the integer part only)
+    # "1,234." -> "1234"; "18.99" -> "18" (the report's lenient rule compares the integer part only)
     return number.replace(",", "").rstrip(".").split(".")[0]
 
 
 def gsm8k_lenient_reward(completions, answer, **kwargs) -> list[float]:
     """1.0 when the completion's last number (regex `-?\\d[\\d,]*\\.?\\d*`, commas removed, trailing "." stripped,
-    integer part only, so "18.99" counts as 18) equals the gold `answer` string, else 0.0. Seed 004's default."""
+    integer part only, so "18.99" counts as 18) equals the gold `answer` string, else 0.0. The report's default."""
     rewards = []
     for completion, gold in zip(completions, answer, strict=True):
         numbers = _LENIENT_NUMBER.findall(completion_text(completion))
