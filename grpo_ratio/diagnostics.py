@@ -1,7 +1,7 @@
 """Ratio diagnostics of RatioGRPOTrainer: accumulate over the first inner step, reduce across processes, log.
 
 What is measured (formulas in docs/metrics.md), on the micro-batches of the first optimizer update after each
-generation, where new/old must be 1 (seed 004, "it is the identity by construction"):
+generation, where new/old must be 1 (the batch-logprob-gap report: "it is the identity by construction"):
 - `ratio/new_old/*`: r = exp(logp_new - logp_old); logp_new is the training forward (the policy's own pass at its
   training precision and batch shape), logp_old whatever anchored the ratio (the scoring mode, or TRL's own pass, or
   logp_new itself when TRL skips the old pass).

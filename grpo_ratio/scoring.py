@@ -5,9 +5,10 @@ Shapes: B = sequences, P = prompt tokens, T = completion tokens, V = vocabulary,
 Every mode scores the completion tokens of `input_ids` (B, P+T) teacher-forced, where TRL does
 (`_get_per_token_logps_and_entropies`): rows chunked by `batch_size` in order, the same padding,
 `log_softmax(logits / temperature)` of the next-token logits, gathered at the completion ids. Two deliberate
-differences from TRL's own pass: positions are counted from the attention mask as `generate` counts them (TRL passes
-none, so with absolute position embeddings its log-probs move with the left padding), and the forward runs in eval
-mode (no dropout): the old log-probs are a function of the weights and tokens only. The modes differ only in the
+differences from TRL's own pass, in every mode but `bf16` (which reproduces that pass): positions are counted from
+the attention mask as `generate` counts them (TRL passes none, so with absolute position embeddings its log-probs move
+with the left padding), and the forward runs in eval mode (no dropout): the old log-probs are a function of the
+weights and tokens only. The modes differ only in the
 precision of the forward pass (the batch-logprob-gap report, tables T7/T10):
 
 | mode          | forward                                                                  | log-softmax |
@@ -178,19 +179,23 @@ def _accepts_position_ids(model: nn.Module) -> bool:
     return "position_ids" in inspect.signature(type(base).forward).parameters
 
 
-def forward_kwargs(model: nn.Module, input_ids, attention_mask, logits_to_keep: int) -> dict:
-    """The keyword arguments of every scoring forward: the last T + 1 positions' logits, no KV cache, and positions
-    as generation counts them (from the attention mask): with absolute position embeddings (GPT-2 style) a
-    completion's log-prob would otherwise depend on how much left padding its prompt got in this batch."""
+def forward_kwargs(model: nn.Module, input_ids, attention_mask, logits_to_keep: int,
+                   generation_positions: bool = True) -> dict:
+    """The keyword arguments of a scoring forward: the last T + 1 positions' logits, no KV cache, and positions as
+    generation counts them (from the attention mask): with absolute position embeddings (GPT-2 style) a completion's
+    log-prob would otherwise depend on how much left padding its prompt got in this batch. `generation_positions=False`
+    passes none, as TRL's own pass does (the `bf16` mode reproduces that pass)."""
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep + 1, use_cache=False)
-    if _accepts_position_ids(model):
+    if generation_positions and _accepts_position_ids(model):
         kwargs["position_ids"] = generation_position_ids(attention_mask)
     return kwargs
 
 
-def _plain_forward(model: nn.Module, input_ids, attention_mask, logits_to_keep: int) -> torch.Tensor:
+def _plain_forward(model: nn.Module, input_ids, attention_mask, logits_to_keep: int,
+                   generation_positions: bool = True) -> torch.Tensor:
     # type(model).forward bypasses the instance-level patches of accelerate (forced autocast) and TRL (fused head)
-    out = type(model).forward(model, **forward_kwargs(model, input_ids, attention_mask, logits_to_keep))
+    kwargs = forward_kwargs(model, input_ids, attention_mask, logits_to_keep, generation_positions)
+    out = type(model).forward(model, **kwargs)
     return out.logits  # (B, T + 1, V)
 
 
@@ -308,9 +313,12 @@ class OldLogprobScorer:
         return sum(c.num_bytes() for c in self.copies())
 
     def _forward(self, model: nn.Module, input_ids, attention_mask, logits_to_keep: int) -> torch.Tensor:
+        # `bf16` is TRL's own pass (no position ids); every other mode counts positions as generation does
+        positions = self.mode != "bf16"
         if self.sharded is None:
-            return _plain_forward(model, input_ids, attention_mask, logits_to_keep)
-        out = self.sharded.forward(model, **forward_kwargs(model, input_ids, attention_mask, logits_to_keep))
+            return _plain_forward(model, input_ids, attention_mask, logits_to_keep, positions)
+        kwargs = forward_kwargs(model, input_ids, attention_mask, logits_to_keep, positions)
+        out = self.sharded.forward(model, **kwargs)
         return out.logits  # (B, T + 1, V)
 
     # -- one chunk per mode ------------------------------------------------------------------------------------------
@@ -322,7 +330,7 @@ class OldLogprobScorer:
                 return self._forward(model, input_ids, attention_mask, logits_to_keep)
         model = self.model if self.weight_dtype == dtype else self._copy_of(self.model, dtype, version, True)
         with self._no_autocast():
-            return _plain_forward(model, input_ids, attention_mask, logits_to_keep)
+            return self._forward(model, input_ids, attention_mask, logits_to_keep)
 
     def _logits_policy(self, input_ids, attention_mask, logits_to_keep):
         with self.policy_autocast():
@@ -420,7 +428,8 @@ class OldLogprobScorer:
         batch_size = batch_size or input_ids.size(0)
         chunks, kept_chunks, fallback = [], [], 0
         sharding = contextlib.nullcontext() if self.sharded is None else self.sharded.scoring()
-        with eval_mode(self.model), sharding:
+        deterministic = eval_mode(self.model) if self.mode != "bf16" else contextlib.nullcontext()  # bf16: TRL's pass
+        with deterministic, sharding:
             for start in range(0, input_ids.size(0), batch_size):
                 sl = slice(start, start + batch_size)
                 rows = kept if kept is None or isinstance(kept, KeptSetFilter) else kept.select_rows(

@@ -35,7 +35,7 @@ from .copies import WeightsVersion
 from .corrections import capture_last_hidden, check_head_is_linear, kept_set_logps_from_hidden
 from .diagnostics import RatioDiagnostics
 from .kept_sets import KeptSetFilter, lift_sampler_logprobs
-from .lints import check_dropout, check_positions, check_sampling, check_vllm
+from .lints import check_calibration, check_dropout, check_positions, check_sampling, check_vllm
 from .ratios import importance_sampling_weights
 from .records import GenerationRecord, MicroBatchRecord
 from .rollouts import (
@@ -162,6 +162,7 @@ class RatioGRPOTrainer(GRPOTrainer):
         check_sampling(self.args, self.sampling)
         check_dropout(self.args, policy)
         check_positions(self.args, policy)
+        check_calibration(self.args, policy)  # a guided_fp32_layers calibration file made for another model
         check_vllm(self.args, self._vllm_engine_dtype(), self._trainer_dtype(policy))
         if engine_of(self.accelerator) == "fsdp2" and self.args.bf16 and self.args.old_logprob_mode == "bf16":
             warnings.warn("FSDP2 with a bf16 mixed-precision policy returns TRL's per-token log-probs rounded to bf16 "

@@ -146,12 +146,14 @@ def _cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
 
 
-def _decode_forward(model, input_ids, attention_mask, logits_to_keep: int) -> torch.Tensor:
+def _decode_forward(model, input_ids, attention_mask, logits_to_keep: int, generation_positions: bool = True
+                    ) -> torch.Tensor:
     """Drop-in for `scoring._plain_forward` on one unpadded row: the first S - logits_to_keep tokens prefilled with
     the KV cache, then each of the last `logits_to_keep` tokens fed alone with the cache.
 
     input_ids (1, S) -> logits (1, logits_to_keep + 1, V) at the positions the teacher-forced pass returns (the
-    `_plain_forward` contract: one more than the completion, the last is dropped by the caller).
+    `_plain_forward` contract: one more than the completion, the last is dropped by the caller). One unpadded row:
+    positions are 0..S-1 whether or not they are counted from the mask (`generation_positions` is moot here).
     """
     if input_ids.size(0) != 1 or not bool(attention_mask.all()):
         raise ValueError("token-by-token decode scores one unpadded sequence at a time")
