@@ -97,16 +97,15 @@ def vllm_server(tiny_llama_dir, tmp_path_factory):
 def _server_args(tmp_path, url, **overrides):
     from trainer_fixtures import tiny_grpo_args
 
-    return tiny_grpo_args(
-        tmp_path,
+    kwargs = dict(
         use_vllm=True,
         vllm_mode="server",
         vllm_server_base_url=url,
         top_p=0.8,
-        truncation_correction="none",  # the corrections need kept sets, which /v1/completions does not return
+        truncation_correction="none",  # /v1/completions returns no kept sets: a correction recomputes them (below)
         generation_kwargs={"ignore_eos": True},  # 8 tokens per completion: the IS weight is a product of 8 ratios
-        **overrides,
     )
+    return tiny_grpo_args(tmp_path, **{**kwargs, **overrides})
 
 
 def _trainer(args, model_dir):
