@@ -135,7 +135,35 @@ def _empty_like_model(model: nn.Module) -> nn.Module:
     return fresh
 
 
-class ModuleCopy:
+class VersionedCopy:
+    """What every copy shares (`ModuleCopy` here, the sharded shadows of `grpo_ratio.sharding`): a `module` kept in
+    step with a `source` by `refresh_weights()`, and the `WeightsVersion` value it was last synced at.
+
+    Subclasses set `source`, `dtype`, `module` (in eval mode: old log-probs never see dropout) and implement
+    `refresh_weights()` and `num_bytes()`.
+    """
+
+    version: int | None = None
+    num_refreshes: int = 0
+
+    def refresh_weights(self) -> None:
+        raise NotImplementedError
+
+    def refresh(self, version: int) -> None:
+        """Copy the source's current weights into the copy and record `version`."""
+        with torch.no_grad():
+            self.refresh_weights()
+        self.version = version
+        self.num_refreshes += 1
+
+    def get(self, version: int) -> nn.Module:
+        """The copy, synced at `version` (a `WeightsVersion` value); refreshed first when stale."""
+        if self.version != version:
+            self.refresh(version)
+        return self.module
+
+
+class ModuleCopy(VersionedCopy):
     """A copy of `source` (a whole causal LM, or one submodule such as a decoder layer or the LM head) in `dtype`.
 
     Args:
@@ -158,12 +186,9 @@ class ModuleCopy:
             _strip_instance_patches(module)
         device = next(source.parameters()).device
         self.module = module.to(device=device, dtype=dtype).requires_grad_(False).eval()
-        self.version: int | None = None
-        self.num_refreshes = 0
 
-    @torch.no_grad()
-    def refresh(self, version: int) -> None:
-        """Copy the source's current weights into the copy (cast to `self.dtype` by `copy_`) and record `version`."""
+    def refresh_weights(self) -> None:
+        """Copy the source's current weights (PEFT adapters merged) into the copy, cast to `self.dtype` by `copy_`."""
         state = merged_state_dict(self.source)
         own = self.module.state_dict()
         missing = [k for k in own if k not in state]
@@ -171,14 +196,6 @@ class ModuleCopy:
             raise RuntimeError(f"copy refresh: the policy has no tensor for {missing[:5]} (architecture changed?)")
         for key, dst in own.items():
             dst.copy_(state[key])
-        self.version = version
-        self.num_refreshes += 1
-
-    def get(self, version: int) -> nn.Module:
-        """The copy, synced at `version` (a `WeightsVersion` value); refreshed first when stale."""
-        if self.version != version:
-            self.refresh(version)
-        return self.module
 
     def num_bytes(self) -> int:
         """Bytes held by the copy's parameters and buffers (what the copy costs in memory)."""

