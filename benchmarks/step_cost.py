@@ -413,9 +413,10 @@ def run_arm(arm: Arm, spec: ModelSpec, recipe: dict, seed: int, warmup: int, ste
 
 
 def run_benchmark(spec: ModelSpec, recipe: dict, arms=ARMS, rounds: int = 3, warmup: int = 1, steps: int = 2,
-                  workdir: Path | None = None, log=print) -> list[dict]:
+                  workdir: Path | None = None, log=print, on_run=None) -> list[dict]:
     """Interleaved rounds: each round runs every arm (order rotated by one per round, so no arm always runs first),
-    all with seed = round index. Returns one `run_arm` record per (round, arm), with `round` added."""
+    all with seed = round index. Returns one `run_arm` record per (round, arm), with `round` added; `on_run(runs)`
+    is called after each, so a long run can save what it has."""
     workdir = Path(workdir or tempfile.mkdtemp(prefix="step_cost_"))
     runs = []
     for r in range(rounds):
@@ -424,6 +425,8 @@ def run_benchmark(spec: ModelSpec, recipe: dict, arms=ARMS, rounds: int = 3, war
             runs.append({"round": r, **run_arm(arm, spec, recipe, r, warmup, steps, workdir)})
             log(f"round {r + 1}/{rounds} {arm.name}: {time.perf_counter() - t0:.1f} s, steps "
                 f"{[round(s['seconds'], 2) for s in runs[-1]['steps']]}, peak +{runs[-1]['peak_delta'] / 2**20:.0f} MB")
+            if on_run is not None:
+                on_run(runs)
     return runs
 
 
@@ -468,7 +471,9 @@ def summarize(result: dict) -> dict:
 
 def _header(result: dict) -> str:
     c = result["config"]
-    return (f"`{result['command']}` — {result['label']}, {result['rounds']} round(s) x {result['steps']} timed "
+    stopped = result.get("rounds_requested", result["rounds"]) != result["rounds"]
+    rounds = f"{result['rounds']} round(s)" + (f" (stopped early, of {result['rounds_requested']})" if stopped else "")
+    return (f"`{result['command']}` — {result['label']}, {rounds} x {result['steps']} timed "
             f"step(s) per arm (+{result['warmup']} warm-up), {c['per_device_train_batch_size']} completions "
             f"({c['num_generations']} per prompt) of <= {c['max_completion_length']} tokens, {c['dtype']} weights, "
             f"bf16 autocast={c['bf16']}, CPU, {result['threads']} threads, peak memory: {result['memory_method']}")
@@ -504,6 +509,24 @@ def render(result: dict) -> str:
                       "Mean seconds per step and share of the step:", "", *render_breakdown(summary)])
 
 
+def make_result(command: str, spec: ModelSpec, recipe_path: str, recipe: dict, runs: list[dict], rounds: int,
+                steps: int, warmup: int) -> dict:
+    """The JSON record of a run: command, settings, versions, arms and the (round, arm) records of every complete
+    round (`rounds` counts those; `rounds_requested` what was asked for)."""
+    import trl
+
+    done = [r for r in range(rounds) if sum(run["round"] == r for run in runs) == len(ARMS)]
+    runs = [run for run in runs if run["round"] in done]
+    keys = ("per_device_train_batch_size", "num_generations", "max_completion_length", "bf16", "use_cpu", "dtype",
+            "gradient_checkpointing", "beta", "learning_rate", "temperature")
+    return {
+        "command": command, "label": spec.label, "recipe": recipe_path, "config": {k: recipe.get(k) for k in keys},
+        "rounds": len(done), "rounds_requested": rounds, "steps": steps, "warmup": warmup, "threads": torch.get_num_threads(),
+        "torch": torch.__version__, "trl": trl.__version__, "memory_method": runs[0]["memory_method"] if runs else None,
+        "reference": REFERENCE, "arms": [vars(arm) for arm in ARMS], "runs": runs,
+    }
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=["smollm2", "tiny"], default="tiny")
@@ -519,30 +542,20 @@ def main(argv=None):
         return
     steady_malloc()
     recipe = read_recipe(ROOT / a.recipe)
+    command = "python benchmarks/step_cost.py " + " ".join(argv if argv is not None else sys.argv[1:])
+
+    def save(runs):  # after every arm: a long run stopped early keeps its complete rounds
+        result = make_result(command, spec, a.recipe, recipe, runs, a.rounds, a.steps, a.warmup)
+        if a.json and result["rounds"]:
+            Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.json).write_text(json.dumps(result, indent=1))
+        return result
+
     with tempfile.TemporaryDirectory(prefix="step_cost_") as tmp:
         spec = load_spec(a.model, Path(tmp), recipe)
         runs = run_benchmark(spec, recipe, ARMS, a.rounds, a.warmup, a.steps, Path(tmp),
-                             log=lambda m: print(m, file=sys.stderr, flush=True))
-    result = make_result(a, argv, spec, recipe, runs)
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(result, indent=1))
-    print(render(result))
-
-
-def make_result(a, argv, spec: ModelSpec, recipe: dict, runs: list[dict]) -> dict:
-    """The JSON record of a run: command, settings, versions, arms and every (round, arm) record."""
-    import trl
-
-    keys = ("per_device_train_batch_size", "num_generations", "max_completion_length", "bf16", "use_cpu", "dtype",
-            "gradient_checkpointing", "beta", "learning_rate", "temperature")
-    return {
-        "command": "python benchmarks/step_cost.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "label": spec.label, "recipe": a.recipe, "config": {k: recipe.get(k) for k in keys},
-        "rounds": a.rounds, "steps": a.steps, "warmup": a.warmup, "threads": torch.get_num_threads(),
-        "torch": torch.__version__, "trl": trl.__version__, "memory_method": runs[0]["memory_method"],
-        "reference": REFERENCE, "arms": [vars(arm) for arm in ARMS], "runs": runs,
-    }
+                             log=lambda m: print(m, file=sys.stderr, flush=True), on_run=save)
+    print(render(save(runs)))
 
 
 if __name__ == "__main__":
