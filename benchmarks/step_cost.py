@@ -12,13 +12,15 @@ Rounds are interleaved in one process so machine load hits every arm alike: each
 turn (rotating the order), trains it for --warmup + --steps optimizer steps with the round's seed, and frees it before
 the next one. Only one trainer is alive at a time, so an arm's peak memory is its own, copies included.
 
-    python benchmarks/step_cost.py --model tiny --rounds 1                   # seconds: a smoke run
-    python benchmarks/step_cost.py --model smollm2 --rounds 4 --json results/step_cost_smollm2.json   # ~1 h, 2 cores
+    python benchmarks/step_cost.py --model tiny --rounds 1                   # under a minute: a smoke run
+    python benchmarks/step_cost.py --model smollm2 --rounds 3 --steps 2 --warmup 0 \
+        --json results/step_cost_smollm2.json     # 7 arms x 6 steps: hours where a SmolLM2 step takes minutes
     python benchmarks/step_cost.py --render results/step_cost_smollm2.json   # markdown tables of a result
 
 Step time: wall seconds from `on_step_begin` to `on_step_end` of one optimizer step (generation, scoring, loss,
 backward, optimizer), the first --warmup steps of each trainer left out (one-time costs: optimizer state, building a
-copy). Breakdown: exclusive seconds (a nested part is subtracted from its parent) spent in methods wrapped for the run:
+copy; with --warmup 0 they stay in the first step, a second or two for SmolLM2). Breakdown: exclusive seconds (a
+nested part is subtracted from its parent) spent in methods wrapped for the run:
 - generation: `GRPOTrainer._generate_single_turn` (RatioGRPOTrainer records sampler log-probs inside it);
 - TRL old pass: `GRPOTrainer._get_per_token_logps_and_entropies` called without grad (old or reference log-probs);
 - mode old pass: `grpo_ratio.scoring.OldLogprobScorer.score`, less any copy refresh inside it;
@@ -29,12 +31,14 @@ copy). Breakdown: exclusive seconds (a nested part is subtracted from its parent
 - other: the step total minus all of the above (rewards, decoding, advantages, loss math, ratio diagnostics, ...).
 
 Peak memory: the kernel's peak resident set size of the process (`VmHWM` in /proc/self/status, reset through
-/proc/self/clear_refs before each arm) minus the resident set size before the arm's trainer is built: weights,
-gradients, optimizer state, copies and activations of that arm. Where that reset is unavailable, a thread samples
-the resident set size with psutil every 5 ms (and can miss shorter peaks). Caveats: RSS counts every resident page
-of the process (Python objects, the allocator's retained free memory, file pages of memory-mapped weights), not only
-tensors; large allocations are made to return to the OS when freed (glibc `mallopt`), so one arm's freed memory does
-not hide the next arm's growth.
+/proc/self/clear_refs before each arm; where that reset is unavailable, a thread sampling the RSS with psutil every
+5 ms, which can miss shorter peaks) minus the RSS before the arm's trainer is built: weights, gradients, optimizer
+state, copies and activations of that arm, over all its steps (warm-up included). Run at least 2 steps per arm:
+AdamW's state appears at the first optimizer step, after that step's backward, so only from the second step on does
+a backward's activation peak sit on top of it. Caveats: RSS counts every resident page of the process (Python
+objects, the allocator's retained free memory, file pages of memory-mapped weights), not only tensors; large
+allocations are made to return to the OS when freed (glibc `mallopt`), so one arm's freed memory does not hide the
+next arm's growth.
 """
 
 from __future__ import annotations
@@ -93,7 +97,7 @@ class Arm:
     guided: bool = False
 
 
-# One line per arm; the first is the reference of every ratio.
+# One line per arm; the arm named REFERENCE is the denominator of every ratio.
 ARMS = (
     Arm(REFERENCE, "trl"),
     Arm("trl_cast_lm_head_to_fp32", "trl", {"cast_lm_head_to_fp32": True}, untied=True),
