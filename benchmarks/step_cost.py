@@ -65,15 +65,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 
-import torch  # noqa: E402
 import yaml  # noqa: E402
-from transformers import TrainerCallback, set_seed  # noqa: E402
-from transformers.trainer_callback import PrinterCallback, ProgressCallback  # noqa: E402
-from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-from grpo_ratio import RatioGRPOConfig, RatioGRPOTrainer  # noqa: E402
-from grpo_ratio.copies import ModuleCopy  # noqa: E402
-from grpo_ratio.scoring import OldLogprobScorer  # noqa: E402
+
+# torch, transformers, trl and grpo_ratio are imported where used: rendering a result JSON (scripts/update_docs.py,
+# tests/test_docs.py) then costs no heavy import.
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,6 +78,7 @@ CALIBRATION = "recipes/smollm2-135m/calibration.json"
 REFERENCE = "trl"  # the arm every ratio is taken against
 PARTS = ("generation", "trl_old_pass", "mode_old_pass", "copy_refresh", "train_forward", "backward", "optimizer")
 OLD_PASSES = ("trl_old_pass", "mode_old_pass")
+ADDED = (*OLD_PASSES, "copy_refresh")  # what a scoring mode adds to TRL's on-policy step
 
 
 @dataclass(frozen=True)
@@ -179,25 +176,34 @@ def _timed(name_of):
 
 
 def _logps_part(*args, **kwargs) -> str:
+    import torch
+
     # TRL's helper serves both passes: without grad it is the old (or reference) pass, with grad the training forward
     return "train_forward" if torch.is_grad_enabled() else "trl_old_pass"
 
 
-# (class, method, part): wrapped at class level for the run, so calls made through `super()` are seen too
-CLASS_PARTS = (
-    (GRPOTrainer, "_generate_single_turn", lambda *a, **k: "generation"),
-    (GRPOTrainer, "_get_per_token_logps_and_entropies", _logps_part),
-    (OldLogprobScorer, "score", lambda *a, **k: "mode_old_pass"),
-    (ModuleCopy, "refresh", lambda *a, **k: "copy_refresh"),
-)
+def class_parts() -> tuple:
+    """(class, method, part) triples wrapped at class level for the run, so calls made through `super()` count too."""
+    from trl import GRPOTrainer
+
+    from grpo_ratio.copies import ModuleCopy
+    from grpo_ratio.scoring import OldLogprobScorer
+
+    return (
+        (GRPOTrainer, "_generate_single_turn", lambda *a, **k: "generation"),
+        (GRPOTrainer, "_get_per_token_logps_and_entropies", _logps_part),
+        (OldLogprobScorer, "score", lambda *a, **k: "mode_old_pass"),
+        (ModuleCopy, "refresh", lambda *a, **k: "copy_refresh"),
+    )
 
 
 @contextlib.contextmanager
 def instrumented(clock: StepClock):
-    """Route the wrapped methods of `CLASS_PARTS` to `clock` while the block runs; the classes are restored after."""
+    """Route the methods of `class_parts()` to `clock` while the block runs; the classes are restored after."""
     global _CLOCK
-    originals = [(cls, name, cls.__dict__[name]) for cls, name, _ in CLASS_PARTS]
-    for cls, name, part in CLASS_PARTS:
+    parts = class_parts()
+    originals = [(cls, name, cls.__dict__[name]) for cls, name, _ in parts]
+    for cls, name, part in parts:
         setattr(cls, name, _timed(part)(cls.__dict__[name]))
     _CLOCK = clock
     try:
@@ -208,35 +214,39 @@ def instrumented(clock: StepClock):
             setattr(cls, name, original)
 
 
-class _StepCallback(TrainerCallback):
-    """Opens and closes the clock's steps, and its `optimizer` part around `optimizer.step()`."""
+def step_callback(clock: StepClock):
+    """A `TrainerCallback` that opens and closes the clock's steps, and its `optimizer` part around
+    `optimizer.step()`."""
+    from transformers import TrainerCallback
 
-    def __init__(self, clock: StepClock):
-        self.clock = clock
+    class StepCallback(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            clock.begin_step()
 
-    def on_step_begin(self, args, state, control, **kwargs):
-        self.clock.begin_step()
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            clock.enter("optimizer")
 
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.clock.enter("optimizer")
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            clock.exit()
 
-    def on_optimizer_step(self, args, state, control, **kwargs):
-        self.clock.exit()
+        def on_step_end(self, args, state, control, **kwargs):
+            clock.end_step()
 
-    def on_step_end(self, args, state, control, **kwargs):
-        self.clock.end_step()
+    return StepCallback()
 
 
 def instrument_trainer(trainer, clock: StepClock) -> None:
     """Per-instance parts: backward (`accelerator.backward`), gradient clipping, and the step callback; the
     trainer's own printing is removed (the benchmark prints one line per arm)."""
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
     def wrap(owner, name, part):
         method = getattr(owner, name)
         setattr(owner, name, _timed(lambda *a, **k: part)(method))
 
     wrap(trainer.accelerator, "backward", "backward")
     wrap(trainer, "_clip_grad_norm", "optimizer")
-    trainer.add_callback(_StepCallback(clock))
+    trainer.add_callback(step_callback(clock))
     for printer in (PrinterCallback, ProgressCallback):
         trainer.remove_callback(printer)
 
@@ -329,6 +339,7 @@ class ModelSpec:
 def untie_head(path: str, dest: str) -> str:
     """Save a copy of the model at `path` whose LM head is its own fp32 parameter (initialised to the input
     embedding it was tied to) into `dest`: TRL's `cast_lm_head_to_fp32` is documented for untied heads only."""
+    import torch
     from torch import nn
     from transformers import AutoModelForCausalLM
 
@@ -374,6 +385,10 @@ def read_recipe(path: str | Path) -> dict:
 def arm_config(arm: Arm, spec: ModelSpec, recipe: dict, seed: int, max_steps: int, output_dir: str):
     """The arm's `GRPOConfig` (stock TRL) or `RatioGRPOConfig`: the recipe's trainer fields, the arm's fields, and
     what a benchmark changes (no reporting, no saving, `max_steps`, `seed`)."""
+    from trl import GRPOConfig
+
+    from grpo_ratio import RatioGRPOConfig
+
     cls = GRPOConfig if arm.trainer == "trl" else RatioGRPOConfig
     names = {k for k, f in cls.__dataclass_fields__.items() if f.init}
     values = {k: v for k, v in recipe.items() if k in names and k != "old_logprob_mode"}
@@ -387,6 +402,11 @@ def arm_config(arm: Arm, spec: ModelSpec, recipe: dict, seed: int, max_steps: in
 
 def build_trainer(arm: Arm, spec: ModelSpec, recipe: dict, seed: int, max_steps: int, output_dir: str):
     """A fresh trainer of `arm`; the model is loaded from its directory by TRL, as `trainers/grpo.py` does."""
+    from transformers import set_seed
+    from trl import GRPOTrainer
+
+    from grpo_ratio import RatioGRPOTrainer
+
     args = arm_config(arm, spec, recipe, seed, max_steps, output_dir)
     cls = GRPOTrainer if arm.trainer == "trl" else RatioGRPOTrainer
     set_seed(seed)
@@ -400,6 +420,8 @@ def build_trainer(arm: Arm, spec: ModelSpec, recipe: dict, seed: int, max_steps:
 
 def run_arm(arm: Arm, spec: ModelSpec, recipe: dict, seed: int, warmup: int, steps: int, workdir: Path) -> dict:
     """Build, train and free one arm's trainer; its steps (seconds, parts, calls) and peak memory (bytes)."""
+    from transformers import set_seed
+
     release_memory()
     before = rss_bytes()
     clock = StepClock()
@@ -427,8 +449,9 @@ def run_benchmark(spec: ModelSpec, recipe: dict, arms=ARMS, rounds: int = 3, war
         for arm in arms[r % len(arms):] + arms[: r % len(arms)]:
             t0 = time.perf_counter()
             runs.append({"round": r, **run_arm(arm, spec, recipe, r, warmup, steps, workdir)})
+            last = runs[-1]
             log(f"round {r + 1}/{rounds} {arm.name}: {time.perf_counter() - t0:.1f} s, steps "
-                f"{[round(s['seconds'], 2) for s in runs[-1]['steps']]}, peak +{runs[-1]['peak_delta'] / 2**20:.0f} MB")
+                f"{[round(s['seconds'], 2) for s in last['steps']]}, peak +{last['peak_delta'] / 2**20:.0f} MB")
             if on_run is not None:
                 on_run(runs)
     return runs
@@ -454,6 +477,10 @@ def _arm_summary(runs: list[dict]) -> dict:
         "timed_steps": len(timed),
         "generations": gens,
         "old_passes_per_generation": sum(calls[p] for p in OLD_PASSES) / gens if gens else float("nan"),
+        # the old pass and refresh over the rest of the same steps: timed under the same load, so load drift between
+        # arms (which moves the step ratios) cancels
+        "added_share": sum(parts[p] for p in ADDED) / (statistics.fmean(s["seconds"] for s in timed)
+                                                        - sum(parts[p] for p in ADDED)),
     }
 
 
@@ -484,13 +511,13 @@ def _header(result: dict) -> str:
 
 
 def render_cost(result: dict, summary: dict) -> list[str]:
-    lines = ["| arm | old passes / generation | step (s, median) | step / TRL | per-round range | peak MB | "
-             "peak / TRL |", "|---|---|---|---|---|---|---|"]
+    lines = ["| arm | old passes / generation | step (s, median) | step / TRL | per-round range | "
+             "old pass + refresh / rest of step | peak MB | peak / TRL |", "|---|---|---|---|---|---|---|---|"]
     for arm, s in summary.items():
         lo, hi = s["round_time_ratios"]
         lines.append(f"| {arm} | {s['old_passes_per_generation']:.0f} | {s['step_seconds']:.2f} | "
-                     f"{s['time_ratio']:.2f}x | {lo:.2f}-{hi:.2f}x | {s['peak_bytes'] / 2**20:.0f} | "
-                     f"{s['memory_ratio']:.2f}x |")
+                     f"{s['time_ratio']:.2f}x | {lo:.2f}-{hi:.2f}x | +{s['added_share']:.1%} | "
+                     f"{s['peak_bytes'] / 2**20:.0f} | {s['memory_ratio']:.2f}x |")
     return lines
 
 
@@ -502,7 +529,7 @@ def render_breakdown(summary: dict) -> list[str]:
         values = (p["generation"], p["trl_old_pass"] + p["mode_old_pass"], p["train_forward"], p["backward"],
                   p["optimizer"], p["copy_refresh"], p["other"])
         total = s["mean_step_seconds"]
-        lines.append(f"| {arm} | " + " | ".join(f"{v:.2f} ({v / total:.0%})" for v in values) + f" | {total:.2f} |")
+        lines.append(f"| {arm} | " + " | ".join(f"{v:.2f} ({v / total:.1%})" for v in values) + f" | {total:.2f} |")
     return lines
 
 
@@ -517,6 +544,7 @@ def make_result(command: str, spec: ModelSpec, recipe_path: str, recipe: dict, r
                 steps: int, warmup: int) -> dict:
     """The JSON record of a run: command, settings, versions, arms and the (round, arm) records of every complete
     round (`rounds` counts those; `rounds_requested` what was asked for)."""
+    import torch
     import trl
 
     done = [r for r in range(rounds) if sum(run["round"] == r for run in runs) == len(ARMS)]
@@ -525,8 +553,9 @@ def make_result(command: str, spec: ModelSpec, recipe_path: str, recipe: dict, r
             "gradient_checkpointing", "beta", "learning_rate", "temperature")
     return {
         "command": command, "label": spec.label, "recipe": recipe_path, "config": {k: recipe.get(k) for k in keys},
-        "rounds": len(done), "rounds_requested": rounds, "steps": steps, "warmup": warmup, "threads": torch.get_num_threads(),
-        "torch": torch.__version__, "trl": trl.__version__, "memory_method": runs[0]["memory_method"] if runs else None,
+        "rounds": len(done), "rounds_requested": rounds, "steps": steps, "warmup": warmup,
+        "threads": torch.get_num_threads(), "torch": torch.__version__, "trl": trl.__version__,
+        "memory_method": runs[0]["memory_method"] if runs else None,
         "reference": REFERENCE, "arms": [vars(arm) for arm in ARMS], "runs": runs,
     }
 

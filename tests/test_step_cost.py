@@ -17,7 +17,7 @@ import step_cost  # noqa: E402
 def result(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("step_cost")
     recipe = step_cost.read_recipe(ROOT / step_cost.RECIPE)
-    recipe["max_completion_length"] = 8  # half the recipe's 16: a shorter test, the same code path
+    recipe["max_completion_length"] = 4  # a quarter of the recipe's 16: a shorter test, the same code path
     spec = step_cost.load_spec("tiny", tmp, recipe)
     runs = step_cost.run_benchmark(spec, recipe, rounds=1, warmup=0, steps=1, workdir=tmp, log=lambda msg: None)
     return step_cost.make_result("python benchmarks/step_cost.py --model tiny (test)", spec, step_cost.RECIPE,
@@ -51,10 +51,10 @@ def test_old_passes_are_counted(summary):
     # TRL's on-policy default skips the old pass: stock TRL and the bf16 mode run none; every other mode runs one
     for arm in (step_cost.REFERENCE, "trl_cast_lm_head_to_fp32", "bf16"):
         assert summary[arm]["calls"]["trl_old_pass"] == 0 and summary[arm]["calls"]["mode_old_pass"] == 0, arm
-        assert summary[arm]["old_passes_per_generation"] == 0
+        assert summary[arm]["old_passes_per_generation"] == 0 and summary[arm]["added_share"] == 0
     for arm in ("fp32_clone", "fp16_clone", "fp32_head", "guided_fp32"):
         assert summary[arm]["calls"]["mode_old_pass"] == summary[arm]["generations"], arm
-        assert summary[arm]["old_passes_per_generation"] == 1
+        assert summary[arm]["old_passes_per_generation"] == 1 and summary[arm]["added_share"] > 0
     # fp32 weights: only fp16_clone keeps a copy, refreshed once per old pass; the fp32 modes run the policy itself
     assert summary["fp16_clone"]["calls"]["copy_refresh"] == summary["fp16_clone"]["calls"]["mode_old_pass"]
     assert summary["fp32_clone"]["calls"]["copy_refresh"] == 0
