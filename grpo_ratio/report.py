@@ -7,7 +7,7 @@
 It prints, as markdown to paste into an issue, the per-metric summary (mean, first, last, min, max over the logged
 steps) and a list of findings: what is out of the healthy range (docs/reading.md), its likely cause, and the config
 change that addresses it. The rules read only logged keys; where the run's configuration is known (`run.json` of a
-comparison, or `config` in the file) they use it too.
+comparison or of `grpo-ratio train`) they use it too.
 """
 
 from __future__ import annotations
@@ -18,6 +18,16 @@ import statistics
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+
+# what a run was configured with, written next to its log history (`run.json`, by `grpo-ratio train` and `compare`)
+RUN_FIELDS = ("old_logprob_mode", "guided_fp32_layers", "truncation_correction", "top_p", "top_k", "min_p",
+              "temperature", "bf16", "learning_rate", "max_steps", "per_device_train_batch_size", "num_generations")
+
+
+def run_config(args) -> dict:
+    """`RUN_FIELDS` of a `RatioGRPOConfig` (None where the config lacks one): what `findings` reads of a run."""
+    return {k: getattr(args, k, None) for k in RUN_FIELDS}
 
 
 # metric key -> what it is, in a few words (the table's second column)

@@ -157,6 +157,13 @@ def test_main_runs_a_recipe_on_a_tiny_model(grpo, tiny_dir, tmp_path):
     assert history[0]["step"] == 1 and "reward" in history[0] and "ratio/new_old/oob_rate" in history[0]
     assert (out / "metrics.png").stat().st_size > 0
     assert not (out / "model.safetensors").exists()
+    # run.json tells `grpo-ratio report` the arm: its findings depend on the mode
+    config = json.loads((out / "run.json").read_text())["config"]
+    assert config["old_logprob_mode"] == "fp32_clone" and config["max_steps"] == 1
+    from grpo_ratio.report import load_runs
+
+    ((name, rows, read_config),) = load_runs(out)
+    assert name == "run" and read_config == config and len(rows) == len(history)
 
 
 def test_a_finished_run_is_not_overwritten(grpo, tmp_path):

@@ -42,6 +42,7 @@ import yaml
 from transformers import TrainerCallback, set_seed
 
 from grpo_ratio.plots import plot_comparison
+from grpo_ratio.report import RUN_FIELDS, run_config
 from grpo_ratio.scripts.train import build_trainer, make_parser
 
 
@@ -53,9 +54,7 @@ RATIO_COLUMNS = {  # summary column -> logged key (mean over the run's logged st
     "clip flips": "ratio/clip_flip_rate",
     "TRL clip": "clip_ratio/region_mean",
 }
-# what a run was configured with, recorded next to its results (what its label stands for)
-ARM_FIELDS = ("old_logprob_mode", "guided_fp32_layers", "truncation_correction", "top_p", "top_k", "min_p",
-              "temperature", "bf16", "learning_rate", "max_steps", "per_device_train_batch_size", "num_generations")
+ARM_FIELDS = RUN_FIELDS  # what a run was configured with, recorded next to its results (what its label stands for)
 
 
 class FirstRolloutRecorder(TrainerCallback):
@@ -257,7 +256,7 @@ def _start_wandb(name: str, arm: str, seed: int, run_dir: Path):
 
 
 def _arm_config(args) -> dict:
-    return {k: getattr(args, k, None) for k in ARM_FIELDS}
+    return run_config(args)
 
 
 def _finished_run(arm: str, seed: int, run_dir: Path, fingerprint) -> RunResult | None:

@@ -14,8 +14,9 @@ Every `RatioGRPOConfig` (= `trl.GRPOConfig` + grpo_ratio) field, every `trl.Mode
 unknown scoring mode, a missing data path or an unreadable model fails before any training step.
 
 Writes to `output_dir`: the model (unless `--save_final_model false`), `log_history.json` (TRL's log rows: reward,
-`ratio/*`, `clip_ratio/*`, ...), `metrics.png` (those curves per step) and, with `report_to: [wandb]`, an offline W&B
-run under `output_dir/wandb` (`WANDB_MODE=offline` unless you set it; upload later with `wandb sync`). A run refuses
+`ratio/*`, `clip_ratio/*`, ...), `run.json` (the fields `grpo-ratio report` reads: mode, correction, sampling),
+`metrics.png` (those curves per step) and, with `report_to: [wandb]`, an offline W&B run under `output_dir/wandb`
+(`WANDB_MODE=offline` unless you set it; upload later with `wandb sync`). A run refuses
 to start over a finished one (an `output_dir` holding `log_history.json`) unless it resumes it
 (`--resume_from_checkpoint`) or `--overwrite_output_dir true` says to replace it.
 """
@@ -33,6 +34,7 @@ from trl import ModelConfig, TrlParser, get_peft_config
 from grpo_ratio import RatioGRPOConfig, RatioGRPOTrainer
 from grpo_ratio.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
 from grpo_ratio.plots import plot_metrics, run_title
+from grpo_ratio.report import run_config
 from grpo_ratio.tasks import TASKS, load_task
 
 
@@ -206,6 +208,8 @@ def main(script_args, training_args, model_args):
     if trainer.accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)  # save_strategy "no" and no final save: nothing created it yet
         (out / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
+        # the fields `grpo-ratio report` reads (which mode, which correction), so its findings know the arm
+        (out / "run.json").write_text(json.dumps({"config": run_config(training_args), "completed": True}, indent=1))
         title = run_title(model_args.model_name_or_path or DEFAULT_MODEL, training_args, trainer.state.global_step)
         band = (training_args.ratio_band_low, training_args.ratio_band_high)
         drawn = plot_metrics({training_args.run_name: trainer.state.log_history}, out / "metrics.png", title, band)
