@@ -81,7 +81,8 @@ def _layer_index(x) -> int:
     try:
         i = int(x)
     except ValueError:
-        raise ValueError(f"guided_fp32_layers: {x!r} is not an integer layer index") from None
+        raise ValueError(f"guided_fp32_layers: {x!r} is not an integer layer index (a list is written \"0,29\", "
+                         f"[0, 29] or a calibration JSON path)") from None
     if i < 0:
         raise ValueError(f"guided_fp32_layers: {x!r} is not a non-negative integer layer index")
     return i

@@ -175,6 +175,45 @@ def render_run(name: str, stats: dict, found: list[Finding], config: dict | None
     return "\n".join(lines) + "\n"
 
 
+def separation(diff: float | None, k: int, noise: list[float | None], spread: list[float | None]) -> str:
+    """Whether an arm's last-k reward difference to the baseline exceeds the noise: "beyond noise", "within noise" or
+    "unknown". Noise floor: 2 sigma of a difference of two last-k means of independent steps, 2 * sqrt(2 / k) *
+    step noise (the larger of the two arms'), and the larger seed-to-seed spread where one was measured."""
+    known = [x for x in noise if x is not None]
+    if diff is None or not known:
+        return "unknown"
+    floor = max([2 * (2 / k) ** 0.5 * max(known), *(x for x in spread if x is not None)])
+    return "beyond noise" if abs(diff) > floor else "within noise"
+
+
+def render_comparison(summary: dict) -> str:
+    """Markdown: per arm its last-k reward difference to the baseline against the noise, and what a reader must
+    know before deciding (one seed, unmatched step-1 rollouts)."""
+    k, base, arms = summary["last_k_used"], summary["baseline"], summary["arms"]
+    lines = [f"### Comparison: reward over the last {k} logged steps, each arm against `{base}`", "",
+             "| arm | seeds | - " + base + " | step noise | seed spread | verdict |", "|---|---|---|---|---|---|"]
+    ref = arms.get(base, {})
+    for arm, stats in arms.items():
+        if arm == base:
+            continue
+        verdict = separation(stats["mean_diff_vs_baseline"], k, [stats["reward_step_noise"],
+                             ref.get("reward_step_noise")], [stats["spread"], ref.get("spread")])
+        cells = [stats["mean_diff_vs_baseline"], stats["reward_step_noise"], stats["spread"]]
+        lines.append(f"| {arm} | {stats['num_seeds']} | " + " | ".join("-" if x is None else _fmt(x) for x in cells)
+                     + f" | {verdict} |")
+    lines += ["", "Verdict: beyond noise when |difference| > 2 sqrt(2/k) x step noise and > the seed spread "
+                  "(docs/reading.md, Reading a comparison)."]
+    if min((a["num_seeds"] for a in arms.values()), default=0) < 2:
+        lines.append("- **note** one seed: the seed-to-seed spread is not measured; add seeds (--seeds 0 1) before "
+                     "deciding on an arm.")
+    unmatched = [s for s, ok in summary.get("matched_first_rollouts", {}).items() if not ok]
+    if unmatched:
+        lines.append(f"- **note** step-1 rollouts differ across arms for seed(s) {', '.join(unmatched)}: the arms "
+                     f"sample differently (top_p / top_k / min_p / temperature), so reward differences are not the "
+                     f"scoring arm's alone.")
+    return "\n".join(lines) + "\n"
+
+
 def _versions() -> str:
     import importlib.metadata as md
 
@@ -188,38 +227,63 @@ def _versions() -> str:
     return ", ".join(found)
 
 
+def _read_history(path: Path) -> list[dict]:
+    """Log rows of a `log_history.json` (a list) or of TRL's `trainer_state.json` (its `log_history`)."""
+    data = json.loads(path.read_text())
+    if isinstance(data, dict) and isinstance(data.get("log_history"), list):
+        return data["log_history"]
+    if isinstance(data, list) and all(isinstance(row, dict) for row in data):
+        return data
+    raise ValueError(f"{path}: neither a list of log rows (log_history.json) nor TRL's trainer_state.json")
+
+
+def _last_checkpoint_state(path: Path) -> Path | None:
+    """`trainer_state.json` of the newest `checkpoint-N` in `path` (what TRL saves; a script of your own has it)."""
+    states = [p / "trainer_state.json" for p in path.glob("checkpoint-*") if (p / "trainer_state.json").is_file()]
+    return max(states, key=lambda p: int(p.parent.name.rsplit("-", 1)[-1]), default=None)
+
+
 def load_runs(path: Path) -> list[tuple[str, list[dict], dict | None]]:
-    """(name, log history, config or None) of a run folder, a log_history.json, or a comparison folder/summary.
+    """(name, log history, config or None) of: a run folder (`log_history.json`, else TRL's `trainer_state.json`
+    in it or in its newest `checkpoint-N`), one of those files, or a comparison folder/its summary.json.
 
     Raises:
         FileNotFoundError: nothing readable at `path`.
+        ValueError: a JSON file that holds no log rows.
     """
     if path.is_file() and path.name == "summary.json":
         path = path.parent
     if path.is_file():
-        return [(path.parent.name, json.loads(path.read_text()), None)]
-    if (path / "log_history.json").is_file():
+        return [(path.parent.name, _read_history(path), None)]
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such file or folder")
+    history = next((p for p in (path / "log_history.json", path / "trainer_state.json") if p.is_file()), None)
+    history = history or _last_checkpoint_state(path)
+    if history is not None:
         meta = path / "run.json"
         config = json.loads(meta.read_text()).get("config") if meta.is_file() else None
-        return [(path.name, json.loads((path / "log_history.json").read_text()), config)]
+        return [(path.name, _read_history(history), config)]
     runs = []
-    for sub in sorted(p for p in path.iterdir() if p.is_dir()) if path.is_dir() else []:
+    for sub in sorted(p for p in path.iterdir() if p.is_dir()):
         runs += load_runs(sub) if (sub / "log_history.json").is_file() else []
     if not runs:
-        raise FileNotFoundError(f"{path}: no log_history.json (a run's output_dir), nor a comparison folder with "
-                                f"<arm>-s<seed>/log_history.json")
+        raise FileNotFoundError(
+            f"{path}: no log_history.json or trainer_state.json (a run's output_dir or one of its checkpoint-N "
+            f"folders), nor a comparison folder with <arm>-s<seed>/log_history.json. From a script of your own: "
+            f"save a checkpoint (TRL's save_strategy) or write json.dumps(trainer.state.log_history) to a file")
     return runs
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="grpo-ratio report", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("path", help="a run's output_dir, its log_history.json, or a comparison folder/summary.json")
+    parser.add_argument("path", help="a run's output_dir, its log_history.json or TRL's trainer_state.json (also in "
+                                     "checkpoint-N), or a comparison folder/summary.json")
     parser.add_argument("--json", action="store_true", help="print the summary and findings as JSON")
     args = parser.parse_args(argv)
     try:
         runs = load_runs(Path(args.path))
-    except (FileNotFoundError, json.JSONDecodeError) as err:
+    except (FileNotFoundError, ValueError) as err:  # json.JSONDecodeError is a ValueError
         print(f"grpo-ratio report: error: {err}", file=sys.stderr)
         return 2
     results = []
@@ -233,4 +297,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"## grpo-ratio report: {args.path}\n\n{_versions()}\n")
     for name, stats, found, config in results:
         print(render_run(name, stats, found, config))
+    summary = _comparison_summary(Path(args.path))
+    if summary and summary.get("arms"):
+        print(render_comparison(summary))
     return 0
+
+
+def _comparison_summary(path: Path) -> dict | None:
+    """The `summary.json` of a comparison folder (or that file itself); None for a single run."""
+    path = path if path.name == "summary.json" else path / "summary.json"
+    return json.loads(path.read_text()) if path.is_file() else None

@@ -123,6 +123,14 @@ def test_missing_data_path_fails_before_the_model(grpo, tmp_path):
         grpo.build_trainer(script_args, training_args, model_args)
 
 
+def test_a_flag_the_task_does_not_take_is_named_as_a_flag(grpo, tmp_path):
+    script_args, training_args, model_args = _parse(
+        grpo, [], task="arithmetic", dataset_path=tmp_path / "data.jsonl", model_name_or_path=tmp_path / "none",
+        output_dir=tmp_path / "out", use_cpu="true")
+    with pytest.raises(ValueError, match=r"task='arithmetic' does not take --dataset_path; it takes: .*--task_seed"):
+        grpo.build_trainer(script_args, training_args, model_args)
+
+
 def test_unreadable_model_is_a_clear_error(grpo, tmp_path):
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "config.json").write_text("{}")  # a directory that looks like a model but is not
@@ -173,10 +181,14 @@ def test_a_finished_run_is_not_overwritten(grpo, tmp_path):
     recipe = str(ROOT / "recipes/smollm2-135m/arithmetic/bf16.yaml")
     common = dict(output_dir=out, report_to="none", model_name_or_path=tmp_path / "no-model")
     args = _parse(grpo, ["--config", recipe], **common, seed=1)  # a second seed into the recipe's output_dir
-    with pytest.raises(FileExistsError, match=r"already holds a finished run .*--seed 1 --output_dir .*run-s1\).*"
-                                              r"--resume_from_checkpoint.*--overwrite_output_dir true"):
+    with pytest.raises(FileExistsError, match=r"already holds a finished run .*--seed 1 --output_dir .*run-s1\) or "
+                                              r"--overwrite_output_dir true") as refused:
         grpo.main(*args)  # refused before the model (which does not exist) is even looked for
+    assert "--resume_from_checkpoint" not in str(refused.value)  # no checkpoint: nothing to resume
     assert sorted(p.name for p in out.iterdir()) == ["log_history.json"]  # nothing written (no wandb dir either)
+    (out / "checkpoint-1").mkdir()
+    with pytest.raises(FileExistsError, match=r"--resume_from_checkpoint .*checkpoint-1 to continue it"):
+        grpo.check_output_dir(*_parse(grpo, ["--config", recipe], **common, seed=1)[:2])
     for opt_in in (dict(overwrite_output_dir="true"), dict(resume_from_checkpoint=str(out / "checkpoint-1"))):
         script_args, training_args, _ = _parse(grpo, ["--config", recipe], **common, **opt_in)
         grpo.check_output_dir(script_args, training_args)  # allowed: the run goes on to load the model

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from grpo_ratio.report import findings, load_runs, main, summarize_history
+from grpo_ratio.report import findings, load_runs, main, render_comparison, separation, summarize_history
 
 
 def _history(**series):
@@ -45,6 +45,38 @@ def test_each_rule_fires_on_its_symptom():
     metrics = [f.metric for f in findings(stats, {"old_logprob_mode": "bf16"})]
     assert metrics == ["ratio/old_sampler_corrected/oob_rate", "ratio/new_old/oob_rate", "ratio/clip_flip_rate",
                        "ratio/kept_set_added_rate", "ratio/fp16_fallback_rows", "ratio/new_old/num_tokens"]
+
+
+def test_report_reads_trl_trainer_state_of_a_script_of_your_own(tmp_path, capsys):
+    # what a plain TRL script leaves: output_dir/checkpoint-N/trainer_state.json (its log_history inside)
+    for step, reward in ((1, [0.1]), (2, [0.1, 0.3])):
+        ckpt = tmp_path / "out" / f"checkpoint-{step}"
+        ckpt.mkdir(parents=True)
+        (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": step, "log_history": _history(reward=reward)}))
+    ((name, rows, config),) = load_runs(tmp_path / "out")
+    assert name == "out" and config is None and [r["reward"] for r in rows[:-1]] == [0.1, 0.3]  # the newest checkpoint
+    assert load_runs(tmp_path / "out" / "checkpoint-1" / "trainer_state.json")[0][1][0]["reward"] == 0.1
+    (tmp_path / "bad.json").write_text(json.dumps({"global_step": 1}))
+    assert main([str(tmp_path / "bad.json")]) == 2
+    assert "trainer_state.json" in capsys.readouterr().err
+
+
+def test_separation_against_step_noise_and_seed_spread():
+    # k=4: noise floor 2 * sqrt(2/4) * 0.05 = 0.0707
+    assert separation(0.10, 4, [0.05, 0.02], [None, None]) == "beyond noise"
+    assert separation(0.05, 4, [0.05, 0.02], [None, None]) == "within noise"
+    assert separation(0.10, 4, [0.05, 0.02], [0.12, None]) == "within noise"  # seeds disagree by more
+    assert separation(None, 4, [0.05], [None]) == "unknown"
+
+
+def test_comparison_section_says_one_seed_and_unmatched_rollouts():
+    summary = {"last_k_used": 4, "baseline": "bf16", "matched_first_rollouts": {"0": False}, "arms": {
+        "bf16": {"num_seeds": 1, "mean": 0.2, "mean_diff_vs_baseline": 0.0, "spread": None, "reward_step_noise": 0.05},
+        "sampler": {"num_seeds": 1, "mean": 0.3, "mean_diff_vs_baseline": 0.1, "spread": None,
+                    "reward_step_noise": 0.04}}}
+    text = render_comparison(summary)
+    assert "| sampler | 1 | 0.1 | 0.04 | - | beyond noise |" in text and "| bf16 |" not in text
+    assert "one seed" in text and "differ across arms for seed(s) 0" in text
 
 
 def test_report_reads_a_comparison_folder(tmp_path, capsys):

@@ -152,7 +152,7 @@ def summarize(runs: Sequence[RunResult], last_k: int = 10, baseline: str = "bf16
     """Per run: last-k and whole-run mean reward, their differences to the `baseline` arm at the same seed (None
     without a baseline run), the per-step reward noise, and the run-mean of each `RATIO_COLUMNS` key. Per arm: mean
     over seeds of the last-k reward, mean difference to the baseline, and the seed-to-seed spread (max - min over
-    seeds; 0 with one seed). `last_k_used` is the number of steps actually averaged (fewer when runs logged fewer).
+    seeds; None with one seed: not measured, which a 0 would hide). `last_k_used` is the number of steps actually averaged (fewer when runs logged fewer).
 
     Raises:
         ValueError: `last_k` < 1.
@@ -186,12 +186,25 @@ def summarize(runs: Sequence[RunResult], last_k: int = 10, baseline: str = "bf16
         arms[arm] = {
             "mean": statistics.fmean(values) if values else None,
             "mean_diff_vs_baseline": statistics.fmean(diffs) if diffs else None,
-            "spread": max(values) - min(values) if values else None,
+            "spread": max(values) - min(values) if len(values) > 1 else None,
             "reward_step_noise": statistics.fmean(noise) if noise else None,
             "num_seeds": len(values),
         }
     steps = [row["steps"] for row in rows if row["steps"]]
     return {"last_k": last_k, "last_k_used": min([last_k, *steps]), "baseline": baseline, "runs": rows, "arms": arms}
+
+
+SAMPLING_FIELDS = ("top_p", "top_k", "min_p", "temperature")
+
+
+def _why_unmatched(runs: Sequence[RunResult]) -> str:
+    """Why step-1 rollouts differ across arms: the arms sample differently (expected), or nothing explains it."""
+    differ = [k for k in SAMPLING_FIELDS if len({json.dumps((r.config or {}).get(k)) for r in runs}) > 1]
+    if differ:
+        return (f"Expected: the arms sample differently ({', '.join(differ)} differ), so their rollouts differ from "
+                f"step 1 and reward differences mix the sampling change with the scoring arm.")
+    return ("Unexpected: the arms share their sampling settings; check that the recipes share model, data and "
+            "generation settings (a nondeterministic kernel can also do this).")
 
 
 def _fmt(x, signed=False, digits=4):
@@ -214,7 +227,7 @@ def print_summary(summary: dict, name: str) -> None:
                       _fmt(row["diff_vs_baseline"], True), _fmt(row["reward_step_noise"]), *ratios, "")
     table.add_section()
     for arm, stats in summary["arms"].items():
-        table.add_row(arm, f"all {stats['num_seeds']}", _fmt(stats["mean"]), _fmt(stats["mean_diff_vs_baseline"], True),
+        table.add_row(arm, f"{stats['num_seeds']} seed(s)", _fmt(stats["mean"]), _fmt(stats["mean_diff_vs_baseline"], True),
                       _fmt(stats["reward_step_noise"]), *[""] * len(RATIO_COLUMNS), _fmt(stats["spread"]))
     Console(width=max(Console().width, 140)).print(table)  # not the 80 columns rich assumes without a terminal
 
@@ -373,6 +386,8 @@ def run_comparison(
         if resumed:
             print(f"Read back finished runs (not trained again): {', '.join(resumed)}")
         print(f"Step-1 rollouts identical across arms, per seed: {matched}")
+        if not all(matched.values()):
+            print(_why_unmatched(runs))
         print(f"Summary: {summary_path}" + (f"\nPlot: {out / 'comparison.png'}" if drawn else ""))
     return Comparison(runs, summary, str(out / "comparison.png") if drawn else None, str(summary_path), matched,
                       resumed)

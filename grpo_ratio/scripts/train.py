@@ -23,6 +23,7 @@ to start over a finished one (an `output_dir` holding `log_history.json`) unless
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from dataclasses import dataclass, field
@@ -59,13 +60,18 @@ class GRPOScriptArguments:
     reward: str | None = field(
         default=None,
         metadata={
-            "help": "gsm8k: 'lenient' (default, as in the batch-logprob-gap report: the completion's last number) or "
-            "'strict' (its last '#### <integer>')."
+            "help": "gsm8k: 'lenient' (default, as in the batch-logprob-gap report, "
+            "github.com/GuoCheng24/batch-logprob-gap: the completion's last number) or 'strict' (its last "
+            "'#### <integer>')."
         },
     )
     max_operand: int | None = field(default=None, metadata={"help": "arithmetic: operands in [1, max_operand]."})
     operations: str | None = field(default=None, metadata={"help": "arithmetic: operators, e.g. '+' or '+-'."})
-    save_final_model: bool = field(default=True, metadata={"help": "Save the trained model to output_dir."})
+    save_final_model: bool = field(
+        default=True,
+        metadata={"help": "Save the trained model to output_dir (on unless --save_final_model false; the recipes set "
+                  "it false)."},
+    )
     overwrite_output_dir: bool = field(
         default=False,
         metadata={
@@ -100,16 +106,19 @@ def check_output_dir(script_args: GRPOScriptArguments, training_args: RatioGRPOC
     log, plot and model. Resuming (`--resume_from_checkpoint`) and `--overwrite_output_dir true` are allowed.
 
     Raises:
-        FileExistsError: naming the finished run and the three ways on.
+        FileExistsError: naming the finished run and the ways on (resuming only where a checkpoint exists).
     """
     finished = Path(training_args.output_dir) / "log_history.json"
     if not finished.is_file() or training_args.resume_from_checkpoint or script_args.overwrite_output_dir:
         return
+    # resuming needs a checkpoint; the recipes save none (save_strategy "no"), so offer it only where one exists
+    checkpoints = sorted(finished.parent.glob("checkpoint-*"))
+    resume = (f", --resume_from_checkpoint {checkpoints[-1]} to continue it" if checkpoints else "")
     raise FileExistsError(
         f"output_dir={training_args.output_dir!r} already holds a finished run ({finished}); this run would "
         f"overwrite it. Pass another --output_dir (one per seed, e.g. --seed {training_args.seed} --output_dir "
-        f"{training_args.output_dir.rstrip('/')}-s{training_args.seed}), --resume_from_checkpoint to continue it, or "
-        f"--overwrite_output_dir true to replace it."
+        f"{training_args.output_dir.rstrip('/')}-s{training_args.seed}){resume} or --overwrite_output_dir true to "
+        f"replace it."
     )
 
 
@@ -138,7 +147,14 @@ def build_trainer(script_args, training_args, model_args, callbacks=None) -> Rat
     ################
     # Data: the task's prompts and reward functions
     ################
-    train_dataset, reward_funcs = load_task(script_args.task, **task_kwargs(script_args))
+    kwargs = task_kwargs(script_args)
+    accepted = [name for name, kw in _TASK_KWARGS.items() if kw in inspect.signature(TASKS[script_args.task]).parameters
+                ] if script_args.task in TASKS else []
+    refused = [f"--{name}" for name, kw in _TASK_KWARGS.items() if kw in kwargs and name not in accepted]
+    if accepted and refused:  # named by their flags, not by the task loader's keywords
+        raise ValueError(f"task={script_args.task!r} does not take {', '.join(refused)}; it takes: "
+                         f"{', '.join('--' + a for a in accepted)}")
+    train_dataset, reward_funcs = load_task(script_args.task, **kwargs)
 
     ################
     # Model: a local directory (hub cache, hub, or the converted GGUF), loaded by TRL with model_init_kwargs
