@@ -551,7 +551,7 @@ def make_result(command: str, spec: ModelSpec, recipe_path: str, recipe: dict, r
     done = [r for r in range(rounds) if sum(run["round"] == r for run in runs) == len(ARMS)]
     runs = [run for run in runs if run["round"] in done]
     keys = ("per_device_train_batch_size", "num_generations", "max_completion_length", "bf16", "use_cpu", "dtype",
-            "gradient_checkpointing", "beta", "learning_rate", "temperature")
+            "activation_checkpointing", "beta", "learning_rate", "temperature")
     return {
         "command": command, "label": spec.label, "recipe": recipe_path, "config": {k: recipe.get(k) for k in keys},
         "rounds": len(done), "rounds_requested": rounds, "steps": steps, "warmup": warmup,
