@@ -12,6 +12,7 @@ A generated block in a markdown file looks like
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -27,7 +28,9 @@ def render(cmd: str) -> str:
     argv = shlex.split(cmd)
     if argv[0] == "python":
         argv[0] = sys.executable
-    out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    # a render only reads committed files; without WANDB_MODE, transformers' import prints no W&B banner to stdout
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"}
+    out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, check=True, env=env).stdout
     return out.rstrip("\n") + "\n"
 
 
