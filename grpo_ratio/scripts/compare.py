@@ -42,7 +42,7 @@ import yaml
 from transformers import TrainerCallback, set_seed
 
 from grpo_ratio.plots import plot_comparison
-from grpo_ratio.report import RUN_FIELDS, run_config
+from grpo_ratio.report import run_config
 from grpo_ratio.scripts.train import build_trainer, make_parser
 
 
@@ -54,7 +54,6 @@ RATIO_COLUMNS = {  # summary column -> logged key (mean over the run's logged st
     "clip flips": "ratio/clip_flip_rate",
     "TRL clip": "clip_ratio/region_mean",
 }
-ARM_FIELDS = RUN_FIELDS  # what a run was configured with, recorded next to its results (what its label stands for)
 
 
 class FirstRolloutRecorder(TrainerCallback):
@@ -105,7 +104,7 @@ def _hms(seconds: float) -> str:
 
 @dataclass
 class RunResult:
-    """One (arm, seed) run: its log history, its step-1 rollouts, and its configuration (`ARM_FIELDS`)."""
+    """One (arm, seed) run: its log history, its step-1 rollouts, and its configuration (`grpo_ratio.report.RUN_FIELDS`)."""
 
     arm: str
     seed: int
@@ -268,10 +267,6 @@ def _start_wandb(name: str, arm: str, seed: int, run_dir: Path):
     )
 
 
-def _arm_config(args) -> dict:
-    return run_config(args)
-
-
 def _finished_run(arm: str, seed: int, run_dir: Path, fingerprint) -> RunResult | None:
     """The run stored in `run_dir` when it finished with the same `fingerprint`; None when there is none to resume.
 
@@ -297,7 +292,7 @@ def _run_one(arm: str, seed: int, build: Callable, name: str, run_dir: Path, fin
     trainer = build(arm, seed, run_dir)
     if trainer.args.seed != seed:
         raise ValueError(f"build({arm!r}, {seed}, ...) returned a trainer with args.seed={trainer.args.seed}")
-    meta = {"arm": arm, "seed": seed, "fingerprint": fingerprint, "config": _arm_config(trainer.args),
+    meta = {"arm": arm, "seed": seed, "fingerprint": fingerprint, "config": run_config(trainer.args),
             "completed": False}
     (run_dir / "run.json").write_text(json.dumps(meta, indent=1))
     recorder = FirstRolloutRecorder(trainer)

@@ -95,8 +95,19 @@ _TASK_KWARGS = {
 
 
 def task_kwargs(script_args: GRPOScriptArguments) -> dict:
-    """The task-loader keywords set in `script_args` (unset ones are left to the task's defaults)."""
+    """The task-loader keywords set in `script_args` (unset ones are left to the task's defaults).
+
+    Raises:
+        ValueError: a flag the task does not take, named by its flag (`--dataset_path`), not the loader's keyword.
+    """
     values = {kw: getattr(script_args, name) for name, kw in _TASK_KWARGS.items()}
+    if script_args.task in TASKS:  # an unknown task is load_task's error
+        takes = inspect.signature(TASKS[script_args.task]).parameters
+        refused = [f"--{name}" for name, kw in _TASK_KWARGS.items() if values[kw] is not None and kw not in takes]
+        if refused:
+            accepted = [f"--{name}" for name, kw in _TASK_KWARGS.items() if kw in takes]
+            raise ValueError(f"task={script_args.task!r} does not take {', '.join(refused)}; it takes: "
+                             f"{', '.join(accepted)}")
     return {kw: v for kw, v in values.items() if v is not None}
 
 
@@ -147,14 +158,7 @@ def build_trainer(script_args, training_args, model_args, callbacks=None) -> Rat
     ################
     # Data: the task's prompts and reward functions
     ################
-    kwargs = task_kwargs(script_args)
-    accepted = [name for name, kw in _TASK_KWARGS.items() if kw in inspect.signature(TASKS[script_args.task]).parameters
-                ] if script_args.task in TASKS else []
-    refused = [f"--{name}" for name, kw in _TASK_KWARGS.items() if kw in kwargs and name not in accepted]
-    if accepted and refused:  # named by their flags, not by the task loader's keywords
-        raise ValueError(f"task={script_args.task!r} does not take {', '.join(refused)}; it takes: "
-                         f"{', '.join('--' + a for a in accepted)}")
-    train_dataset, reward_funcs = load_task(script_args.task, **kwargs)
+    train_dataset, reward_funcs = load_task(script_args.task, **task_kwargs(script_args))
 
     ################
     # Model: a local directory (hub cache, hub, or the converted GGUF), loaded by TRL with model_init_kwargs
