@@ -11,11 +11,19 @@ fused LM head patches `forward`):
 - a copy carries a version (the `WeightsVersion` it was synced at: it moves whenever the policy's weights may have
   changed); `ModuleCopy.get(version)` refreshes a stale copy before use, so a stale copy is never used;
 - a copy never runs dropout (eval mode), and PEFT adapters are merged by PEFT's own `merge()` (DoRA, IA3, ...);
-- the policy is never modified: no mode switch, no re-tying, no hooks, no merging of adapters in place.
+- the policy is never modified: no mode switch, no re-tying, no merging of adapters in place, and no hook outlives
+  the old pass that needed it.
+
+Two ways to hold a whole-model copy (`copy_storage`): `ModuleCopy` keeps it resident (2 bytes per parameter in fp16)
+and refreshes it after every optimizer step; `PerLayerCast` keeps nothing and casts each module's weights just before
+it runs in the old pass. Per optimizer step with k old passes, the resident copy costs k passes + 1 refresh, the casts
+k passes whose every module pays its cast: the casts win at small k, and hold only the largest module at any time
+(docs/benchmarks.md, "Copies").
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy as _copy
 
 import torch
@@ -201,3 +209,117 @@ class ModuleCopy(VersionedCopy):
         """Bytes held by the copy's parameters and buffers (what the copy costs in memory)."""
         tensors = {t.data_ptr(): t.numel() * t.element_size() for t in self.module.state_dict().values()}
         return sum(tensors.values())
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# per-layer casts: the copy's weights made module by module during the old pass, none kept in between
+
+
+COPY_STORAGES = ("resident", "per_layer")
+
+
+def _owns_tensors(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters(recurse=False)) or any(
+        b is not None and b.is_floating_point() for b in module.buffers(recurse=False))
+
+
+def _fresh_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The non-persistent floating buffers of `module` as a newly built instance computes them (a rotary embedding's
+    `inv_freq`), which is what a whole-model copy built from the config holds: the policy's own may have been rounded
+    by a `.to(bfloat16)`. Empty when the module cannot be rebuilt from its `config` attribute."""
+    names = [n for n in getattr(module, "_non_persistent_buffers_set", ()) if getattr(module, n, None) is not None
+             and getattr(module, n).is_floating_point()]
+    config = getattr(module, "config", None)
+    if not names or config is None:
+        return {}
+    try:
+        fresh = type(module)(config)
+    except TypeError:  # another constructor: keep the policy's buffers (cast like any other)
+        return {}
+    device = getattr(module, names[0]).device
+    return {n: getattr(fresh, n).detach().to(device) for n in names}
+
+
+class PerLayerCast:
+    """The weights of a whole-model copy in `dtype` (what `ModuleCopy(model, dtype, whole_model=True)` holds), made one
+    module at a time while the old pass runs: each module that owns parameters or floating buffers gets them cast to
+    `dtype` just before its forward and dropped right after, so no copy outlives its module's call and nothing needs a
+    refresh after an optimizer step (the casts read the policy's current weights). The policy's parameters are put
+    back after each call; the policy is never left modified.
+
+    Args:
+        model: the policy (a transformers causal LM). PEFT adapters are refused (a merged adapter is a different
+            computation from the tuner layer's forward).
+        dtype: the copy's dtype (`torch.float16` for `fp16_clone`, `torch.float32` for `fp32_clone` on bf16 weights).
+
+    Non-persistent buffers (rotary `inv_freq`) come from a fresh instance of their module, as in a copy built from the
+    config. The same forward then computes the same numbers as the resident copy: bitwise equal log-probs
+    (tests/test_copies.py). Costs: one cast of every weight per old pass (a tied embedding/head is cast twice, once per
+    module) instead of one `copy_` per optimizer step; `peak_bytes` is the most cast bytes alive at once (the largest
+    module, usually the embedding or the LM head).
+
+    Raises:
+        ValueError: `model` carries PEFT adapters.
+    """
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype):
+        if hasattr(model, "get_base_model") or _adapter_layers(model)[0]:
+            raise ValueError("copy_storage='per_layer' does not support PEFT adapters (a resident copy merges them "
+                             "with PEFT's merge()); use copy_storage='resident'")
+        self.model = model
+        self.dtype = dtype
+        self.owners = [m for m in model.modules() if _owns_tensors(m)]
+        self._fresh = {id(m): _fresh_buffers(m) for m in self.owners}
+        self._saved: dict[int, tuple[nn.Module, dict, dict]] = {}  # id(module) -> (module, params, buffers)
+        self.num_casts = 0  # module casts over this object's life
+        self.peak_bytes = 0  # most cast bytes alive at once
+        self._live_bytes = 0
+
+    def _cast_in(self, module, args):
+        params, buffers = dict(module._parameters), dict(module._buffers)
+        fresh = self._fresh[id(module)]
+        with torch.no_grad():
+            for name, p in params.items():
+                if p is not None:
+                    module._parameters[name] = p.detach().to(self.dtype)
+            for name, b in buffers.items():
+                if b is not None and b.is_floating_point():
+                    module._buffers[name] = fresh.get(name, b).to(self.dtype)
+        self._saved[id(module)] = (module, params, buffers)
+        cast = [t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]
+        self._live_bytes += sum(t.numel() * t.element_size() for t in cast)
+        self.peak_bytes = max(self.peak_bytes, self._live_bytes)
+        self.num_casts += 1
+
+    def _restore(self, module) -> None:
+        saved = self._saved.pop(id(module), None)
+        if saved is None:
+            return
+        _, params, buffers = saved
+        cast = [t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]
+        self._live_bytes -= sum(t.numel() * t.element_size() for t in cast)
+        module._parameters.update(params)
+        module._buffers.update(buffers)
+
+    def _cast_out(self, module, args, output):
+        self._restore(module)
+
+    @contextlib.contextmanager
+    def active(self):
+        """Within the block every forward of the policy runs on `dtype` casts of its weights (hooks removed after)."""
+        handles = []
+        for module in self.owners:
+            handles.append(module.register_forward_pre_hook(self._cast_in))
+            handles.append(module.register_forward_hook(self._cast_out, always_call=True))
+        try:
+            yield self.model
+        finally:
+            for handle in handles:
+                handle.remove()
+            for module, _, _ in list(self._saved.values()):  # a forward that raised half-way
+                self._restore(module)
+            self._live_bytes = 0
+
+    def num_bytes(self) -> int:
+        """Bytes held between old passes: none (the casts live only while their module runs; see `peak_bytes`)."""
+        return 0

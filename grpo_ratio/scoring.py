@@ -5,18 +5,20 @@ Shapes: B = sequences, P = prompt tokens, T = completion tokens, V = vocabulary,
 Every mode scores the completion tokens of `input_ids` (B, P+T) teacher-forced, where TRL does
 (`_get_per_token_logps_and_entropies`): rows chunked by `batch_size` in order, the same padding,
 `log_softmax(logits / temperature)` of the next-token logits, gathered at the completion ids. Two deliberate
-differences from TRL's own pass, in every mode but `bf16` (which reproduces that pass): positions are counted from
-the attention mask as `generate` counts them (TRL passes none, so with absolute position embeddings its log-probs move
-with the left padding), and the forward runs in eval mode (no dropout): the old log-probs are a function of the
-weights and tokens only. The modes differ only in the
-precision of the forward pass (the batch-logprob-gap report, tables T7/T10):
+differences from TRL's own pass: in every mode but `bf16` (which reproduces that pass) the forward runs in eval mode
+(no dropout): the old log-probs are a function of the weights and tokens only; and in every mode but `bf16` and
+`fp32_head` positions are counted from the attention mask as `generate` counts them (TRL passes none, so with absolute
+position embeddings its log-probs move with the left padding). `fp32_head` keeps TRL's layout (no position ids) so
+that its body is TRL's training forward bit for bit: inside the trainer its old log-probs are then the fp32 norm and
+head applied to the training forward's own hidden states, with no pass of the body at all (`grpo_ratio.fused_head`).
+The modes differ only in the precision of the forward pass (the batch-logprob-gap report, tables T7/T10):
 
 | mode          | forward                                                                  | log-softmax |
 |---------------|--------------------------------------------------------------------------|-------------|
 | `bf16`        | the policy as it trains (its weights, under the trainer's autocast)     | fp32        |
 | `fp32_clone`  | all in fp32, no autocast (the policy's own weights when stored in fp32) | fp32        |
 | `fp16_clone`  | an fp16 copy, no autocast; rows with non-finite logits re-scored in fp32 | fp32        |
-| `fp32_head`   | as `bf16` up to the final norm; final norm and LM head in fp32           | fp32        |
+| `fp32_head`   | as `bf16` up to the final norm (TRL's positions); final norm, LM head fp32 | fp32        |
 | `guided_fp32` | as `fp32_head`, plus the chosen decoder layers in fp32                   | fp32        |
 
 Inside RatioGRPOTrainer the `bf16` mode is never run by this module: TRL's own pass is used, bit for bit.
@@ -33,9 +35,13 @@ import torch
 from torch import nn
 
 from .config import PRECISION_MODES
-from .copies import ModuleCopy
+from .copies import COPY_STORAGES, ModuleCopy, PerLayerCast
 from .kept_sets import KeptSetFilter, KeptSets, concat_kept_sets, logprobs_on_kept_sets
 from .sharding import ShardedPolicy
+
+
+# modes whose forward passes no position ids, as TRL's own pass (the others count them as `generate` does)
+TRL_LAYOUT_MODES = ("bf16", "fp32_head")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -248,6 +254,9 @@ class OldLogprobScorer:
         sharded: a `grpo_ratio.sharding.ShardedPolicy` when `model` is FSDP2- or ZeRO-3-sharded (built after
             accelerate wrapped it): then the compute dtype is the engine's, forwards go through the sharded root,
             copies are sharded shadows (`FSDPShadow`, `ZeroShadow`) and the fp16 fallback is collective.
+        copy_storage: how a whole-model copy (`fp16_clone`; `fp32_clone` on bf16/fp16 weights) is held: `"resident"`
+            (a `ModuleCopy`, refreshed after each optimizer step) or `"per_layer"` (a `PerLayerCast`: each module's
+            weights cast just before it runs, nothing kept). Both give bitwise equal log-probs.
 
     Copies are built lazily, only when the policy's weights are not already in the dtype a mode needs:
     `fp32_clone` on fp32 weights and `fp32_head`/`guided_fp32` on fp32 weights use no copy at all (they run the
@@ -255,12 +264,14 @@ class OldLogprobScorer:
     `fp32_clone`, the whole model). `fp16_clone` uses an fp16 copy unless the weights are fp16.
 
     Raises:
-        ValueError: unknown mode, guided_fp32 without layers, layers with another mode, a layer index out of range.
+        ValueError: unknown mode, guided_fp32 without layers, layers with another mode, a layer index out of range,
+            an unknown `copy_storage`, `"per_layer"` with PEFT adapters.
+        NotImplementedError: `"per_layer"` on a sharded policy (its copies are the engine's shadows).
     """
 
     def __init__(self, model: nn.Module, mode: str, layers: Iterable[int] | None = None,
                  policy_autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
-                 sharded: ShardedPolicy | None = None):
+                 sharded: ShardedPolicy | None = None, copy_storage: str = "resident"):
         if mode not in PRECISION_MODES:
             raise ValueError(f"old_logprob_mode={mode!r} is not a precision mode (a forward pass); allowed: "
                              f"{', '.join(PRECISION_MODES)}")
@@ -269,9 +280,16 @@ class OldLogprobScorer:
             raise ValueError("old_logprob_mode='guided_fp32' needs guided_fp32_layers (use 'fp32_head' for none)")
         if mode != "guided_fp32" and layers:
             raise ValueError(f"guided_fp32_layers is only used by 'guided_fp32', not by {mode!r}")
+        if copy_storage not in COPY_STORAGES:
+            raise ValueError(f"copy_storage={copy_storage!r} is not allowed; allowed: {', '.join(COPY_STORAGES)}")
+        if copy_storage == "per_layer" and sharded is not None:
+            raise NotImplementedError("copy_storage='per_layer' is not supported on FSDP2/ZeRO-3 (the copies are the "
+                                      "engine's sharded shadows); use copy_storage='resident'")
         self.model = model
         self.mode = mode
         self.sharded = sharded
+        self.copy_storage = copy_storage
+        self._per_layer: dict[torch.dtype, PerLayerCast] = {}
         self.weight_dtype = next(model.parameters()).dtype if sharded is None else sharded.storage_dtype
         # dtype of the hidden states between layers: the weights' unsharded (fp32 weights stay fp32 under autocast),
         # the engine's compute dtype sharded (an FSDP bf16 policy hands bf16 weights to fp32-stored parameters)
@@ -297,6 +315,12 @@ class OldLogprobScorer:
     def _no_autocast(self):
         return torch.autocast(self.device_type, enabled=False)
 
+    def per_layer_cast(self, dtype: torch.dtype) -> PerLayerCast:
+        """The `PerLayerCast` of the policy to `dtype` (`copy_storage="per_layer"`), built on first use."""
+        if dtype not in self._per_layer:
+            self._per_layer[dtype] = PerLayerCast(self.model, dtype)
+        return self._per_layer[dtype]
+
     def _copy_of(self, module: nn.Module, dtype: torch.dtype, version: int, whole_model: bool = False) -> nn.Module:
         key = id(module)
         if key not in self._copies or self._copies[key].dtype != dtype:
@@ -313,8 +337,8 @@ class OldLogprobScorer:
         return sum(c.num_bytes() for c in self.copies())
 
     def _forward(self, model: nn.Module, input_ids, attention_mask, logits_to_keep: int) -> torch.Tensor:
-        # `bf16` is TRL's own pass (no position ids); every other mode counts positions as generation does
-        positions = self.mode != "bf16"
+        # `bf16` is TRL's own pass and `fp32_head` its body (no position ids); the others count them as generate does
+        positions = self.mode not in TRL_LAYOUT_MODES
         if self.sharded is None:
             return _plain_forward(model, input_ids, attention_mask, logits_to_keep, positions)
         kwargs = forward_kwargs(model, input_ids, attention_mask, logits_to_keep, positions)
@@ -328,8 +352,13 @@ class OldLogprobScorer:
         if self.sharded is not None:
             with self.sharded.whole_model(dtype, version) as model, self._no_autocast():
                 return self._forward(model, input_ids, attention_mask, logits_to_keep)
-        model = self.model if self.weight_dtype == dtype else self._copy_of(self.model, dtype, version, True)
-        with self._no_autocast():
+        if self.weight_dtype == dtype:
+            model, casts = self.model, contextlib.nullcontext(self.model)
+        elif self.copy_storage == "per_layer":
+            model, casts = self.model, self.per_layer_cast(dtype).active()
+        else:
+            model, casts = self._copy_of(self.model, dtype, version, True), contextlib.nullcontext()
+        with casts, self._no_autocast():
             return self._forward(model, input_ids, attention_mask, logits_to_keep)
 
     def _logits_policy(self, input_ids, attention_mask, logits_to_keep):
@@ -363,6 +392,35 @@ class OldLogprobScorer:
             if self.layers and a.rotary is not None and self.hidden_dtype != torch.float32:
                 stack.enter_context(_patched_forward(a.rotary, _rope_fp32_forward(a.rotary, rope_cache)))
             return self._logits_policy(input_ids, attention_mask, logits_to_keep)
+
+    @torch.no_grad()
+    def head_logprobs(self, hidden: torch.Tensor, completion_ids: torch.Tensor, temperature: float = 1.0,
+                      version: int = 0) -> torch.Tensor:
+        """`fp32_head` from the body's own output: the final norm and the LM head in fp32 applied to `hidden`, the input
+        of the final norm in some forward (the trainer's training forward), exactly as the separate pass applies them
+        (same runners, same casts, same T + 1 positions). Equal to `score(...)` bitwise when `hidden` is what the
+        separate pass's body computes (TRL's layout, no dropout).
+
+        Args:
+            hidden: (b, P+T, H) input of the final norm, any float dtype (detached here).
+            completion_ids: (b, T) int64, the last T tokens of the rows.
+            temperature: TRL's `temperature`.
+            version: the policy's `WeightsVersion` value (bf16-stored weights: the fp32 norm/head copies' sync).
+        Returns:
+            (b, T) fp32 log-probs.
+        Raises:
+            ValueError: the mode is not `fp32_head`, or the policy is sharded (the fp32 modules are gathered under the
+                engine's scoring context, which only the separate pass enters).
+        """
+        if self.mode != "fp32_head" or self.sharded is not None:
+            raise ValueError(f"head_logprobs is the unsharded fp32_head mode's, not {self.mode!r}"
+                             f"{' (sharded)' if self.sharded is not None else ''}")
+        a, T = self._anatomy, completion_ids.size(1)
+        norm, head = (_fp32_forward(self._fp32_runner(m, version, True)[0], None, None, self.device_type)
+                      for m in (a.norm, a.head))
+        normed = norm(hidden.detach())  # (b, P+T, H) fp32
+        logits = head(normed[:, -(T + 1):])  # (b, T + 1, V) fp32, the causal LM's `logits_to_keep` slice
+        return completion_logprobs_from_logits(logits, completion_ids, temperature)  # (b, T)
 
     def _chunk_logprobs(self, input_ids, attention_mask, logits_to_keep, temperature, version, kept=None):
         """(b, T) fp32 log-probs of one chunk and the number of its rows re-scored in fp32; with `kept` (KeptSets

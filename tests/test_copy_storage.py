@@ -1,0 +1,98 @@
+"""`copy_storage="per_layer"`: the weights of `fp16_clone` (and of `fp32_clone` on bf16-stored weights) cast module by
+module during the old pass instead of held in a resident copy. Bitwise equal to the resident copy, nothing kept.
+
+Run: pytest tests/test_copy_storage.py
+"""
+
+import pytest
+import torch
+
+from grpo_ratio.copies import PerLayerCast
+from grpo_ratio.scoring import OldLogprobScorer
+from grpo_ratio.testing import ARCHITECTURES, tiny_model
+
+
+T = 5  # completion tokens scored per row
+
+
+def _batch():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, 300, (4, 12), generator=g)  # (B, P+T)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # one left-padded prompt, as TRL builds them
+    return ids, mask
+
+
+def _score(model, mode, storage, version=0):
+    scorer = OldLogprobScorer(model, mode, copy_storage=storage)
+    ids, mask = _batch()
+    return scorer, scorer.score(ids, mask, T, batch_size=2, version=version).logps
+
+
+CASES = [("fp16_clone", torch.float32), ("fp16_clone", torch.bfloat16), ("fp32_clone", torch.bfloat16)]
+
+
+@pytest.mark.parametrize("mode,weights", CASES)
+@pytest.mark.parametrize("arch,tie", [(arch, False) for arch in ARCHITECTURES] + [("llama", True)])  # tied: 1 copy
+def test_per_layer_equals_the_resident_copy_bitwise(arch, tie, mode, weights):
+    model = tiny_model(arch, tie_word_embeddings=tie, dtype=weights)
+    resident, expected = _score(model, mode, "resident")
+    per_layer, logps = _score(model, mode, "per_layer")
+    assert torch.equal(logps, expected)
+    assert resident.extra_bytes() > 0  # the resident copy really ran (and is held) ...
+    assert per_layer.copies() == [] and per_layer.extra_bytes() == 0  # ... the per-layer casts hold nothing
+
+
+def test_peak_is_the_largest_module_and_the_policy_is_untouched():
+    model = tiny_model("llama", tie_word_embeddings=False)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    params = {k: id(p) for k, p in model.named_parameters()}
+    scorer, _ = _score(model, "fp16_clone", "per_layer")
+    cast = scorer.per_layer_cast(torch.float16)
+    # the embedding and the untied head are the largest modules: 300 x 64 fp16 values, one at a time
+    assert cast.peak_bytes == 300 * 64 * 2
+    assert cast.num_casts == 2 * len(cast.owners)  # every owning module once per chunk, 2 chunks
+    assert {k: id(p) for k, p in model.named_parameters()} == params  # the policy's own Parameters are back
+    for k, v in model.state_dict().items():
+        assert v.dtype == torch.float32 and torch.equal(v, before[k]), k
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())  # hooks removed
+
+
+def test_per_layer_follows_the_weights_without_a_refresh():
+    model = tiny_model("qwen2")
+    resident = OldLogprobScorer(model, "fp16_clone")
+    per_layer = OldLogprobScorer(model, "fp16_clone", copy_storage="per_layer")
+    ids, mask = _batch()
+    first = per_layer.score(ids, mask, T, version=0).logps
+    assert torch.equal(first, resident.score(ids, mask, T, version=0).logps)
+    with torch.no_grad():  # an optimizer step: the policy's weights move in place
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    moved = per_layer.score(ids, mask, T, version=0).logps  # the same version: no refresh could have happened
+    assert not torch.equal(moved, first)
+    assert torch.equal(moved, resident.score(ids, mask, T, version=1).logps)  # the resident copy needs its refresh
+    assert resident.copies()[0].num_refreshes == 2
+
+
+def test_non_persistent_buffers_come_from_a_fresh_module():
+    # bf16-stored weights: `.to(bfloat16)` rounded the policy's rotary inv_freq; a copy built from the config
+    # recomputes it. Casting the policy's rounded buffer instead gives other log-probs.
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    _, expected = _score(model, "fp16_clone", "resident")
+    rounded = PerLayerCast(model, torch.float16)
+    rounded._fresh = {key: {} for key in rounded._fresh}
+    ids, mask = _batch()
+    with rounded.active(), torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=T + 1, use_cache=False).logits
+    from grpo_ratio.scoring import completion_logprobs_from_logits
+
+    assert not torch.equal(completion_logprobs_from_logits(logits, ids[:, -T:], 1.0), expected)
+
+
+def test_refusals():
+    with pytest.raises(ValueError, match="copy_storage='layer' is not allowed; allowed: resident, per_layer"):
+        OldLogprobScorer(tiny_model("qwen2"), "fp16_clone", copy_storage="layer")
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_model("qwen2"), peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match="copy_storage='per_layer' does not support PEFT adapters"):
+        PerLayerCast(model, torch.float16)
