@@ -1,0 +1,190 @@
+"""A resident copy against per-layer casts (`copy_storage`), side by side in one run: time per old pass, refresh time
+per optimizer step and bytes held, and which is cheaper as a function of the old passes per optimizer step.
+
+`fp16_clone` (and `fp32_clone` on bf16-stored weights) needs the policy's weights in another dtype. `resident` keeps a
+whole copy (2 bytes per parameter in fp16, 4 in fp32), refreshed once per optimizer step; `per_layer` casts each
+module's weights just before it runs in the old pass and frees them after (grpo_ratio.copies.PerLayerCast): nothing
+held between passes, nothing to refresh, every pass pays the casts. With k old passes per optimizer step (a copy is
+refreshed at most once per step, and only when a pass uses it: min(k, 1) refreshes per step):
+
+    resident:  k * t_pass(resident) + min(k, 1) * t_refresh        per_layer:  k * t_pass(per_layer)
+
+With d = t_pass(per_layer) - t_pass(resident) and k* = t_refresh / d: per-layer casts are cheaper at every k when
+d <= 0, below k* when k* >= 1, and never when k* < 1 (for k <= 1 both scale with k). TRL's on-policy default has
+k = 1 (one generation, one old pass per optimizer step); k < 1 when a generation serves several optimizer steps
+(`steps_per_generation` > gradient accumulation); k > 1 with several evaluation or generation batches per step.
+
+    python benchmarks/copies.py --model tiny                                   # seconds
+    python benchmarks/copies.py --model smollm2 --json results/copies_smollm2_fp32.json   # minutes on 2 CPU cores
+    python benchmarks/copies.py --render results/copies_smollm2_fp32.json     # the markdown table of a result
+
+Each storage scores the same right-padded batch, chunked like TRL's old pass; storages are timed round-robin (machine
+load hits both alike), medians of --repeats. A refresh is timed on the resident copy after the policy's weights moved
+(an in-place update, as an optimizer step does); the per-layer row checks that its log-probs follow the moved weights
+without one. "held" is the bytes kept between old passes; "peak during a pass" the most copy bytes alive at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from grpo_ratio.copies import COPY_STORAGES
+from grpo_ratio.scoring import OldLogprobScorer
+
+
+def load(name: str, weights: str):
+    """(model, label) in the stored dtype `weights` ("fp32" or "bf16")."""
+    dtype = torch.bfloat16 if weights == "bf16" else torch.float32
+    if name == "tiny":
+        from grpo_ratio.testing import tiny_model
+
+        return tiny_model("llama", dtype=dtype, tie_word_embeddings=True), "tiny llama (2 layers, hidden 64, V=300, tied)"
+    from grpo_ratio.models import resolve_model
+
+    model, _ = resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct" if name == "smollm2" else name, dtype=dtype)
+    return model, "SmolLM2-135M-Instruct" if name == "smollm2" else name
+
+
+def batch(vocab_size: int, rows: int, prompt_len: int, tokens: int, seed: int = 0):
+    """(input_ids, attention_mask) (B, P+T): random tokens, ragged right-padded completions."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size, (rows, prompt_len + tokens), generator=g)  # (B, P+T)
+    mask = torch.ones_like(ids)
+    lengths = torch.randint(tokens // 2, tokens + 1, (rows,), generator=g)
+    for i, n in enumerate(lengths.tolist()):
+        mask[i, prompt_len + n:] = 0
+    return ids, mask
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _step(model) -> None:
+    """What an optimizer step does to the weights: every parameter moves in place."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.0 + 1e-3)
+
+
+def run(model, mode: str, ids, mask, tokens: int, batch_size: int, repeats: int) -> dict:
+    """Per storage: median seconds per old pass and per refresh, bytes held and peak, plus the bitwise check."""
+    dtype = torch.float16 if mode == "fp16_clone" else torch.float32
+    scorers = {s: OldLogprobScorer(model, mode, copy_storage=s) for s in COPY_STORAGES}
+    score = lambda s, version: scorers[s].score(ids, mask, tokens, batch_size=batch_size, version=version).logps
+    first = {s: score(s, 0) for s in COPY_STORAGES}  # warm-up; builds the resident copy
+    passes = {s: [] for s in COPY_STORAGES}
+    refreshes = []
+    version = 0
+    for _ in range(repeats):
+        for s in COPY_STORAGES:
+            passes[s].append(_timed(lambda: score(s, version)))  # noqa: B023 (called at once)
+        _step(model)
+        version += 1
+        resident_copy = scorers["resident"].copies()[0]
+        refreshes.append(_timed(lambda: resident_copy.refresh(version)))  # noqa: B023
+    moved = {s: score(s, version) for s in COPY_STORAGES}  # after the last step, at its version: no refresh due
+    cast = scorers["per_layer"].per_layer_cast(dtype)
+    out = {}
+    for s in COPY_STORAGES:
+        out[s] = {"pass_seconds": statistics.median(passes[s]), "pass_range": (min(passes[s]), max(passes[s])),
+                  "refresh_seconds": statistics.median(refreshes) if s == "resident" else 0.0,
+                  "refreshes": scorers[s].copies()[0].num_refreshes if s == "resident" else 0,
+                  "held_bytes": scorers[s].extra_bytes(),
+                  "peak_bytes": scorers[s].extra_bytes() if s == "resident" else cast.peak_bytes}
+    out["equal_before_step"] = bool(torch.equal(first["resident"], first["per_layer"]))
+    out["equal_after_steps"] = bool(torch.equal(moved["resident"], moved["per_layer"]))
+    return out
+
+
+def break_even(res: dict) -> float | None:
+    """k* = t_refresh / (t_pass(per_layer) - t_pass(resident)): per-layer casts are cheaper below k* when k* >= 1,
+    never when k* < 1; None when casting costs nothing measurable (cheaper at every k)."""
+    extra = res["per_layer"]["pass_seconds"] - res["resident"]["pass_seconds"]
+    return None if extra <= 0 else res["resident"]["refresh_seconds"] / extra
+
+
+def step_seconds(res: dict, storage: str, k: float) -> float:
+    """Seconds per optimizer step spent on the copy's old passes and refreshes with k old passes per step."""
+    r = res[storage]
+    return k * r["pass_seconds"] + min(k, 1.0) * r["refresh_seconds"]
+
+
+def render(result: dict) -> str:
+    """Markdown of one result (the JSON --json writes)."""
+    res = result["storages"]
+    lines = [f"`{result['command']}` — {result['label']}, {result['weights']} weights, {result['mode']}, "
+             f"B={result['rows']} T={result['tokens']} chunk={result['batch_size']}, {result['params']:,} parameters, "
+             f"{result['threads']} threads, median of {result['repeats']}", "",
+             "| copy_storage | old pass (s) | refresh per optimizer step (s) | held between passes (MB) | "
+             "peak during a pass (MB) | per step at k = 0.5 / 1 / 2 / 4 old passes (s) |", "|---|---|---|---|---|---|"]
+    for s in COPY_STORAGES:
+        r = res[s]
+        per_step = " / ".join(f"{step_seconds(res, s, k):.3f}" for k in (0.5, 1, 2, 4))
+        lines.append(f"| {s} | {r['pass_seconds']:.3f} | {r['refresh_seconds']:.3f} | {r['held_bytes'] / 2**20:.3f} "
+                     f"| {r['peak_bytes'] / 2**20:.3f} | {per_step} |")
+    k = break_even(res)
+    spread = max(hi - lo for lo, hi in (res[s]["pass_range"] for s in COPY_STORAGES)) / 2
+    delta = res["per_layer"]["pass_seconds"] - res["resident"]["pass_seconds"]
+    if abs(delta) <= spread:
+        verdict = (f"the two old passes take the same time within the run's spread (difference {delta:+.3f} s, "
+                   f"spread +-{spread:.3f} s): per-layer casts save the refresh and the resident bytes at any k")
+    elif k is None:
+        verdict = "per-layer casts are cheaper at any number of old passes per optimizer step"
+    elif k >= 1:
+        verdict = (f"per-layer casts are cheaper below k* = {k:.2f} old passes per optimizer step (TRL's on-policy "
+                   f"default is 1), the resident copy above")
+    else:
+        verdict = (f"the resident copy is cheaper at every k (k* = {k:.2f}: a refresh costs less than the casts of one "
+                   f"pass)")
+    equal = "bitwise equal" if res["equal_before_step"] and res["equal_after_steps"] else "NOT equal"
+    lines += ["", f"Here {verdict}; log-probs of the two {equal} (before and after {result['repeats']} weight "
+              f"updates)."]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny", help="'tiny', 'smollm2', or a model path / hub id")
+    p.add_argument("--weights", choices=["fp32", "bf16"], default="fp32",
+                   help="stored weight dtype: fp32 (TRL's default; fp16_clone's copy) or bf16 (fp32_clone's copy)")
+    p.add_argument("--rows", type=int, default=8, help="completions B")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--tokens", type=int, default=64, help="completion tokens T")
+    p.add_argument("--batch-size", type=int, default=4, help="rows per forward chunk (per_device_train_batch_size)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", default=None, help="also write the result to this JSON file")
+    p.add_argument("--render", default=None, help="print the markdown table of a result JSON and exit")
+    a = p.parse_args(argv)
+    if a.render:
+        print(render(json.loads(Path(a.render).read_text())))
+        return
+    torch.manual_seed(0)
+    model, label = load(a.model, a.weights)
+    model.eval()
+    mode = "fp16_clone" if a.weights == "fp32" else "fp32_clone"
+    ids, mask = batch(model.config.vocab_size, a.rows, a.prompt_len, a.tokens)
+    result = {
+        "command": "python benchmarks/copies.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "label": label, "weights": a.weights, "mode": mode, "rows": a.rows, "tokens": a.tokens,
+        "batch_size": a.batch_size, "repeats": a.repeats, "threads": torch.get_num_threads(),
+        "params": sum(p.numel() for p in model.parameters()), "torch": torch.__version__,
+        "storages": run(model, mode, ids, mask, a.tokens, a.batch_size, a.repeats),
+    }
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(result, indent=1))
+    print(render(result))
+
+
+if __name__ == "__main__":
+    main()
