@@ -4,18 +4,21 @@ per optimizer step and bytes held, and which is cheaper as a function of the old
 `fp16_clone` (and `fp32_clone` on bf16-stored weights) needs the policy's weights in another dtype. `resident` keeps a
 whole copy (2 bytes per parameter in fp16, 4 in fp32), refreshed once per optimizer step; `per_layer` casts each
 module's weights just before it runs in the old pass and frees them after (grpo_ratio.copies.PerLayerCast): nothing
-held between passes, nothing to refresh, every pass pays the casts. With k old passes per optimizer step (a copy is
-refreshed at most once per step, and only when a pass uses it: min(k, 1) refreshes per step):
+held between passes, nothing to refresh, every pass pays the casts (each module's, once per forward chunk). Both run
+the same forward on the same casts, so what differs per optimizer step with k old passes is only (a copy is refreshed
+at most once per step, and only when a pass uses it: min(k, 1) refreshes per step):
 
-    resident:  k * t_pass(resident) + min(k, 1) * t_refresh        per_layer:  k * t_pass(per_layer)
+    resident:  min(k, 1) * t_refresh        per_layer:  k * t_casts
 
-With d = t_pass(per_layer) - t_pass(resident) and k* = t_refresh / d: per-layer casts are cheaper at every k when
-d <= 0, below k* when k* >= 1, and never when k* < 1 (for k <= 1 both scale with k). TRL's on-policy default has
-k = 1 (one generation, one old pass per optimizer step); k < 1 when a generation serves several optimizer steps
-(`steps_per_generation` > gradient accumulation); k > 1 with several evaluation or generation batches per step.
+where t_casts is the time one old pass spends casting and restoring (measured inside the pass, `PerLayerCast.
+cast_seconds`). With k* = t_refresh / t_casts: per-layer casts are cheaper below k* when k* >= 1, and at no k when
+k* < 1 (for k <= 1 both scale with k); they always hold less memory. TRL's on-policy default has k = 1 (one generation,
+one old pass per optimizer step); k < 1 when a generation serves several optimizer steps (`steps_per_generation` >
+gradient accumulation); k > 1 with several generation batches per step. The whole old pass is timed too (the casts'
+share of it, and a check that nothing else differs); on a loaded machine its spread is large, the casts' is not.
 
     python benchmarks/copies.py --model tiny                                   # seconds
-    python benchmarks/copies.py --model smollm2 --json results/copies_smollm2_fp32.json   # minutes on 2 CPU cores
+    python benchmarks/copies.py --model smollm2 --tokens 32 --json results/copies_smollm2_fp32.json   # minutes
     python benchmarks/copies.py --render results/copies_smollm2_fp32.json     # the markdown table of a result
 
 Each storage scores the same right-padded batch, chunked like TRL's old pass; storages are timed round-robin (machine
@@ -94,9 +97,11 @@ def run(model, mode: str, ids, mask, tokens: int, batch_size: int, repeats: int)
         refreshes.append(_timed(lambda: resident_copy.refresh(version)))  # noqa: B023
     moved = {s: score(s, version) for s in COPY_STORAGES}  # after the last step, at its version: no refresh due
     cast = scorers["per_layer"].per_layer_cast(dtype)
+    cast_passes = repeats + 2  # the warm-up, the timed passes and the last one: every pass of the per-layer scorer
     out = {}
     for s in COPY_STORAGES:
         out[s] = {"pass_seconds": statistics.median(passes[s]), "pass_range": (min(passes[s]), max(passes[s])),
+                  "cast_seconds": cast.cast_seconds / cast_passes if s == "per_layer" else 0.0,
                   "refresh_seconds": statistics.median(refreshes) if s == "resident" else 0.0,
                   "refreshes": scorers[s].copies()[0].num_refreshes if s == "resident" else 0,
                   "held_bytes": scorers[s].extra_bytes(),
@@ -107,16 +112,17 @@ def run(model, mode: str, ids, mask, tokens: int, batch_size: int, repeats: int)
 
 
 def break_even(res: dict) -> float | None:
-    """k* = t_refresh / (t_pass(per_layer) - t_pass(resident)): per-layer casts are cheaper below k* when k* >= 1,
-    never when k* < 1; None when casting costs nothing measurable (cheaper at every k)."""
-    extra = res["per_layer"]["pass_seconds"] - res["resident"]["pass_seconds"]
-    return None if extra <= 0 else res["resident"]["refresh_seconds"] / extra
+    """k* = t_refresh / t_casts: per-layer casts are cheaper below k* when k* >= 1, at no k when k* < 1; None when the
+    casts took no measurable time (cheaper at every k)."""
+    casts = res["per_layer"]["cast_seconds"]
+    return None if casts <= 0 else res["resident"]["refresh_seconds"] / casts
 
 
-def step_seconds(res: dict, storage: str, k: float) -> float:
-    """Seconds per optimizer step spent on the copy's old passes and refreshes with k old passes per step."""
+def copy_seconds(res: dict, storage: str, k: float) -> float:
+    """Seconds per optimizer step that the copy itself costs with k old passes per step: min(k, 1) refreshes of the
+    resident copy, or k passes' casts."""
     r = res[storage]
-    return k * r["pass_seconds"] + min(k, 1.0) * r["refresh_seconds"]
+    return min(k, 1.0) * r["refresh_seconds"] + k * r["cast_seconds"]
 
 
 def render(result: dict) -> str:
@@ -125,20 +131,18 @@ def render(result: dict) -> str:
     lines = [f"`{result['command']}` — {result['label']}, {result['weights']} weights, {result['mode']}, "
              f"B={result['rows']} T={result['tokens']} chunk={result['batch_size']}, {result['params']:,} parameters, "
              f"{result['threads']} threads, median of {result['repeats']}", "",
-             "| copy_storage | old pass (s) | refresh per optimizer step (s) | held between passes (MB) | "
-             "peak during a pass (MB) | per step at k = 0.5 / 1 / 2 / 4 old passes (s) |", "|---|---|---|---|---|---|"]
+             "| copy_storage | old pass (s, median [range]) | casts per pass (s) | refresh per optimizer step (s) | "
+             "held between passes (MB) | peak during a pass (MB) | copy cost per step at k = 0.5 / 1 / 2 / 4 (s) |",
+             "|---|---|---|---|---|---|---|"]
     for s in COPY_STORAGES:
         r = res[s]
-        per_step = " / ".join(f"{step_seconds(res, s, k):.3f}" for k in (0.5, 1, 2, 4))
-        lines.append(f"| {s} | {r['pass_seconds']:.3f} | {r['refresh_seconds']:.3f} | {r['held_bytes'] / 2**20:.3f} "
-                     f"| {r['peak_bytes'] / 2**20:.3f} | {per_step} |")
+        lo, hi = r["pass_range"]
+        per_step = " / ".join(f"{copy_seconds(res, s, k):.3f}" for k in (0.5, 1, 2, 4))
+        lines.append(f"| {s} | {r['pass_seconds']:.3f} [{lo:.3f}, {hi:.3f}] | {r['cast_seconds']:.3f} | "
+                     f"{r['refresh_seconds']:.3f} | {r['held_bytes'] / 2**20:.3f} | {r['peak_bytes'] / 2**20:.3f} | "
+                     f"{per_step} |")
     k = break_even(res)
-    spread = max(hi - lo for lo, hi in (res[s]["pass_range"] for s in COPY_STORAGES)) / 2
-    delta = res["per_layer"]["pass_seconds"] - res["resident"]["pass_seconds"]
-    if abs(delta) <= spread:
-        verdict = (f"the two old passes take the same time within the run's spread (difference {delta:+.3f} s, "
-                   f"spread +-{spread:.3f} s): per-layer casts save the refresh and the resident bytes at any k")
-    elif k is None:
+    if k is None:
         verdict = "per-layer casts are cheaper at any number of old passes per optimizer step"
     elif k >= 1:
         verdict = (f"per-layer casts are cheaper below k* = {k:.2f} old passes per optimizer step (TRL's on-policy "
@@ -160,7 +164,9 @@ def main(argv=None):
     p.add_argument("--rows", type=int, default=8, help="completions B")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--tokens", type=int, default=64, help="completion tokens T")
-    p.add_argument("--batch-size", type=int, default=4, help="rows per forward chunk (per_device_train_batch_size)")
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="rows per forward chunk (per_device_train_batch_size); TRL's old pass has steps_per_generation "
+                   "chunks, one by default, and the casts run once per chunk")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default=None, help="also write the result to this JSON file")
     p.add_argument("--render", default=None, help="print the markdown table of a result JSON and exit")

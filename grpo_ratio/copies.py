@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy as _copy
+import time
 
 import torch
 from torch import nn
@@ -272,10 +273,12 @@ class PerLayerCast:
         self._fresh = {id(m): _fresh_buffers(m) for m in self.owners}
         self._saved: dict[int, tuple[nn.Module, dict, dict]] = {}  # id(module) -> (module, params, buffers)
         self.num_casts = 0  # module casts over this object's life
+        self.cast_seconds = 0.0  # wall seconds spent casting and restoring, over this object's life
         self.peak_bytes = 0  # most cast bytes alive at once
         self._live_bytes = 0
 
     def _cast_in(self, module, args):
+        start = time.perf_counter()
         params, buffers = dict(module._parameters), dict(module._buffers)
         fresh = self._fresh[id(module)]
         with torch.no_grad():
@@ -290,8 +293,10 @@ class PerLayerCast:
         self._live_bytes += sum(t.numel() * t.element_size() for t in cast)
         self.peak_bytes = max(self.peak_bytes, self._live_bytes)
         self.num_casts += 1
+        self.cast_seconds += time.perf_counter() - start
 
     def _restore(self, module) -> None:
+        start = time.perf_counter()
         saved = self._saved.pop(id(module), None)
         if saved is None:
             return
@@ -300,6 +305,7 @@ class PerLayerCast:
         self._live_bytes -= sum(t.numel() * t.element_size() for t in cast)
         module._parameters.update(params)
         module._buffers.update(buffers)
+        self.cast_seconds += time.perf_counter() - start
 
     def _cast_out(self, module, args, output):
         self._restore(module)
