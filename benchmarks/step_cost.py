@@ -2,7 +2,8 @@
 
 What a user pays for `old_logprob_mode` is the whole GRPO step, not the old pass alone: in TRL's on-policy default
 (`num_iterations=1`, `steps_per_generation` = gradient accumulation) TRL skips its old pass, and every mode other
-than `bf16` adds one. Arms (`ARMS`, one line each): stock `trl.GRPOTrainer`; stock TRL with `cast_lm_head_to_fp32=True`
+than `bf16`, `sampler` and `fp32_head` adds one (`fp32_head` applies its fp32 norm and head to each micro-batch's own
+training-forward hidden states instead: no body pass, grpo_ratio/fused_head.py). Arms (`ARMS`, one line each): stock `trl.GRPOTrainer`; stock TRL with `cast_lm_head_to_fp32=True`
 on an untied copy of the model (TRL documents the option for untied heads only; SmolLM2 ties its head to the input
 embedding, so the copy gets its own head, which it trains, and saves to a temporary directory); `RatioGRPOTrainer` in
 every mode. All arms use the values of one recipe (default: the SmolLM2 arithmetic recipe: fp32 weights under bf16
@@ -24,6 +25,8 @@ nested part is subtracted from its parent) spent in methods wrapped for the run:
 - generation: `GRPOTrainer._generate_single_turn` (RatioGRPOTrainer records sampler log-probs inside it);
 - TRL old pass: `GRPOTrainer._get_per_token_logps_and_entropies` called without grad (old or reference log-probs);
 - mode old pass: `grpo_ratio.scoring.OldLogprobScorer.score`, less any copy refresh inside it;
+- fused head: `grpo_ratio.scoring.OldLogprobScorer.head_logprobs` (`fp32_head`'s fp32 norm and head on a micro-batch's
+  training-forward hidden states, in place of a body pass);
 - copy refresh: `grpo_ratio.copies.VersionedCopy.refresh` (weights copied into an fp16/fp32 copy after each update);
 - training forward: `GRPOTrainer._get_per_token_logps_and_entropies` called with grad;
 - backward: the trainer's `accelerator.backward` (wrapped on the instance);
@@ -76,9 +79,10 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "recipes/smollm2-135m/arithmetic/bf16.yaml"
 CALIBRATION = "recipes/smollm2-135m/calibration.json"
 REFERENCE = "trl"  # the arm every ratio is taken against
-PARTS = ("generation", "trl_old_pass", "mode_old_pass", "copy_refresh", "train_forward", "backward", "optimizer")
-OLD_PASSES = ("trl_old_pass", "mode_old_pass")
-ADDED = (*OLD_PASSES, "copy_refresh")  # what a scoring mode adds to TRL's on-policy step
+PARTS = ("generation", "trl_old_pass", "mode_old_pass", "fused_head", "copy_refresh", "train_forward", "backward",
+         "optimizer")
+OLD_PASSES = ("trl_old_pass", "mode_old_pass")  # passes of the whole body (counted per generation)
+ADDED = (*OLD_PASSES, "fused_head", "copy_refresh")  # what a scoring mode adds to TRL's on-policy step
 
 
 @dataclass(frozen=True)
@@ -194,6 +198,7 @@ def class_parts() -> tuple:
         (GRPOTrainer, "_generate_single_turn", lambda *a, **k: "generation"),
         (GRPOTrainer, "_get_per_token_logps_and_entropies", _logps_part),
         (OldLogprobScorer, "score", lambda *a, **k: "mode_old_pass"),
+        (OldLogprobScorer, "head_logprobs", lambda *a, **k: "fused_head"),
         (VersionedCopy, "refresh", lambda *a, **k: "copy_refresh"),  # every copy: module copies, sharded shadows
     )
 
@@ -512,7 +517,7 @@ def _header(result: dict) -> str:
 
 
 def render_cost(result: dict, summary: dict) -> list[str]:
-    lines = ["| arm | old passes / generation | step (s, median) | step / TRL | per-round range | "
+    lines = ["| arm | old body passes / generation | step (s, median) | step / TRL | per-round range | "
              "old pass + refresh / rest of step | peak MB | peak / TRL |", "|---|---|---|---|---|---|---|---|"]
     for arm, s in summary.items():
         lo, hi = s["round_time_ratios"]
@@ -523,12 +528,12 @@ def render_cost(result: dict, summary: dict) -> list[str]:
 
 
 def render_breakdown(summary: dict) -> list[str]:
-    cols = ("generation", "old pass", "train forward", "backward", "optimizer", "copy refresh", "other")
+    cols = ("generation", "old pass", "fused head", "train forward", "backward", "optimizer", "copy refresh", "other")
     lines = ["| arm | " + " | ".join(cols) + " | step (s, mean) |", "|---" * (len(cols) + 2) + "|"]
     for arm, s in summary.items():
         p = s["parts"]
-        values = (p["generation"], p["trl_old_pass"] + p["mode_old_pass"], p["train_forward"], p["backward"],
-                  p["optimizer"], p["copy_refresh"], p["other"])
+        values = (p["generation"], p["trl_old_pass"] + p["mode_old_pass"], p.get("fused_head", 0.0), p["train_forward"],
+                  p["backward"], p["optimizer"], p["copy_refresh"], p["other"])
         total = s["mean_step_seconds"]
         lines.append(f"| {arm} | " + " | ".join(f"{v:.2f} ({v / total:.1%})" for v in values) + f" | {total:.2f} |")
     return lines
