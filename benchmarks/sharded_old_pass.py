@@ -29,10 +29,12 @@ from pathlib import Path
 
 import torch
 
+from grpo_ratio.config import PRECISION_MODES as MODES
+from grpo_ratio.config import SCORER_MODES
+
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = (("fsdp2", "bf16"), ("fsdp2", "fp32"), ("zero3", "bf16"), ("zero3", "fp32"))
-MODES = ("bf16", "fp32_clone", "fp16_clone", "fp32_head", "guided_fp32")
 MODEL = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4, vocab_size=4096)  # Llama-shaped, ~5M parameters: big enough to time on a CPU
 
@@ -87,7 +89,7 @@ def scorers(trainer, layers):
     out = {"bf16": lambda ids, mask, T, bs: GRPOTrainer._get_per_token_logps_and_entropies(
         trainer, trainer.model, ids, mask, T, batch_size=bs)[0]}
     built = {}
-    for mode in MODES[1:]:
+    for mode in SCORER_MODES:
         scorer = OldLogprobScorer(policy, mode, layers=layers if mode == "guided_fp32" else None,
                                   policy_autocast=trainer.accelerator.autocast,
                                   sharded=sharded_policy(trainer.accelerator, policy))
@@ -116,7 +118,7 @@ def replica_gaps(trainer, engine, compute_dtype, layers, logps, ids, mask, T, bs
     weights = full_fp32_weights(policy, engine)  # collective
     valid = mask[:, -T:].bool()  # (B, T)
     gaps = {}
-    for mode in MODES[1:]:
+    for mode in SCORER_MODES:
         reference = replica_scorer(policy, weights, mode, compute_dtype, layers=layers if mode == "guided_fp32"
                                    else None, policy_autocast=trainer.accelerator.autocast)
         gaps[mode] = (logps[mode] - reference.score(ids, mask, T, batch_size=bs).logps)[valid].abs().max().item()

@@ -31,6 +31,7 @@ import warnings
 
 import torch
 
+from .plan import RunPlan
 from .ratios import RatioStats, clip_flips, importance_sampling_stats, valid_token_mask
 from .records import MicroBatchRecord
 
@@ -46,10 +47,12 @@ class RatioDiagnostics:
         args: the trainer's `RatioGRPOConfig` (band, clip_flip_every, epsilon(s), delta, loss_type, vLLM IS fields).
         accelerator: the trainer's `accelerate.Accelerator` (for the cross-process reduction).
         eos_token_ids: TRL's `eos_token_ids` (list of ints), for the valid-token mask.
+        plan: the trainer's `RunPlan` (default: resolved from `args` with the config's sampling settings).
     """
 
-    def __init__(self, args, accelerator, eos_token_ids):
+    def __init__(self, args, accelerator, eos_token_ids, plan: RunPlan | None = None):
         self.args = args
+        self.plan = plan if plan is not None else _plan_of_config(args)
         self.accelerator = accelerator
         self.eos_token_ids = list(eos_token_ids)
         self.band = (args.ratio_band_low, args.ratio_band_high)
@@ -79,7 +82,7 @@ class RatioDiagnostics:
     def generation_metrics(self, fallback_rows: int) -> dict[str, float]:
         """Metrics of one generation batch (every process must call it): `ratio/fp16_fallback_rows`, summed across
         processes, under `fp16_clone`; nothing otherwise."""
-        if self.args.old_logprob_mode != "fp16_clone":
+        if self.plan.scorer_mode != "fp16_clone":
             return {}
         rows = torch.tensor(float(fallback_rows), device=self.accelerator.device)
         return {"ratio/fp16_fallback_rows": self.accelerator.reduce(rows, reduction="sum").item()}
@@ -118,7 +121,7 @@ class RatioDiagnostics:
         if "tool_mask" in inputs:
             mask &= inputs["tool_mask"].bool()
         old = inputs.get("old_per_token_logps")
-        anchor_is_sampler = self.args.old_logprob_mode == "sampler"
+        anchor_is_sampler = self.plan.anchor_is_sampler
         # log M of the old policy: its own pass's, else (no old pass: on-policy, or the sampler arm) the training
         # forward's, which at the first inner step runs the old policy's weights
         no_old_pass = old is None or anchor_is_sampler
@@ -148,12 +151,11 @@ class RatioDiagnostics:
     def _update_old_sampler(self, old, sampler, log_mass, mask, inputs):
         """old/sampler before correction (raw, full vocabulary vs the sampler's renormalised log-prob) and after."""
         has_sampler = mask & ~torch.isnan(sampler)  # vLLM gives NaN where it had no log-prob
-        correction = self.args.truncation_correction
-        if correction == "none" or log_mass is None:
+        if not self.plan.corrects or log_mass is None:
             raw = old - sampler  # (B, T)
         else:
-            old_full = old + log_mass if correction == "renormalize" else old  # (B, T)
-            sampler_raw = sampler - log_mass if correction == "lift_sampler" else sampler  # (B, T)
+            old_full = old + log_mass if self.plan.renormalizes else old  # (B, T)
+            sampler_raw = sampler - log_mass if self.plan.lifts_sampler else sampler  # (B, T)
             raw = old_full - sampler_raw  # (B, T)
             self.old_sampler_corrected.update(raw - log_mass, has_sampler)  # both corrections: p_old,S / q_S
             self._update_kept_mass(log_mass, has_sampler)
@@ -165,7 +167,7 @@ class RatioDiagnostics:
             self.is_stats = stats if self.is_stats is None else self.is_stats.merge(stats)
 
     def _update_kept_mass(self, log_mass, mask) -> None:
-        if log_mass is not None and self.args.truncation_correction != "none":
+        if log_mass is not None and self.plan.corrects:
             self.kept_mass_sum += (torch.exp(log_mass.double()) * mask).sum()
             self.kept_mass_count += mask.sum()
 
@@ -186,13 +188,13 @@ class RatioDiagnostics:
                               "ratio/* metric for such updates", stacklevel=2)
         metrics.update(self.old_sampler.all_reduce(acc).as_metrics("ratio/old_sampler"))
         metrics.update(self.old_sampler_corrected.all_reduce(acc).as_metrics("ratio/old_sampler_corrected"))
-        if self.args.truncation_correction != "none":
+        if self.plan.corrects:
             sums = torch.stack([self.kept_mass_sum, self.kept_mass_count]).to(self.accelerator.device)  # (2,)
             if acc is not None:
                 sums = acc.reduce(sums, reduction="sum")
             if sums[1] > 0:
                 metrics["ratio/kept_mass_mean"] = (sums[0] / sums[1]).item()
-        if self.args.truncation_correction != "none" and self.args.resolved_kept_set_source == "recompute":
+        if self.plan.recomputes_kept_sets:
             sums = torch.stack([self.added_sum, self.added_count]).to(self.accelerator.device)  # (2,)
             if acc is not None:
                 sums = acc.reduce(sums, reduction="sum")
@@ -205,3 +207,11 @@ class RatioDiagnostics:
         self.num_updates += 1
         self._reset()
         return metrics
+
+
+def _plan_of_config(args) -> RunPlan:
+    """The plan of `args` alone (diagnostics built outside a trainer): the config's sampling settings and backend."""
+    from .plan import GENERATE, VLLM
+    from .rollouts import settings_from_config
+
+    return RunPlan.resolve(args, settings_from_config(args), VLLM if args.use_vllm else GENERATE)
