@@ -110,33 +110,26 @@ class RatioDiagnostics:
         Args:
             micro_batch: the loss micro-batch: `inputs` as TRL's `_compute_loss` got them (completion_ids/mask
                 (B, T), advantages (B,), and optionally old_per_token_logps, sampling_per_token_logps,
-                old_log_kept_mass (B, T), importance_sampling_ratio), `train_logps` (B, T) fp32 of the training
-                forward, detached (over S under `renormalize`), and `train_log_kept_mass` (B, T) log M of the
-                training forward (used when no old pass ran).
+                importance_sampling_ratio), `train_logps` (B, T) fp32 of the training forward, detached (over S
+                under `renormalize`), `old_log_kept_mass` (B, T) log M_old and `kept_added` (B, T) bool.
             mode_is_policy: True when the old log-probs are the policy's own (`bf16` mode).
         """
-        inputs, train_logps = micro_batch.inputs, micro_batch.train_logps
-        train_log_kept_mass = micro_batch.train_log_kept_mass
+        inputs, train_logps, log_mass = micro_batch.inputs, micro_batch.train_logps, micro_batch.old_log_kept_mass
         mask = valid_token_mask(inputs["completion_ids"], inputs["completion_mask"], self.eos_token_ids)  # (B, T)
         if "tool_mask" in inputs:
             mask &= inputs["tool_mask"].bool()
         old = inputs.get("old_per_token_logps")
-        anchor_is_sampler = self.plan.anchor_is_sampler
-        # log M of the old policy: its own pass's, else (no old pass: on-policy, or the sampler arm) the training
-        # forward's, which at the first inner step runs the old policy's weights
-        no_old_pass = old is None or anchor_is_sampler
-        log_mass = inputs.get("old_log_kept_mass", train_log_kept_mass if no_old_pass else None)  # (B, T) | None
         old = train_logps if old is None else old  # TRL skipped the old pass: old := new.detach(), r == 1
         new_old = train_logps - old  # (B, T)
         self.new_old.update(new_old, mask)
         # the generate recording (ours, kept out of TRL's loss by default), else what TRL holds (vLLM, rollout_func)
         sampler = inputs.get("sampler_per_token_logps", inputs.get("sampling_per_token_logps"))
-        if sampler is not None and anchor_is_sampler:  # old IS the sampler: r == 1 exactly, measured as such
+        if sampler is not None and self.plan.anchor_is_sampler:  # old IS the sampler: r == 1 exactly, measured as such
             self.old_sampler.update(old - sampler, mask & ~torch.isnan(sampler))
             self._update_kept_mass(log_mass, mask & ~torch.isnan(sampler))
         elif sampler is not None:
             self._update_old_sampler(old, sampler, log_mass, mask, inputs)
-        added = inputs.get("kept_set_added", micro_batch.kept_added)  # (B, T) bool | None
+        added = micro_batch.kept_added  # (B, T) bool | None
         if added is not None:
             self.added_sum += (added.bool() & mask).sum().double().cpu()
             self.added_count += mask.sum().double().cpu()

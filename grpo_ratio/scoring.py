@@ -34,7 +34,7 @@ from torch import nn
 
 from .config import PRECISION_MODES
 from .copies import ModuleCopy
-from .kept_sets import KeptSetFilter, KeptSets, concat_kept_sets, logprobs_on_kept_sets
+from .kept_sets import KeptLogprobs, KeptSetFilter, KeptSets, concat_kept_sets, logprobs_on_kept_sets
 from .sharding import ShardedPolicy
 
 
@@ -222,18 +222,16 @@ class ScoreResult:
 
     Fields:
         logps (`torch.Tensor`, (B, T) fp32): full-vocabulary log-probs of the completion tokens.
-        kept_logps (`torch.Tensor | None`, (B, T) fp32): the same tokens' log-probs renormalised over their kept sets
-            (only when kept sets were given; 0.0 on cells without a set).
-        fallback_rows (`int`): `fp16_clone` rows with non-finite fp16 log-probs, re-scored in fp32 (0 otherwise).
-        kept (`KeptSets | None`, (B, T)): the kept sets used (recomputed ones under a `KeptSetFilter`).
-        kept_added (`torch.Tensor | None`, (B, T) bool): recomputed sets only: sampled tokens the filter dropped.
+        fallback_rows (`int`): `fp16_clone` rows with non-finite fp16 log-probs, re-scored in fp32 in this call (0
+            otherwise).
+        on_kept (`KeptLogprobs | None`): only when kept sets were given: the same tokens' (B, T) log-probs over their
+            kept sets (0.0 on cells without a set), the sets used (recomputed ones under a `KeptSetFilter`), the
+            recomputed additions, and log M = `logps` - those log-probs.
     """
 
     logps: torch.Tensor
-    kept_logps: torch.Tensor | None = None
     fallback_rows: int = 0
-    kept: KeptSets | None = None
-    kept_added: torch.Tensor | None = None
+    on_kept: KeptLogprobs | None = None
 
 
 class OldLogprobScorer:
@@ -285,7 +283,6 @@ class OldLogprobScorer:
             self.layers = check_layer_indices(layers, len(anatomy.layers))
             self._anatomy = anatomy
         self._copies: dict[int, ModuleCopy] = {}  # id(source module) -> copy
-        self.fallback_rows = 0  # fp16_clone rows re-scored in fp32, over this scorer's life
 
     # -- contexts --------------------------------------------------------------------------------------------------
 
@@ -423,7 +420,7 @@ class OldLogprobScorer:
                 renormalised over them (truncation correction) and the sets used.
         Returns:
             `ScoreResult`: (B, T) fp32 full-vocabulary log-probs (values at padded positions are whatever the forward
-            gives), the kept-set log-probs when `kept` is given, and the rows re-scored in fp32.
+            gives), the rows re-scored in fp32, and the kept-set log-probs (`KeptLogprobs`) when `kept` is given.
         """
         batch_size = batch_size or input_ids.size(0)
         chunks, kept_chunks, fallback = [], [], 0
@@ -439,14 +436,15 @@ class OldLogprobScorer:
                 chunks.append(logps)
                 kept_chunks.append(kept_logps)
                 fallback += n
-        self.fallback_rows += fallback
         logps = torch.cat(chunks, dim=0)  # (B, T)
         if kept is None:
             return ScoreResult(logps=logps, fallback_rows=fallback)
         added = [k.added for k in kept_chunks]
-        return ScoreResult(logps=logps, kept_logps=torch.cat([k.logps for k in kept_chunks], dim=0),
-                           fallback_rows=fallback, kept=concat_kept_sets([k.kept for k in kept_chunks]),
-                           kept_added=None if added[0] is None else torch.cat(added, dim=0))
+        kept_logps = torch.cat([k.logps for k in kept_chunks], dim=0)  # (B, T)
+        on_kept = KeptLogprobs(kept_logps, concat_kept_sets([k.kept for k in kept_chunks]),
+                               added=None if added[0] is None else torch.cat(added, dim=0),
+                               log_mass=logps - kept_logps)  # log M = log p_full(g) - log p_S(g)
+        return ScoreResult(logps=logps, fallback_rows=fallback, on_kept=on_kept)
 
 
 def score_completion_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,

@@ -192,7 +192,7 @@ class RatioGRPOTrainer(GRPOTrainer):
             missed, generation.old_pass_pending = generation.old_pass_pending, False
         if missed:
             raise RuntimeError("grpo_ratio: TRL did not run its old-logprob pass where 1.16 does; untested TRL?")
-        if generation.sampler is not None and not self.plan.sampler_in_loss:
+        if generation.recorded and not self.plan.sampler_in_loss:
             # ours, for the diagnostics only: TRL's loss reads `sampling_per_token_logps` (off_policy_mask_threshold)
             output["sampler_per_token_logps"] = output.pop("sampling_per_token_logps")
         if self.plan.corrects:
@@ -253,8 +253,8 @@ class RatioGRPOTrainer(GRPOTrainer):
             completion_ids, _ = super()._generate_single_turn(prompt_ids, images, multimodal_fields,
                                                               num_generations, has_tool_images)
         record = self._finish_recording(recorder, completion_ids)
-        if generation.sampler is None:  # the first turn; later tool turns only extend the log-probs TRL stitches
-            generation.sampler = record
+        if not generation.recorded:  # the first turn; later tool turns only extend the log-probs TRL stitches
+            generation.recorded = True
             generation.kept = record.kept if keep_sets else None
         # TRL pads these into `sampling_per_token_logps` (B, T) and stitches tool turns; NaN = not recorded
         return completion_ids, [record.logprobs[i, : len(ids)].tolist() for i, ids in enumerate(completion_ids)]
@@ -298,9 +298,8 @@ class RatioGRPOTrainer(GRPOTrainer):
         generation.fallback_rows += result.fallback_rows
         if kept is None:
             return result.logps
-        generation.kept, generation.kept_added = result.kept, result.kept_added  # recomputed sets: kept for the loss
-        generation.old_log_kept_mass = result.logps - result.kept_logps  # log M = log p_full(g) - log p_S(g)
-        return self.plan.corrected_logps(result.logps, result.kept_logps)
+        self._keep_old_sets(generation, result.on_kept)
+        return self.plan.corrected_logps(result.logps, result.on_kept.logps)
 
     def _lift_sampler(self, output, generation) -> None:
         """`lift_sampler`: sampler log-probs + log M_old, M_old = the old policy's mass on the kept set."""
@@ -347,20 +346,30 @@ class RatioGRPOTrainer(GRPOTrainer):
                                                              batch_size, kept, *args, **kwargs)
         if is_old_pass:
             self._keep_old_sets(generation, on_kept)
-        if micro_batch is not None:  # keep the training forward's log-probs for the diagnostics
-            micro_batch.train_logps = logps.detach()
-            if on_kept is not None:
-                micro_batch.train_log_kept_mass, micro_batch.kept_added = on_kept.log_mass, on_kept.added
+        if micro_batch is not None:
+            self._keep_training_forward(micro_batch, logps, on_kept)
         return logps, entropies, aux
 
     @staticmethod
     def _keep_old_sets(generation, on_kept) -> None:
-        """The old pass's log M_old and, when it recomputed them, its kept sets (the loss uses the same sets)."""
+        """The old pass's log M_old and, when it recomputed them, its kept sets (the loss uses the same sets): the
+        one writer of these fields, for TRL's pass, the scoring mode's and the `lift_sampler` measuring pass."""
         if on_kept is None:
             return
         generation.old_log_kept_mass = on_kept.log_mass
         if on_kept.added is not None:
             generation.kept, generation.kept_added = on_kept.kept, on_kept.added
+
+    def _keep_training_forward(self, micro_batch, logps, on_kept) -> None:
+        """What the diagnostics read of a micro-batch, each value from one place: the training forward's log-probs;
+        log M_old and the recomputed additions from the old pass (in the batch TRL split), or, where no old pass ran
+        (on-policy, the sampler arm), from this forward, which at the first inner step runs the old policy's weights."""
+        inputs = micro_batch.inputs
+        micro_batch.train_logps = logps.detach()
+        train_mass, train_added = (None, None) if on_kept is None else (on_kept.log_mass, on_kept.added)
+        no_old_pass = "old_per_token_logps" not in inputs or self.plan.anchor_is_sampler
+        micro_batch.old_log_kept_mass = inputs.get("old_log_kept_mass", train_mass if no_old_pass else None)
+        micro_batch.kept_added = inputs.get("kept_set_added", train_added)
 
     def _policy_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size, kept, *args, **kwargs):
         """TRL's own call; with kept sets (or a filter that recomputes them), plus the log-probs over them from the

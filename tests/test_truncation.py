@@ -45,7 +45,7 @@ def test_renormalized_old_logprobs_equal_a_brute_force_over_the_kept_sets(tmp_pa
     T = out["completion_ids"].size(1)
     with torch.no_grad():
         logits = tiny_model("qwen2")(input_ids=ids, attention_mask=mask, logits_to_keep=T + 1).logits  # same weights
-    kept = trainer._generations["train"].sampler.kept.resize_steps(T)
+    kept = trainer._generations["train"].kept.resize_steps(T)  # the generate recording's kept sets
     valid = out["completion_mask"].bool()
     expected = kept_set_logprobs(logits[:, :-1], out["completion_ids"], kept, mask=valid)  # (B, T)
     assert (out["old_per_token_logps"] - expected)[valid].abs().max() <= 1e-5
@@ -56,12 +56,15 @@ def test_renormalized_old_logprobs_equal_a_brute_force_over_the_kept_sets(tmp_pa
 
 def test_lift_sampler_adds_the_log_kept_mass(tmp_path):
     trainer = tiny_trainer(tmp_path, "fp32_clone", bf16=False, top_k=5, truncation_correction="lift_sampler")
+    recordings = []
+    finish = trainer._finish_recording
+    trainer._finish_recording = lambda *args: recordings.append(finish(*args)) or recordings[-1]
     batch = next(iter(trainer.get_train_dataloader()))
     trainer.model.train()
     out = trainer._generate_and_score_completions(batch)
     valid = out["completion_mask"].bool()
     raw = torch.zeros_like(out["sampler_per_token_logps"])  # ours: kept out of TRL's loss by default
-    record = trainer._generations["train"].sampler.logprobs  # (B, T_gen) the sampler's own log q_S(g)
+    record = recordings[0].logprobs  # (B, T_gen) the sampler's own log q_S(g), as the generate recording saw it
     raw[:, : record.size(1)] = record
     lifted = out["sampler_per_token_logps"]
     assert torch.allclose(lifted[valid], (raw + out["old_log_kept_mass"])[valid], atol=1e-6)
