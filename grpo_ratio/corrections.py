@@ -1,6 +1,6 @@
 """Truncated-sampling correction inside the trainer: the kept-set log-probs of TRL's own forward, and the lift.
 
-The math is `grpo_ratio.kept_sets` (one implementation per correction, also what the tests call); this module
+The math is `grpo_ratio.kept_logprobs` (one implementation per correction, also what the tests call); this module
 feeds it from the trainer's forward passes. TRL's fused head never builds logits, so the kept-set log-probs come
 from the backbone's last hidden state (captured by a forward hook during TRL's own call) through the LM head: TRL's
 forward is neither copied nor repeated. This materialises the (b, T, V) logits of one forward chunk.
@@ -22,7 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kept_sets import KeptLogprobs, KeptSetFilter, KeptSets, logprobs_on_kept_sets
+from .kept_logprobs import KeptLogprobs, logprobs_on_kept_sets
+from .kept_sets import KeptSets
+from .rollouts import SamplingSettings
 
 
 # model-config fields of a logit transform applied after the LM head (softcapping, logit scaling)
@@ -59,7 +61,7 @@ def capture_last_hidden(model: nn.Module):
 
 
 def kept_set_logps_from_hidden(model: nn.Module, hidden: torch.Tensor, tokens: torch.Tensor,
-                               kept: KeptSets | KeptSetFilter, temperature: float, fp32_head: bool, autocast_ctx,
+                               kept: KeptSets | SamplingSettings, temperature: float, fp32_head: bool, autocast_ctx,
                                mask: torch.Tensor) -> KeptLogprobs:
     """Log-probs of `tokens` renormalised over their kept sets, from hidden states through the model's LM head.
 
@@ -67,7 +69,7 @@ def kept_set_logps_from_hidden(model: nn.Module, hidden: torch.Tensor, tokens: t
         model: the causal LM whose head (`get_output_embeddings()`) projects `hidden`.
         hidden: (B, T, H) hidden states at the positions predicting the T completion tokens (grad flows through).
         tokens: (B, T) completion ids.
-        kept: (B, T) kept sets (empty cells = padding, skipped), or a `KeptSetFilter` that recomputes them from
+        kept: (B, T) kept sets (empty cells = padding, skipped), or the sampler's `SamplingSettings` that recompute them from
             these logits (the "recompute" kept-set source).
         temperature: TRL's `temperature`.
         fp32_head: project in fp32 outside autocast (TRL's `cast_lm_head_to_fp32`), else under `autocast_ctx`.

@@ -34,7 +34,9 @@ from torch import nn
 
 from .config import PRECISION_MODES
 from .copies import ModuleCopy
-from .kept_sets import KeptLogprobs, KeptSetFilter, KeptSets, concat_kept_sets, logprobs_on_kept_sets
+from .kept_logprobs import KeptLogprobs, logprobs_on_kept_sets
+from .kept_sets import KeptSets, concat_kept_sets
+from .rollouts import SamplingSettings
 from .sharding import ShardedPolicy
 
 
@@ -225,7 +227,7 @@ class ScoreResult:
         fallback_rows (`int`): `fp16_clone` rows with non-finite fp16 log-probs, re-scored in fp32 in this call (0
             otherwise).
         on_kept (`KeptLogprobs | None`): only when kept sets were given: the same tokens' (B, T) log-probs over their
-            kept sets (0.0 on cells without a set), the sets used (recomputed ones under a `KeptSetFilter`), the
+            kept sets (0.0 on cells without a set), the sets used (recomputed ones under `SamplingSettings`), the
             recomputed additions, and log M = `logps` - those log-probs.
     """
 
@@ -363,7 +365,8 @@ class OldLogprobScorer:
 
     def _chunk_logprobs(self, input_ids, attention_mask, logits_to_keep, temperature, version, kept=None):
         """(b, T) fp32 log-probs of one chunk and the number of its rows re-scored in fp32; with `kept` (KeptSets
-        of the chunk's rows, or a KeptSetFilter to recompute them from these logits), also the `KeptLogprobs`."""
+        of the chunk's rows, or the sampler's SamplingSettings to recompute them from these logits), also the
+        `KeptLogprobs`."""
         logps, n_fallback, logits = self._chunk_full(input_ids, attention_mask, logits_to_keep, temperature, version)
         if kept is None:
             return logps, n_fallback, None
@@ -405,7 +408,7 @@ class OldLogprobScorer:
     @torch.no_grad()
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, *,
               temperature: float = 1.0, batch_size: int | None = None, version: int = 0,
-              kept: KeptSets | KeptSetFilter | None = None) -> ScoreResult:
+              kept: KeptSets | SamplingSettings | None = None) -> ScoreResult:
         """Old log-probs of the last `logits_to_keep` tokens of each row.
 
         Args:
@@ -415,8 +418,8 @@ class OldLogprobScorer:
             temperature: divides the logits before the log-softmax (TRL's `temperature`).
             batch_size: rows per forward chunk (TRL uses `per_device_train_batch_size`); None = all rows at once.
             version: the policy's optimizer-step count; copies synced at another version are refreshed first.
-            kept: optional `grpo_ratio.kept_sets.KeptSets` (B, T) of the sampler's kept sets, or a `KeptSetFilter`
-                to recompute them from this pass's logits; then the result also holds the (B, T) log-probs
+            kept: optional `grpo_ratio.kept_sets.KeptSets` (B, T) of the sampler's kept sets, or the sampler's
+                `SamplingSettings` to recompute them from this pass's logits; then the result also holds the (B, T) log-probs
                 renormalised over them (truncation correction) and the sets used.
         Returns:
             `ScoreResult`: (B, T) fp32 full-vocabulary log-probs (values at padded positions are whatever the forward
@@ -429,7 +432,7 @@ class OldLogprobScorer:
         with deterministic, sharding:
             for start in range(0, input_ids.size(0), batch_size):
                 sl = slice(start, start + batch_size)
-                rows = kept if kept is None or isinstance(kept, KeptSetFilter) else kept.select_rows(
+                rows = kept if not isinstance(kept, KeptSets) else kept.select_rows(
                     range(sl.start, min(sl.stop, input_ids.size(0))))
                 logps, n, kept_logps = self._chunk_logprobs(input_ids[sl], attention_mask[sl], logits_to_keep,
                                                             temperature, version, rows)

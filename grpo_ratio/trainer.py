@@ -34,7 +34,7 @@ from .config import RatioGRPOConfig
 from .copies import WeightsVersion
 from .corrections import capture_last_hidden, check_head_is_linear, kept_set_logps_from_hidden
 from .diagnostics import RatioDiagnostics
-from .kept_sets import KeptSetFilter, lift_sampler_logprobs
+from .kept_logprobs import lift_sampler_logprobs
 from .lints import check_calibration, check_dropout, check_positions, check_sampling, check_vllm
 from .plan import CONTINUOUS_BATCHING, GENERATE, VLLM, VLLM_MASKS, RunPlan, kept_set_origin
 from .ratios import importance_sampling_weights
@@ -96,9 +96,6 @@ class RatioGRPOTrainer(GRPOTrainer):
         # resolved once; the hooks below ask it instead of comparing config strings
         self.plan = RunPlan.resolve(args, self._sampling_settings(policy), self._backend(), multi_turn)
         self._vllm_capture = VLLMOutputCapture(self.vllm_generation.llm) if self.plan.vllm_masks else None
-        # the sampler's truncation, re-applied to the old policy's logits by the "recompute" kept-set source
-        self._kept_filter = KeptSetFilter(self.sampling.temperature, self.sampling.top_k, self.sampling.top_p,
-                                          self.sampling.min_p)
         self._lint(policy)
         # copies are refreshed whenever the policy's weights may have changed (copies.WeightsVersion)
         self.weights_version = WeightsVersion()
@@ -396,11 +393,11 @@ class RatioGRPOTrainer(GRPOTrainer):
     def _kept_rows(self, generation, micro_batch, num_rows: int, logits_to_keep: int):
         """KeptSets (num_rows, T) of the rows a log-prob call scores, or None when no correction is active: the
         whole generation batch, or a micro-batch's rows (TRL shuffled and split them; `kept_row_index` follows).
-        With the "recompute" source and no sets yet, the `KeptSetFilter` that recomputes them in this pass."""
+        With the "recompute" source and no sets yet, the sampler's `SamplingSettings`: this pass recomputes them."""
         if not self.plan.corrects or generation is None:
             return None
         if generation.kept is None:  # not recorded and not yet recomputed: this pass recomputes them from its logits
-            return self._kept_filter if self.plan.recomputes_kept_sets else None
+            return self.plan.sampling if self.plan.recomputes_kept_sets else None
         kept = generation.kept
         if micro_batch is not None:
             kept = kept.select_rows(micro_batch.inputs["kept_row_index"].cpu())

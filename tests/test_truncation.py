@@ -8,7 +8,7 @@ import pytest
 import torch
 from trainer_fixtures import tiny_trainer
 
-from grpo_ratio.kept_sets import kept_set_logprobs
+from grpo_ratio.kept_logprobs import kept_set_logprobs
 from grpo_ratio.scoring import completion_logprobs_from_logits
 from grpo_ratio.testing import tiny_model
 
@@ -176,19 +176,21 @@ def _probs(logits):
     (dict(temperature=2.0, top_p=0.8), [0, 1, 2]),  # T=2 flattens: 0.427, 0.259, 0.157 -> 0.843 >= 0.8
 ])
 def test_recomputed_kept_sets_on_literal_logits(kept_filter, expected):
-    from grpo_ratio.kept_sets import KeptSetFilter, recompute_kept_sets
+    from grpo_ratio.kept_logprobs import recompute_kept_sets
+    from grpo_ratio.rollouts import SamplingSettings
 
     assert _probs([2.0, 1.0, 0.0, -1.0, -2.0])[0] == pytest.approx(0.6364, abs=1e-4)
     logits = torch.tensor([[[2.0, 1.0, 0.0, -1.0, -2.0]]])  # (1, 1, 5)
-    kept, added = recompute_kept_sets(logits, torch.tensor([[0]]), KeptSetFilter(**kept_filter))
+    kept, added = recompute_kept_sets(logits, torch.tensor([[0]]), SamplingSettings(**kept_filter))
     assert kept.cell_ids(0, 0).tolist() == expected and not added.any()
 
 
 def test_a_sampled_token_outside_the_recomputed_set_is_added_and_reported():
-    from grpo_ratio.kept_sets import KeptSetFilter, recompute_kept_sets
+    from grpo_ratio.kept_logprobs import recompute_kept_sets
+    from grpo_ratio.rollouts import SamplingSettings
 
     logits = torch.tensor([[[2.0, 1.0, 0.0, -1.0, -2.0], [0.0, 0.0, 0.0, 0.0, 0.0]]])  # (1, 2, 5)
-    kept, added = recompute_kept_sets(logits, torch.tensor([[4, 3]]), KeptSetFilter(top_k=2))
+    kept, added = recompute_kept_sets(logits, torch.tensor([[4, 3]]), SamplingSettings(top_k=2))
     assert kept.cell_ids(0, 0).tolist() == [0, 1, 4]  # token 4 was sampled: it joins its set
     assert added.tolist() == [[True, False]]
     # equal logits at step 2: generate's top-k keeps every token tied with the k-th, so all 5 (token 3 included)
