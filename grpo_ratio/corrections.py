@@ -22,14 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .adapters import base_model
 from .kept_logprobs import KeptLogprobs, logprobs_on_kept_sets
 from .kept_sets import KeptSets
 from .rollouts import SamplingSettings
-
-
-# model-config fields of a logit transform applied after the LM head (softcapping, logit scaling)
-LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier",
-                    "lm_head_multiplier")
+from .scoring import logit_transforms
 
 
 def check_head_is_linear(correction: str, model_config) -> None:
@@ -37,8 +34,7 @@ def check_head_is_linear(correction: str, model_config) -> None:
     (softcapping, logit scaling): there head(hidden) is not the logits the kept-set log-probs need."""
     if correction == "none":
         return
-    text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    transformed = [k for k in LOGIT_TRANSFORMS if getattr(text_config, k, None) not in (None, 1, 1.0)]
+    transformed = logit_transforms(model_config)
     if transformed:
         raise ValueError(f"truncation_correction={correction!r} does not support models whose logits "
                          f"are transformed after the LM head ({', '.join(transformed)})")
@@ -47,7 +43,7 @@ def check_head_is_linear(correction: str, model_config) -> None:
 @contextlib.contextmanager
 def capture_last_hidden(model: nn.Module):
     """Collect the decoder's last hidden state (b, P+T, H) of every forward within the block (one per chunk)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     captured: list[torch.Tensor] = []
 
     def hook(module, args, output):
@@ -80,8 +76,7 @@ def kept_set_logps_from_hidden(model: nn.Module, hidden: torch.Tensor, tokens: t
     Raises:
         ValueError: a sampled token outside its kept set ("inconsistent rollout", naming row and position).
     """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    head = base.get_output_embeddings()
+    head = base_model(model).get_output_embeddings()
     if fp32_head:
         with torch.autocast(hidden.device.type, enabled=False):
             logits = F.linear(hidden.float(), head.weight.float(), None if head.bias is None else head.bias.float())

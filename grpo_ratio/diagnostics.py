@@ -20,7 +20,7 @@ generation, where new/old must be 1 (the batch-logprob-gap report: "it is the id
 - `ratio/importance_sampling_ratio/{min,mean,max}`: under `lift_sampler` with vLLM's IS correction, the IS weights
   the loss uses (TRL's `sampling/importance_sampling_ratio/*` is computed before the lift).
 
-Token-weighted over valid tokens (`ratios.valid_token_mask`) across micro-batches and processes. An update with no
+Every key is in `grpo_ratio.metric_keys` (the table the consumers read too). Token-weighted over valid tokens (`ratios.valid_token_mask`) across micro-batches and processes. An update with no
 valid token (every completion masked: `mask_truncated_completions`, tool masks) logs `ratio/new_old/num_tokens` = 0
 and nothing else, and warns once.
 """
@@ -31,6 +31,7 @@ import warnings
 
 import torch
 
+from . import metric_keys as keys
 from .plan import RunPlan
 from .ratios import RatioStats, clip_flips, importance_sampling_stats, valid_token_mask
 from .records import MicroBatchRecord
@@ -85,7 +86,7 @@ class RatioDiagnostics:
         if self.plan.scorer_mode != "fp16_clone":
             return {}
         rows = torch.tensor(float(fallback_rows), device=self.accelerator.device)
-        return {"ratio/fp16_fallback_rows": self.accelerator.reduce(rows, reduction="sum").item()}
+        return {keys.FP16_FALLBACK_ROWS: self.accelerator.reduce(rows, reduction="sum").item()}
 
     def importance_sampling_metrics(self, weights: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
         """`ratio/importance_sampling_ratio/{min,mean,max}` of the IS weights the loss really uses (after
@@ -100,9 +101,8 @@ class RatioDiagnostics:
         local = [flat.min() if flat.numel() else zero, flat.mean() if flat.numel() else zero,
                  flat.max() if flat.numel() else zero]
         gathered = [self.accelerator.gather(x.reshape(1)) for x in local]  # (P,) each
-        return {"ratio/importance_sampling_ratio/min": gathered[0].min().item(),
-                "ratio/importance_sampling_ratio/mean": gathered[1].nanmean().item(),
-                "ratio/importance_sampling_ratio/max": gathered[2].max().item()}
+        return {keys.IS_WEIGHTS_MIN: gathered[0].min().item(), keys.IS_WEIGHTS_MEAN: gathered[1].nanmean().item(),
+                keys.IS_WEIGHTS_MAX: gathered[2].max().item()}
 
     def update(self, micro_batch: MicroBatchRecord, mode_is_policy: bool) -> None:
         """Add one first-inner-step micro-batch.
@@ -171,32 +171,32 @@ class RatioDiagnostics:
         acc = self.accelerator if self.accelerator.num_processes > 1 else None
         metrics = {}
         new_old = self.new_old.all_reduce(acc)
-        metrics.update(new_old.as_metrics("ratio/new_old"))
+        metrics.update(new_old.as_metrics(keys.NEW_OLD.prefix))
         if new_old.num_tokens.item() == 0:
-            metrics["ratio/new_old/num_tokens"] = 0.0
+            metrics[keys.NEW_OLD.num_tokens] = 0.0
             if not self.warned_no_tokens:
                 self.warned_no_tokens = True
                 warnings.warn("ratio diagnostics: an optimizer update had no valid completion token (every completion "
                               "masked, e.g. by mask_truncated_completions); ratio/new_old/num_tokens = 0 and no other "
                               "ratio/* metric for such updates", stacklevel=2)
-        metrics.update(self.old_sampler.all_reduce(acc).as_metrics("ratio/old_sampler"))
-        metrics.update(self.old_sampler_corrected.all_reduce(acc).as_metrics("ratio/old_sampler_corrected"))
+        metrics.update(self.old_sampler.all_reduce(acc).as_metrics(keys.OLD_SAMPLER.prefix))
+        metrics.update(self.old_sampler_corrected.all_reduce(acc).as_metrics(keys.OLD_SAMPLER_CORRECTED.prefix))
         if self.plan.corrects:
             sums = torch.stack([self.kept_mass_sum, self.kept_mass_count]).to(self.accelerator.device)  # (2,)
             if acc is not None:
                 sums = acc.reduce(sums, reduction="sum")
             if sums[1] > 0:
-                metrics["ratio/kept_mass_mean"] = (sums[0] / sums[1]).item()
+                metrics[keys.KEPT_MASS_MEAN] = (sums[0] / sums[1]).item()
         if self.plan.recomputes_kept_sets:
             sums = torch.stack([self.added_sum, self.added_count]).to(self.accelerator.device)  # (2,)
             if acc is not None:
                 sums = acc.reduce(sums, reduction="sum")
             if sums[1] > 0:
-                metrics["ratio/kept_set_added_rate"] = (sums[0] / sums[1]).item()
+                metrics[keys.KEPT_SET_ADDED_RATE] = (sums[0] / sums[1]).item()
         if self.flips is not None:
-            metrics.update(self.flips.all_reduce(acc).as_metrics("ratio"))
+            metrics.update(self.flips.all_reduce(acc).as_metrics(keys.PREFIX))
         if self.is_stats is not None:
-            metrics.update(self.is_stats.all_reduce(acc).as_metrics("ratio"))
+            metrics.update(self.is_stats.all_reduce(acc).as_metrics(keys.PREFIX))
         self.num_updates += 1
         self._reset()
         return metrics

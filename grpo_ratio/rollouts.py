@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from transformers import GenerationMixin, LogitsProcessor, LogitsProcessorList
 
+from .adapters import base_model
 from .kept_sets import KeptSets, _offsets_from_sizes, _range_index
 
 
@@ -227,11 +228,9 @@ class SamplerLogprobRecorder(LogitsProcessor):
 
 def _generation_model(model):
     """The GenerationMixin whose `generate` actually runs (PEFT forwards generate to its base model)."""
-    if isinstance(model, GenerationMixin):
-        return model
-    get_base = getattr(model, "get_base_model", None)  # peft.PeftModel
-    if get_base is not None and isinstance(get_base(), GenerationMixin):
-        return get_base()
+    target = base_model(model)
+    if isinstance(target, GenerationMixin):
+        return target
     raise ValueError(f"recording_sampler: {type(model).__name__} is not a transformers GenerationMixin (or a PEFT "
                      f"model around one)")
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .adapters import base_model
 from .config import PRECISION_MODES
 from .copies import ModuleCopy
 from .kept_logprobs import KeptLogprobs, logprobs_on_kept_sets
@@ -60,7 +61,7 @@ def model_anatomy(model: nn.Module) -> Anatomy:
     Raises:
         ValueError: the model does not expose them under a known name (`layers`/`h`, `norm`/`final_layer_norm`/`ln_f`).
     """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     decoder = base.get_decoder()
     layers = next((getattr(decoder, n) for n in ("layers", "h", "blocks") if hasattr(decoder, n)), None)
     norm = next((getattr(decoder, n) for n in ("norm", "final_layer_norm", "ln_f") if hasattr(decoder, n)), None)
@@ -71,6 +72,18 @@ def model_anatomy(model: nn.Module) -> Anatomy:
             f"support models with `layers` (or `h`) and `norm` (or `final_layer_norm`, `ln_f`)"
         )
     return Anatomy(layers=layers, norm=norm, head=head, rotary=getattr(decoder, "rotary_emb", None))
+
+
+# model-config fields of a logit transform applied after the LM head (softcapping, logit scaling)
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier",
+                    "lm_head_multiplier")
+
+
+def logit_transforms(model_config) -> list[str]:
+    """The `LOGIT_TRANSFORMS` fields a model's (text) config sets: where logits != head(hidden), so whoever applies
+    the LM head itself (the kept-set log-probs, the greedy probe) would mis-score them. Empty for a plain head."""
+    text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    return [k for k in LOGIT_TRANSFORMS if getattr(text_config, k, None) not in (None, 1, 1.0)]
 
 
 def check_layer_indices(layers: Iterable[int], num_layers: int) -> list[int]:
@@ -177,8 +190,7 @@ def generation_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def _accepts_position_ids(model: nn.Module) -> bool:
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "position_ids" in inspect.signature(type(base).forward).parameters
+    return "position_ids" in inspect.signature(type(base_model(model)).forward).parameters
 
 
 def forward_kwargs(model: nn.Module, input_ids, attention_mask, logits_to_keep: int,

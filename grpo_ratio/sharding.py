@@ -43,7 +43,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from .copies import VersionedCopy, _empty_like_model
+from .adapters import has_adapters
+from .copies import VersionedCopy, empty_model_like
 
 
 logger = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ def check_sharded_mode(accelerator, model: nn.Module, args) -> None:
     name = {"fsdp1": "FSDP1", "fsdp2": "FSDP2", "zero3": "DeepSpeed ZeRO-3"}[engine]
     if engine == "fsdp1":
         _refuse(mode, name, "FSDP1 is not supported", "set `fsdp_version: 2` (recipes/accelerate_configs/fsdp2.yaml)")
-    if hasattr(model, "peft_config") or hasattr(model, "get_base_model"):
+    if has_adapters(model):
         _refuse(mode, name, "a PEFT adapter is not supported there (the shadows would need the adapters merged "
                 "across shards)", "use DDP or ZeRO-2 (parameters replicated), or old_logprob_mode='bf16'")
     if args.fp16:
@@ -121,14 +122,6 @@ def _check_zero3(mode: str, name: str, ds_config: dict, model: nn.Module) -> Non
 
 def _refuse(mode: str, engine: str, why: str, instead: str):
     raise NotImplementedError(f"old_logprob_mode={mode!r} under {engine}: {why}; {instead} (docs/distributed.md)")
-
-
-def empty_model_like(model: nn.Module) -> nn.Module:
-    """A model of `model`'s class and config, weights uninitialised, with its head tied like the config says
-    (`copies._empty_like_model` skips the tying, so a tied head would be a second copy of the embedding)."""
-    module = _empty_like_model(model)
-    module.tie_weights()
-    return module
 
 
 def is_fsdp2_wrapped(model: nn.Module) -> bool:

@@ -207,9 +207,8 @@ def replica_scorer(model, weights: dict, mode: str, compute_dtype: torch.dtype, 
     part of the policy as it trains (`fp32_head`, `guided_fp32`) get a replica whose parameters are the bf16 casts
     (buffers kept, as FSDP and DeepSpeed keep them), with their fp32 modules copied from the fp32 weights.
     """
-    from .copies import ModuleCopy
+    from .copies import ModuleCopy, empty_model_like
     from .scoring import OldLogprobScorer, model_anatomy
-    from .sharding import empty_model_like
 
     fp32 = empty_model_like(model).float().requires_grad_(False)
     with torch.no_grad():
