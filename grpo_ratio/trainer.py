@@ -50,7 +50,8 @@ from .rollouts import (
     vllm_engine_kwargs,
 )
 from .scoring import OldLogprobScorer
-from .sharding import check_sharded_mode, engine_of, fp32_logprob_output, sharded_policy
+from .sharding import check_sharded_mode, engine_of, sharded_policy
+from .sharding_fsdp2 import fp32_logprob_output
 
 
 class RatioGRPOTrainer(GRPOTrainer):
