@@ -26,6 +26,12 @@ SCORING_MODES = (*PRECISION_MODES, SAMPLER_MODE)
 TRUNCATION_CORRECTIONS = ("none", "renormalize", "lift_sampler")
 KEPT_SET_SOURCES = ("auto", "recorded", "recompute")
 VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# how a whole-model copy is held (grpo_ratio.copies): resident between passes, or cast module by module in the pass
+COPY_STORAGES = ("resident", "per_layer")
+# the modes that may hold a whole-model copy (fp16_clone always, fp32_clone on bf16/fp16-stored weights)
+COPY_MODES = ("fp16_clone", "fp32_clone")
+# vLLM's `vllm serve` flag (also `trl vllm-serve`, which passes it through) for the engine's LM head in fp32
+VLLM_FP32_HEAD_FLAG = """--hf-overrides '{"head_dtype": "float32"}'"""
 
 
 _LAYER_FORMS = "comma-separated indices ('0,29'), a list ('[0, 29]'), one index (29) or a calibration .json path"
@@ -159,6 +165,11 @@ class RatioGRPOConfig(GRPOConfig):
         `"[0, 29]"`), one index (`29`) or the path of a calibration JSON written by `grpo-ratio probe layers` or
         `calibrate` (its model and layer count are checked against the trained model when the trainer starts).
         Required by `"guided_fp32"`, refused otherwise.
+    copy_storage (`str`, *optional*, defaults to `"resident"`):
+        How `"fp16_clone"` (and `"fp32_clone"` on bf16/fp16-stored weights) hold the policy in the copy's dtype:
+        `"resident"` keeps a whole copy between old passes (2 bytes per parameter in fp16), refreshed after each
+        optimizer step; `"per_layer"` keeps none and casts each module's weights just before it runs in the old pass
+        (one module held, no refresh; bitwise the same log-probs). Not with PEFT adapters or FSDP2/ZeRO-3.
 
     > Parameters that control truncated-sampling correction
 
@@ -171,6 +182,11 @@ class RatioGRPOConfig(GRPOConfig):
         `"auto"` (recorded with transformers `generate`, recompute with vLLM).
     vllm_dtype (`str`, *optional*):
         dtype of TRL's colocate vLLM engine (`"float32"`, `"bfloat16"`, `"float16"`, `"auto"`); unset, vLLM chooses.
+    vllm_lm_head_fp32 (`bool`, *optional*, defaults to `False`):
+        Run the LM head of TRL's colocate vLLM engine in fp32 (vLLM's `hf_overrides={"head_dtype": "float32"}`): the
+        sampler-side twin of an fp32 head on the trainer side (`"fp32_head"`, `"guided_fp32"`, `"fp32_clone"`,
+        `cast_lm_head_to_fp32`; NeMo-RL #3936, prime-rl's default). Server mode: start the server with
+        `--hf-overrides '{"head_dtype": "float32"}'` instead.
     record_sampler_logprobs (`bool`, *optional*, defaults to `True`):
         Without vLLM, record each sampled token's log-prob under the distribution it was sampled from.
     sampler_logprobs_in_loss (`bool`, *optional*, defaults to `False`):
@@ -205,6 +221,16 @@ class RatioGRPOConfig(GRPOConfig):
             "layers` or `grpo-ratio probe calibrate`."
         },
     )
+    copy_storage: str = field(
+        default="resident",
+        metadata={
+            "help": "How fp16_clone (and fp32_clone on bf16/fp16-stored weights) hold the copy: 'resident' (a whole "
+            "copy kept between old passes, 2 bytes/param in fp16, refreshed after every optimizer step) or "
+            "'per_layer' (each module's weights cast just before it runs in the old pass and freed after: one module "
+            "held, no refresh, bitwise the same log-probs). Not with PEFT adapters or FSDP2/ZeRO-3.",
+            "choices": list(COPY_STORAGES),
+        },
+    )
     truncation_correction: str = field(
         default="none",
         metadata={
@@ -230,6 +256,15 @@ class RatioGRPOConfig(GRPOConfig):
             "passes none and vLLM picks one (bf16 for an fp32 checkpoint on CPU, fp16 on GPU), which then differs "
             "from an fp32 trainer. Server mode: start `trl vllm-serve --dtype ...` instead.",
             "choices": list(VLLM_DTYPES),
+        },
+    )
+    vllm_lm_head_fp32: bool = field(
+        default=False,
+        metadata={
+            "help": "Run the LM head of TRL's colocate vLLM engine in fp32 (vLLM hf_overrides={'head_dtype': "
+            "'float32'}), the sampler-side twin of old_logprob_mode='fp32_head': with an fp32 head on one side only "
+            "the old/sampler gap moves rather than closes. Server mode: start the server with --hf-overrides "
+            "'{\"head_dtype\": \"float32\"}' instead."
         },
     )
     record_sampler_logprobs: bool = field(
@@ -281,6 +316,13 @@ class RatioGRPOConfig(GRPOConfig):
             raise ValueError(f"vllm_dtype={self.vllm_dtype!r} sets TRL's colocate engine, but use_vllm="
                              f"{self.use_vllm}, vllm_mode={self.vllm_mode!r}; for a server start `trl vllm-serve "
                              f"--dtype {self.vllm_dtype}`")
+        self._check_copy_storage()
+        if not isinstance(self.vllm_lm_head_fp32, bool):
+            raise ValueError(f"vllm_lm_head_fp32 must be True or False, got {self.vllm_lm_head_fp32!r}")
+        if self.vllm_lm_head_fp32 and not (self.use_vllm and self.vllm_mode == "colocate"):
+            raise ValueError(f"vllm_lm_head_fp32=True sets TRL's colocate engine, but use_vllm={self.use_vllm}, "
+                             f"vllm_mode={self.vllm_mode!r}; for a server start `trl vllm-serve` (or `vllm serve`) "
+                             f"with {VLLM_FP32_HEAD_FLAG}")
         if self.truncation_correction not in TRUNCATION_CORRECTIONS:
             raise ValueError(
                 f"truncation_correction={self.truncation_correction!r} is not allowed; allowed: "
@@ -318,6 +360,19 @@ class RatioGRPOConfig(GRPOConfig):
         if self.sampler_logprobs_in_loss and self.use_vllm:
             warnings.warn("sampler_logprobs_in_loss=True has no effect with use_vllm=True: TRL always receives vLLM's "
                           "log-probs as sampling_per_token_logps", stacklevel=3)
+
+    def _check_copy_storage(self) -> None:
+        """`copy_storage`: one of `COPY_STORAGES`, and `"per_layer"` only where a whole-model copy can exist.
+
+        Raises:
+            ValueError: an unknown value, or `"per_layer"` with a mode that holds no whole-model copy.
+        """
+        if self.copy_storage not in COPY_STORAGES:
+            raise ValueError(f"copy_storage={self.copy_storage!r} is not allowed; allowed: {', '.join(COPY_STORAGES)}")
+        if self.copy_storage == "per_layer" and self.old_logprob_mode not in COPY_MODES:
+            raise ValueError(f"copy_storage='per_layer' is only used by old_logprob_mode in {', '.join(COPY_MODES)} "
+                             f"(the modes with a whole-model copy), but old_logprob_mode={self.old_logprob_mode!r}; "
+                             f"remove copy_storage or switch the mode")
 
     @property
     def resolved_kept_set_source(self) -> str:

@@ -30,7 +30,7 @@ import time
 import torch
 from torch import nn
 
-from .adapters import base_model
+from .adapters import base_model, has_adapters
 
 
 def _adapter_layers(base: nn.Module) -> tuple[dict[str, nn.Module], dict[str, nn.Module]]:
@@ -218,8 +218,6 @@ class ModuleCopy(VersionedCopy):
 # per-layer casts: the copy's weights made module by module during the old pass, none kept in between
 
 
-COPY_STORAGES = ("resident", "per_layer")
-
 
 def _owns_tensors(module: nn.Module) -> bool:
     return any(True for _ in module.parameters(recurse=False)) or any(
@@ -266,7 +264,7 @@ class PerLayerCast:
     """
 
     def __init__(self, model: nn.Module, dtype: torch.dtype):
-        if hasattr(model, "get_base_model") or _adapter_layers(model)[0]:
+        if has_adapters(model):
             raise ValueError("copy_storage='per_layer' does not support PEFT adapters (a resident copy merges them "
                              "with PEFT's merge()); use copy_storage='resident'")
         self.model = model

@@ -9,6 +9,8 @@ question (`plan.corrects`, `plan.anchor_is_sampler`, ...) instead of comparing c
 | `old_logprobs` | `"trl"` (TRL's own pass, bf16, bit for bit), `"scorer"` (an `OldLogprobScorer`), `"sampler"` (no old pass) | `old_logprob_mode` |
 | `scorer_mode` | one of `config.SCORER_MODES`, or None | `old_logprob_mode` |
 | `trl_old_pass` | whether TRL 1.16 runs its own old-logprob pass (the hook replaces it, or measures it) | TRL's condition |
+| `fused_head` | `fp32_head`'s old log-probs from each micro-batch's training forward, no body pass (`grpo_ratio.fused_head`) | mode, TRL's condition, model, engine |
+| `fused_head_fallback` | why `fp32_head` keeps its separate pass (None: fused, or not `fp32_head`) | `fused_head.fused_head_fallback` |
 | `correction` | `config.TRUNCATION_CORRECTIONS` | `truncation_correction` |
 | `kept_sets` | `"none"`, `"recorded"` (the `generate` recording), `"vllm_masks"`, `"recompute"` | `kept_set_source`, backend |
 | `record_generate` | whether `generate` rollouts run under the recorder | `record_sampler_logprobs`, backend, sampling |
@@ -63,6 +65,8 @@ class RunPlan:
     old_logprobs: str = "trl"
     scorer_mode: str | None = None
     trl_old_pass: bool = False
+    fused_head: bool = False
+    fused_head_fallback: str | None = None
     correction: str = "none"
     kept_sets: str = NO_KEPT_SETS
     record_generate: bool = False
@@ -70,9 +74,12 @@ class RunPlan:
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
 
     @classmethod
-    def resolve(cls, args, sampling: SamplingSettings, backend: str = GENERATE, multi_turn: bool = False) -> RunPlan:
+    def resolve(cls, args, sampling: SamplingSettings, backend: str = GENERATE, multi_turn: bool = False,
+                fused_head_fallback: str | None = None) -> RunPlan:
         """The plan of a `RatioGRPOConfig` on a backend (`"generate"`, `"continuous_batching"`, `"vllm"`) with the
-        sampling settings generation really uses; `multi_turn`: tools or an environment factory.
+        sampling settings generation really uses; `multi_turn`: tools or an environment factory;
+        `fused_head_fallback`: under `fp32_head`, why the fused path cannot run (`fused_head.fused_head_fallback`,
+        which needs the model and the engine), None when it can.
 
         Raises:
             ValueError: `old_logprob_mode="sampler"` with continuous batching (no sampler log-probs); a truncation
@@ -90,6 +97,8 @@ class RunPlan:
             old_logprobs="sampler" if mode == SAMPLER_MODE else "scorer" if mode in SCORER_MODES else "trl",
             scorer_mode=mode if mode in SCORER_MODES else None,
             trl_old_pass=trl_runs_old_pass(args),
+            fused_head=mode == "fp32_head" and fused_head_fallback is None,
+            fused_head_fallback=fused_head_fallback if mode == "fp32_head" else None,
             correction=args.truncation_correction,
             kept_sets=kept_sets,
             record_generate=_resolve_record_generate(args, sampling, backend),

@@ -35,8 +35,8 @@ import torch
 from torch import nn
 
 from .adapters import base_model
-from .config import PRECISION_MODES
-from .copies import COPY_STORAGES, ModuleCopy, PerLayerCast
+from .config import COPY_STORAGES, PRECISION_MODES
+from .copies import ModuleCopy, PerLayerCast
 from .kept_logprobs import KeptLogprobs, logprobs_on_kept_sets
 from .kept_sets import KeptSets, concat_kept_sets
 from .rollouts import SamplingSettings
@@ -302,6 +302,8 @@ class OldLogprobScorer:
         self.sharded = sharded
         self.copy_storage = copy_storage
         self._per_layer: dict[torch.dtype, PerLayerCast] = {}
+        if copy_storage == "per_layer" and mode in ("fp16_clone", "fp32_clone"):
+            self.per_layer_cast(torch.float16 if mode == "fp16_clone" else torch.float32)  # PEFT refused here
         self.weight_dtype = next(model.parameters()).dtype if sharded is None else sharded.storage_dtype
         # dtype of the hidden states between layers: the weights' unsharded (fp32 weights stay fp32 under autocast),
         # the engine's compute dtype sharded (an FSDP bf16 policy hands bf16 weights to fp32-stored parameters)

@@ -75,7 +75,8 @@ def check_sharded_mode(accelerator, model: nn.Module, args) -> None:
         NotImplementedError: FSDP1 (use `fsdp_version: 2`); a PEFT adapter under FSDP2 or ZeRO-3; fp16 mixed
             precision (`fp16=True`) under FSDP2 or ZeRO-3; parameter offload to CPU (`fsdp_offload_params`, ZeRO-3
             `offload_param`); DeepSpeed's `torch_autocast`; under ZeRO-3, frozen parameters where the mode copies
-            from the fp32 masters (bf16 engines, or `fp16_clone`). Each message names the combination and what works.
+            from the fp32 masters (bf16 engines, or `fp16_clone`); `copy_storage="per_layer"` (the copies are the
+            engine's sharded shadows). Each message names the combination and what works.
     """
     mode = args.old_logprob_mode
     engine = engine_of(accelerator)
@@ -89,6 +90,9 @@ def check_sharded_mode(accelerator, model: nn.Module, args) -> None:
                 "across shards)", "use DDP or ZeRO-2 (parameters replicated), or old_logprob_mode='bf16'")
     if args.fp16:
         _refuse(mode, name, "fp16 mixed precision (fp16=True) is not supported", "use bf16=True or bf16=False")
+    if getattr(args, "copy_storage", "resident") == "per_layer":
+        _refuse(mode, name, "copy_storage='per_layer' is not supported (the copies are the engine's sharded shadows)",
+                "use copy_storage='resident'")
     if engine == "fsdp2":
         _check_fsdp2(mode, name, accelerator.state.fsdp_plugin)
     else:

@@ -5,7 +5,8 @@ The only changes w.r.t. `trl.GRPOTrainer` (1.16):
    `grpo_ratio.scoring.OldLogprobScorer` (fp32/fp16 copy, fp32 head, guided fp32 layers), also where TRL would skip
    the old pass (then the first-step ratio is new/old = policy pass / mode pass). TRL's own old pass is replaced, not
    run and thrown away, so vLLM importance-sampling correction uses the mode's old log-probs too. With `"bf16"`
-   nothing changes: TRL's pass, bit for bit.
+   nothing changes: TRL's pass, bit for bit. `fp32_head` in TRL's on-policy default runs no pass of the body: each
+   micro-batch's old log-probs are the fp32 norm and head on its own training forward (`grpo_ratio.fused_head`).
 2. Sampler log-probs without vLLM: `model.generate` runs with a recording logits processor, so each sampled token's
    log-prob under the distribution it was sampled from is known. They reach the diagnostics as
    `sampler_per_token_logps`; TRL's loss sees them (as `sampling_per_token_logps`) only with
@@ -36,9 +37,10 @@ from .config import RatioGRPOConfig
 from .copies import WeightsVersion
 from .corrections import capture_last_hidden, check_head_is_linear, kept_set_logps_from_hidden
 from .diagnostics import RatioDiagnostics
+from .fused_head import capture_norm_inputs, fused_head_fallback, say_fused_head
 from .kept_logprobs import lift_sampler_logprobs
 from .lints import check_calibration, check_dropout, check_positions, check_sampling, check_vllm
-from .plan import CONTINUOUS_BATCHING, GENERATE, VLLM, VLLM_MASKS, RunPlan, kept_set_origin
+from .plan import CONTINUOUS_BATCHING, GENERATE, VLLM, VLLM_MASKS, RunPlan, kept_set_origin, trl_runs_old_pass
 from .ratios import importance_sampling_weights
 from .records import GenerationRecord, MicroBatchRecord
 from .rollouts import (
@@ -91,13 +93,17 @@ class RatioGRPOTrainer(GRPOTrainer):
         engine_kwargs = {"return_sampling_mask": True} if kept_set_origin(args) == VLLM_MASKS else {}
         if args.vllm_dtype is not None:
             engine_kwargs["dtype"] = args.vllm_dtype  # TRL passes none to its colocate engine
+        if args.vllm_lm_head_fp32:  # vLLM's LM head projection in fp32 (ModelConfig.head_dtype)
+            engine_kwargs["hf_overrides"] = {"head_dtype": "float32"}
         with vllm_engine_kwargs(**engine_kwargs) if engine_kwargs else contextlib.nullcontext():
             super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         policy = self.accelerator.unwrap_model(self.model)
         multi_turn = bool(self.tools) or self.environment_factories is not None
         # what this run does (which old pass, where old log-probs and kept sets come from, which correction):
         # resolved once; the hooks below ask it instead of comparing config strings
-        self.plan = RunPlan.resolve(args, self._sampling_settings(policy), self._backend(), multi_turn)
+        fused_fallback = self._fused_head_fallback() if args.old_logprob_mode == "fp32_head" else None
+        self.plan = RunPlan.resolve(args, self._sampling_settings(policy), self._backend(), multi_turn, fused_fallback)
+        say_fused_head(self.plan)  # fp32_head: fused or not, and why, once
         self._vllm_capture = VLLMOutputCapture(self.vllm_generation.llm) if self.plan.vllm_masks else None
         self._lint(policy)
         # copies are refreshed whenever the policy's weights may have changed (copies.WeightsVersion)
@@ -106,8 +112,9 @@ class RatioGRPOTrainer(GRPOTrainer):
         self.diagnostics = RatioDiagnostics(args, self.accelerator, self.eos_token_ids,
                                             plan=self.plan) if args.ratio_diagnostics else None
         check_sharded_mode(self.accelerator, self.model, args)  # FSDP2/ZeRO-3 combinations that cannot be exact
-        if self.plan.scorer_mode is not None:  # layer indices and model anatomy fail here, not at step 1
-            OldLogprobScorer(policy, self.plan.scorer_mode, layers=args.guided_fp32_layer_ids)
+        if self.plan.scorer_mode is not None:  # layer indices, model anatomy, copy storage fail here, not at step 1
+            OldLogprobScorer(policy, self.plan.scorer_mode, layers=args.guided_fp32_layer_ids,
+                             copy_storage=args.copy_storage)
         self._scorer = None  # built on first use (`scorer`): accelerate wraps FSDP2/ZeRO-3 models inside train()
         # The two records between TRL's hooks (grpo_ratio/records.py): one per generation batch and mode, one per
         # loss micro-batch. No other attribute is written in one hook and read in another.
@@ -126,8 +133,14 @@ class RatioGRPOTrainer(GRPOTrainer):
             policy = self.accelerator.unwrap_model(self.model)
             self._scorer = OldLogprobScorer(policy, self.plan.scorer_mode, layers=self.args.guided_fp32_layer_ids,
                                             policy_autocast=self.accelerator.autocast,
-                                            sharded=sharded_policy(self.accelerator, policy))
+                                            sharded=sharded_policy(self.accelerator, policy),
+                                            copy_storage=self.args.copy_storage)
         return self._scorer
+
+    def _fused_head_fallback(self) -> str | None:
+        """Why `fp32_head` must keep its separate old pass in this run, or None (`fused_head.fused_head_fallback`)."""
+        return fused_head_fallback(self.args, self.accelerator.unwrap_model(self.model), engine_of(self.accelerator),
+                                   trl_runs_old_pass(self.args))
 
     @property
     def sampling(self):
@@ -200,8 +213,9 @@ class RatioGRPOTrainer(GRPOTrainer):
             output["kept_row_index"] = torch.arange(output["completion_ids"].size(0), device=self.accelerator.device)
         if self.plan.anchor_is_sampler:
             output["old_per_token_logps"] = self._sampler_anchor(output)
-        if self.scorer is not None and "old_per_token_logps" not in output:
-            # TRL skipped the old pass (on-policy default): the mode still provides the anchor of the ratio
+        if self.scorer is not None and "old_per_token_logps" not in output and not self.plan.fused_head:
+            # TRL skipped the old pass (on-policy default): the mode still provides the anchor of the ratio (fp32_head
+            # fused: each micro-batch's training forward provides it, `_fused_old_logps`)
             input_ids, attention_mask, T, batch_size = self._scoring_inputs(output, generation.mode)
             output["old_per_token_logps"] = self._score_old(generation, input_ids, attention_mask, T, batch_size)
         if self.plan.lifts_sampler:
@@ -337,18 +351,54 @@ class RatioGRPOTrainer(GRPOTrainer):
         if is_old_pass and self.plan.anchor_is_sampler:  # no old pass: the sampler's log-probs anchor it
             return torch.zeros(input_ids.size(0), logits_to_keep, device=input_ids.device), None, None  # replaced
         if is_old_pass and self.scorer is not None:
-            if any(v is not None for v in args) or any(v is not None for v in kwargs.values()
-                                                       if not isinstance(v, bool)):
-                raise NotImplementedError("old_logprob_mode other than 'bf16' supports text-only models")
+            self._check_text_only(args, kwargs)
             return self._score_old(generation, input_ids, attention_mask, logits_to_keep, batch_size), None, None
         kept = self._kept_rows(generation, micro_batch, input_ids.size(0), logits_to_keep)
-        logps, entropies, aux, on_kept = self._policy_logps(model, input_ids, attention_mask, logits_to_keep,
-                                                             batch_size, kept, *args, **kwargs)
+        fused = micro_batch is not None and self.plan.fused_head
+        if fused:
+            self._check_text_only(args, kwargs)
+        unwrapped = self.accelerator.unwrap_model(model)
+        with capture_norm_inputs(unwrapped) if fused else contextlib.nullcontext() as norm_inputs:
+            logps, entropies, aux, on_kept = self._policy_logps(model, input_ids, attention_mask, logits_to_keep,
+                                                                 batch_size, kept, *args, **kwargs)
+        if fused:  # TRL's `_compute_loss` reads the micro-batch's old log-probs after this call returns
+            micro_batch.inputs["old_per_token_logps"] = self._fused_old_logps(norm_inputs, input_ids, logits_to_keep)
         if is_old_pass:
             self._keep_old_sets(generation, on_kept)
         if micro_batch is not None:
             self._keep_training_forward(micro_batch, logps, on_kept)
         return logps, entropies, aux
+
+    @staticmethod
+    def _check_text_only(args, kwargs) -> None:
+        """Refuse image inputs where a scoring mode computes the old log-probs (its forward passes text only)."""
+        if any(v is not None for v in args) or any(v is not None for v in kwargs.values() if not isinstance(v, bool)):
+            raise NotImplementedError("old_logprob_mode other than 'bf16' supports text-only models")
+
+    def _fused_old_logps(self, norm_inputs, input_ids, logits_to_keep) -> torch.Tensor:
+        """`fp32_head` without a body pass: a micro-batch's old log-probs (b, T) fp32 from its own training forward,
+        the fp32 norm and head on each forward chunk's final-norm input (`OldLogprobScorer.head_logprobs`), detached.
+
+        They reach TRL's loss through the micro-batch inputs: TRL 1.16's `_compute_loss` calls
+        `_get_per_token_logps_and_entropies` (this training forward) first and reads `inputs.get(
+        "old_per_token_logps")` only after it returns (grpo_trainer.py, `_compute_loss`; read in the installed 1.16.0).
+        In the on-policy default every micro-batch of a generation runs before the optimizer step, so the weights of
+        this forward are the old policy's.
+
+        Raises:
+            RuntimeError: the forward did not hand the final norm one input per chunk, as the start-up probe saw it.
+        """
+        if not norm_inputs.is_complete():
+            raise RuntimeError("grpo_ratio: fp32_head's fused path saw no final-norm input per forward chunk in the "
+                               "training forward (the model changed after the trainer was built?)")
+        completion = input_ids[:, -logits_to_keep:]  # (b, T)
+        chunks, start = [], 0
+        for hidden in norm_inputs.hidden:  # (rows, P+T, H) per chunk of TRL's forward
+            rows = hidden.size(0)
+            chunks.append(self.scorer.head_logprobs(hidden, completion[start:start + rows], self.temperature,
+                                                    self.weights_version.value))
+            start += rows
+        return torch.cat(chunks, dim=0)  # (b, T)
 
     @staticmethod
     def _keep_old_sets(generation, on_kept) -> None:

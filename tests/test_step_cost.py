@@ -56,9 +56,15 @@ def test_old_passes_are_counted(summary):
     for arm in (step_cost.REFERENCE, "trl_cast_lm_head_to_fp32", "bf16", "sampler"):
         assert summary[arm]["calls"]["trl_old_pass"] == 0 and summary[arm]["calls"]["mode_old_pass"] == 0, arm
         assert summary[arm]["old_passes_per_generation"] == 0 and summary[arm]["added_share"] == 0
-    for arm in ("fp32_clone", "fp16_clone", "fp32_head", "guided_fp32"):
+    for arm in ("fp32_clone", "fp16_clone", "guided_fp32"):
         assert summary[arm]["calls"]["mode_old_pass"] == summary[arm]["generations"], arm
         assert summary[arm]["old_passes_per_generation"] == 1 and summary[arm]["added_share"] > 0
+        assert summary[arm]["calls"]["fused_head"] == 0, arm
+    # fp32_head in the on-policy default: no body pass, one fp32 norm + head per training forward (micro-batch)
+    head = summary["fp32_head"]
+    assert head["calls"]["mode_old_pass"] == head["calls"]["trl_old_pass"] == 0
+    assert head["old_passes_per_generation"] == 0 and head["added_share"] > 0
+    assert head["calls"]["fused_head"] == head["calls"]["train_forward"] >= 1
     # fp32 weights: only fp16_clone keeps a copy, refreshed once per old pass; the fp32 modes run the policy itself
     assert summary["fp16_clone"]["calls"]["copy_refresh"] == summary["fp16_clone"]["calls"]["mode_old_pass"]
     assert summary["fp32_clone"]["calls"]["copy_refresh"] == 0
