@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_ratio.copies import COPY_STORAGES
+from grpo_ratio.config import COPY_STORAGES
 from grpo_ratio.scoring import OldLogprobScorer
 
 
