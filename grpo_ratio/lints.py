@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .config import VLLM_FP32_HEAD_FLAG
 from .rollouts import SamplingSettings
 from .scoring import model_anatomy
 
@@ -108,32 +109,60 @@ def old_side_dtype(args, trainer_dtype: torch.dtype) -> torch.dtype:
     return torch.float16 if args.old_logprob_mode == "fp16_clone" else trainer_dtype
 
 
-def check_vllm(args, engine_dtype: torch.dtype | None, trainer_dtype: torch.dtype) -> None:
+def old_body_dtype(args, trainer_dtype: torch.dtype) -> torch.dtype:
+    """The precision of the old log-probs' body (the decoder layers): fp32 for `fp32_clone`, fp16 for `fp16_clone`,
+    the training forward's otherwise (`fp32_head` and `guided_fp32` upcast only the head and a few layers)."""
+    return {"fp32_clone": torch.float32, "fp16_clone": torch.float16}.get(args.old_logprob_mode, trainer_dtype)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def check_vllm(args, engine_dtype: torch.dtype | None, trainer_dtype: torch.dtype,
+               engine_head_dtype: torch.dtype | None = None) -> None:
     """Sampler/trainer mismatches that cost a run before it starts, with vLLM.
 
-    Warns (UserWarning): the engine samples in another dtype than the trainer scores the old log-probs in (TRL
-    passes none: vLLM downcasts an fp32 checkpoint; on SmolLM2 a bf16 engine is 0.26 nats off an fp32 trainer, an
-    fp32 engine 3e-5); an fp32 LM head on the trainer side only; `lift_sampler` with TRL's own
-    `sampling/importance_sampling_ratio/*`, which TRL computes before the lift (the weights the loss uses are logged
-    as `ratio/importance_sampling_ratio/*`); server mode, where the engine's dtype cannot be read here.
+    Args:
+        engine_dtype: the colocate engine's `model_config.dtype`; None in server mode (unknown here).
+        engine_head_dtype: its `model_config.head_dtype` (fp32 with `vllm_lm_head_fp32`); None = `engine_dtype`.
+
+    Warns (UserWarning): the engine's body samples in another dtype than the trainer's old log-probs (TRL passes
+    none: vLLM downcasts an fp32 checkpoint; on SmolLM2 a bf16 engine is 0.26 nats off an fp32 trainer, an fp32
+    engine 3e-5); with the bodies alike, an fp32 LM head on one side only (the trainer's `fp32_head`/`guided_fp32`/
+    `cast_lm_head_to_fp32`, or the sampler's `vllm_lm_head_fp32`): it moves the old/sampler gap rather than closing it
+    (NeMo-RL #3936; prime-rl runs both heads in fp32), and the message names the other side's switch;
+    `lift_sampler` with TRL's own `sampling/importance_sampling_ratio/*`, which TRL computes before the lift (the
+    weights the loss uses are logged as `ratio/importance_sampling_ratio/*`); server mode, where the engine's dtypes
+    cannot be read here (the message names the `vllm serve` flags).
     """
     if not args.use_vllm:
         return
-    old = old_side_dtype(args, trainer_dtype)
-    if engine_dtype is not None and engine_dtype != old:
-        warnings.warn(f"vLLM samples in {engine_dtype} but the old log-probs are computed in {old} "
+    body, head = old_body_dtype(args, trainer_dtype), old_side_dtype(args, trainer_dtype)
+    if engine_dtype is not None and engine_dtype != body:
+        warnings.warn(f"vLLM samples in {engine_dtype} but the old log-probs are computed in {body} "
                       f"(old_logprob_mode={args.old_logprob_mode!r}, bf16={args.bf16}): old/sampler and TRL's "
-                      f"importance-sampling ratio carry that precision gap. Set vllm_dtype="
-                      f"{str(old).replace('torch.', '')!r} to sample in the same dtype.", stacklevel=3)
+                      f"importance-sampling ratio carry that precision gap. Set vllm_dtype={_name(body)!r} to sample "
+                      f"in the same dtype.", stacklevel=3)
     if engine_dtype is None and args.vllm_mode == "server":
+        head_flag = f" {VLLM_FP32_HEAD_FLAG}" if head == torch.float32 and body != torch.float32 else ""
         warnings.warn(f"vLLM server mode: the engine's dtype is set where the server starts; start it with `trl "
-                      f"vllm-serve --dtype {str(old).replace('torch.', '')}` so that the sampler matches the old "
-                      f"log-probs ({old})", stacklevel=3)
-    fp32_head = args.cast_lm_head_to_fp32 or args.old_logprob_mode in ("fp32_head", "guided_fp32")
-    if fp32_head and engine_dtype not in (None, torch.float32):
+                      f"vllm-serve --dtype {_name(body)}{head_flag}` so that the sampler matches the old log-probs "
+                      f"({body} body, {head} LM head)", stacklevel=3)
+    engine_head = engine_head_dtype or engine_dtype
+    if engine_dtype is None or engine_dtype != body or engine_head == head:
+        pass  # no engine to compare, the body lint above already names the fix, or the heads agree
+    elif head == torch.float32:
         warnings.warn(f"an fp32 LM head on the trainer side only (old_logprob_mode={args.old_logprob_mode!r}, "
-                      f"cast_lm_head_to_fp32={args.cast_lm_head_to_fp32}) while vLLM runs its head in {engine_dtype}: "
-                      f"old/sampler measures that difference too", stacklevel=3)
+                      f"cast_lm_head_to_fp32={args.cast_lm_head_to_fp32}) while vLLM runs its head in {engine_head}: "
+                      f"an fp32 head on one side moves the old/sampler gap rather than closing it. Set "
+                      f"vllm_lm_head_fp32=True (a server: {VLLM_FP32_HEAD_FLAG}) for the sampler-side twin",
+                      stacklevel=3)
+    elif engine_head == torch.float32:
+        warnings.warn(f"an fp32 LM head on the sampler side only (vllm_lm_head_fp32=True) while the old log-probs "
+                      f"use a {head} head (old_logprob_mode={args.old_logprob_mode!r}): an fp32 head on one side "
+                      f"moves the old/sampler gap rather than closing it. Set old_logprob_mode='fp32_head' (or "
+                      f"cast_lm_head_to_fp32=True) for the trainer-side twin", stacklevel=3)
     if args.truncation_correction == "lift_sampler" and args.vllm_importance_sampling_correction:
         warnings.warn("truncation_correction='lift_sampler': TRL computes its logged sampling/importance_sampling_"
                       "ratio/* before the lift (it still carries the kept mass); the lifted weights the loss uses "

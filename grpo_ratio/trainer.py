@@ -167,18 +167,21 @@ class RatioGRPOTrainer(GRPOTrainer):
         check_dropout(self.args, policy)
         check_positions(self.args, policy)
         check_calibration(self.args, policy)  # a guided_fp32_layers calibration file made for another model
-        check_vllm(self.args, self._vllm_engine_dtype(), self._trainer_dtype(policy))
+        engine_dtype, engine_head_dtype = self._vllm_engine_dtypes()
+        check_vllm(self.args, engine_dtype, self._trainer_dtype(policy), engine_head_dtype)
         if engine_of(self.accelerator) == "fsdp2" and self.args.bf16 and self.plan.anchor_is_policy:
             warnings.warn("FSDP2 with a bf16 mixed-precision policy returns TRL's per-token log-probs rounded to bf16 "
                           "(up to 1.5e-2 nats, on both sides of every ratio). old_logprob_mode='bf16' keeps TRL's numbers "
                           "bit for bit, rounding included; every other mode returns the training forward's log-probs in "
                           "fp32 (docs/distributed.md)", stacklevel=3)
 
-    def _vllm_engine_dtype(self):
-        """The colocate engine's dtype (vLLM's resolved `model_config.dtype`); None without one (server: unknown)."""
+    def _vllm_engine_dtypes(self):
+        """(dtype, LM head dtype) of the colocate engine (vLLM's resolved `model_config.dtype`, `.head_dtype`), or
+        (None, None) without one (server: unknown here)."""
         if not (self.use_vllm and self.vllm_mode == "colocate"):
-            return None
-        return self.vllm_generation.llm.llm_engine.model_config.dtype
+            return None, None
+        config = self.vllm_generation.llm.llm_engine.model_config
+        return config.dtype, getattr(config, "head_dtype", config.dtype)
 
     def _trainer_dtype(self, policy) -> torch.dtype:
         """The dtype the training forward computes in: the autocast dtype (TRL's `bf16`/`fp16`), else the weights'."""

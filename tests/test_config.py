@@ -16,6 +16,7 @@ def test_defaults_are_trl_behaviour(tmp_path):
     cfg = _cfg(tmp_path)
     assert cfg.old_logprob_mode == "bf16" and cfg.truncation_correction == "none"
     assert (cfg.ratio_band_low, cfg.ratio_band_high) == (0.9, 1.1)
+    assert cfg.copy_storage == "resident" and cfg.vllm_lm_head_fp32 is False
 
 
 @pytest.mark.parametrize("kw,match", [
@@ -30,6 +31,10 @@ def test_defaults_are_trl_behaviour(tmp_path):
     (dict(clip_flip_every=0.5), "clip_flip_every must be an integer"),
     (dict(ratio_diagnostics="no"), "ratio_diagnostics must be True or False"),
     (dict(old_logprob_mode="guided_fp32", guided_fp32_layers="1,1"), "layer 1 is listed twice"),
+    (dict(old_logprob_mode="fp16_clone", copy_storage="layer"), "copy_storage='layer' is not allowed; allowed: "
+     "resident, per_layer"),
+    (dict(old_logprob_mode="fp32_head", copy_storage="per_layer"), "only used by old_logprob_mode in fp16_clone, "
+     "fp32_clone"),
 ])
 def test_bad_values_fail_at_config_time(tmp_path, kw, match):
     with pytest.raises(ValueError, match=match):

@@ -96,3 +96,33 @@ def test_refusals():
     model = peft.get_peft_model(tiny_model("qwen2"), peft.LoraConfig(r=2, target_modules=["q_proj"]))
     with pytest.raises(ValueError, match="copy_storage='per_layer' does not support PEFT adapters"):
         PerLayerCast(model, torch.float16)
+
+
+def test_a_per_layer_run_equals_a_resident_run(tmp_path):
+    # the trainer: 2 optimizer steps of fp16_clone each way; the same old log-probs, so the same loss, metrics and
+    # weights bit for bit, and only the resident run holds (and refreshes) a copy
+    from trainer_fixtures import tiny_trainer
+
+    runs = {}
+    for storage in ("resident", "per_layer"):
+        runs[storage] = tiny_trainer(tmp_path / storage, "fp16_clone", copy_storage=storage)
+        runs[storage].train()
+    resident, per_layer = runs["resident"], runs["per_layer"]
+    drop = ("train_runtime", "train_samples_per_second", "train_steps_per_second", "step_time")
+    history = lambda t: [{k: v for k, v in row.items() if k not in drop} for row in t.state.log_history]
+    assert history(resident) == history(per_layer)
+    assert resident.state.log_history[0]["ratio/new_old/mean_abs_log_ratio"] > 0  # fp16 old vs bf16 new: measured
+    for (name, p), q in zip(resident.model.named_parameters(), per_layer.model.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    ((copy,),) = [resident.scorer.copies()]
+    assert copy.num_refreshes == 2 and per_layer.scorer.copies() == []
+    assert per_layer.scorer.per_layer_cast(torch.float16).num_casts > 0
+
+
+def test_the_trainer_refuses_per_layer_with_peft(tmp_path):
+    peft = pytest.importorskip("peft")
+    from trainer_fixtures import tiny_trainer
+
+    with pytest.raises(ValueError, match="copy_storage='per_layer' does not support PEFT adapters"):
+        tiny_trainer(tmp_path, "fp16_clone", copy_storage="per_layer",
+                     peft_config=peft.LoraConfig(r=2, target_modules=["q_proj"]))

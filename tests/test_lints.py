@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from grpo_ratio import RatioGRPOConfig
-from grpo_ratio.lints import check_calibration, check_vllm, old_side_dtype
+from grpo_ratio.lints import check_calibration, check_vllm, old_body_dtype, old_side_dtype
 from grpo_ratio.testing import tiny_model
 
 
@@ -44,10 +44,36 @@ def test_bf16_trainer_and_bf16_engine_agree():
     assert _caught(args, torch.bfloat16, torch.bfloat16) == []
 
 
-def test_fp32_head_on_one_side_only():
+def _caught_heads(args, engine, trainer, engine_head):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_vllm(args, engine, trainer, engine_head)
+    return [str(w.message) for w in caught]
+
+
+def test_fp32_head_on_one_side_only_names_the_other_sides_switch():
+    # trainer side only: the bodies agree (bf16), the heads do not; the fix is the sampler-side twin
     args = _vllm_args(bf16=True, old_logprob_mode="fp32_head")
-    messages = _caught(args, torch.bfloat16, torch.bfloat16)
-    assert any("an fp32 LM head on the trainer side only" in m for m in messages)
+    (message,) = _caught(args, torch.bfloat16, torch.bfloat16)
+    assert "an fp32 LM head on the trainer side only" in message and "moves the old/sampler gap" in message
+    assert "vllm_lm_head_fp32=True" in message and """--hf-overrides '{"head_dtype": "float32"}'""" in message
+    # both heads in fp32 (vllm_lm_head_fp32=True: the engine reports head_dtype float32): nothing to say
+    both = _vllm_args(bf16=True, old_logprob_mode="fp32_head", vllm_lm_head_fp32=True)
+    assert _caught_heads(both, torch.bfloat16, torch.bfloat16, torch.float32) == []
+    # sampler side only: the fix is the trainer-side twin
+    sampler_only = _vllm_args(bf16=True, old_logprob_mode="bf16", vllm_lm_head_fp32=True)
+    (message,) = _caught_heads(sampler_only, torch.bfloat16, torch.bfloat16, torch.float32)
+    assert "an fp32 LM head on the sampler side only" in message and "old_logprob_mode='fp32_head'" in message
+
+
+def test_fp32_head_bodies_compare_at_the_training_precision():
+    # fp32_head upcasts only the head: its body is the bf16 training forward, so a bf16 engine matches the body
+    args = _vllm_args(bf16=True, old_logprob_mode="fp32_head", vllm_lm_head_fp32=True)
+    assert old_body_dtype(args, torch.bfloat16) == torch.bfloat16 and old_side_dtype(args, torch.bfloat16) == torch.float32
+    assert not any("vllm_dtype=" in m for m in _caught_heads(args, torch.bfloat16, torch.bfloat16, torch.float32))
+    # an fp32 engine against that bf16 body: the body lint names vllm_dtype
+    (message,) = _caught_heads(args, torch.float32, torch.bfloat16, torch.float32)
+    assert "vllm_dtype='bfloat16'" in message
 
 
 def test_lift_sampler_names_the_is_metrics_the_loss_uses():
@@ -60,11 +86,17 @@ def test_server_mode_names_the_dtype_flag():
     args = _vllm_args(vllm_mode="server", bf16=False)
     messages = _caught(args, None, torch.float32)
     assert any("trl vllm-serve --dtype float32" in m for m in messages)
+    head = _vllm_args(vllm_mode="server", bf16=True, old_logprob_mode="fp32_head")
+    (message,) = _caught(head, None, torch.bfloat16)
+    assert """trl vllm-serve --dtype bfloat16 --hf-overrides '{"head_dtype": "float32"}'""" in message
 
 
 @pytest.mark.parametrize("kw,match", [
     (dict(vllm_dtype="fp32"), "vllm_dtype='fp32' is not allowed"),
     (dict(vllm_dtype="float32", vllm_mode="server"), "trl vllm-serve --dtype float32"),
+    (dict(vllm_lm_head_fp32=True, vllm_mode="server"), """--hf-overrides '\\{"head_dtype": "float32"\\}'"""),
+    (dict(vllm_lm_head_fp32=True, use_vllm=False), "vllm_lm_head_fp32=True sets TRL's colocate engine"),
+    (dict(vllm_lm_head_fp32="yes"), "vllm_lm_head_fp32 must be True or False"),
 ])
 def test_vllm_dtype_is_validated(kw, match):
     with pytest.raises(ValueError, match=match):
