@@ -108,6 +108,7 @@ def check_mode(out_dir, mode, arch, tie, engine, bf16, rank):
         "extra_bytes": trainer.scorer.extra_bytes(), "num_params": sum(p.numel() for p in policy.parameters())
         if engine == "fsdp2" else sum(p.ds_numel for p in policy.parameters()),
         "policy_forward_unchanged": torch.equal(before, after),
+        "fused_head": trainer.plan.fused_head, "fused_head_fallback": trainer.plan.fused_head_fallback,
     }
 
 

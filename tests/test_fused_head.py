@@ -51,10 +51,8 @@ class Recording(RatioGRPOTrainer):
         return loss
 
 
-def recording(tmp_path, arch="qwen2", model=None, force_separate=False, **overrides):
-    model = model if model is not None else tiny_model(arch)
-    Recording.force_separate = force_separate
-    trainer = tiny_trainer(tmp_path, "fp32_head", trainer_cls=Recording, model=model, **overrides)
+def watch_body_passes(trainer: Recording) -> Recording:
+    """Count the decoder's forwards outside generation in `trainer.body_passes` ("grad" / "no_grad")."""
     trainer.pairs, trainer.body_passes, trainer._generating = [], {"grad": 0, "no_grad": 0}, False
     decoder = trainer.accelerator.unwrap_model(trainer.model).get_decoder()
 
@@ -64,6 +62,12 @@ def recording(tmp_path, arch="qwen2", model=None, force_separate=False, **overri
 
     decoder.register_forward_hook(count)
     return trainer
+
+
+def recording(tmp_path, arch="qwen2", model=None, force_separate=False, **overrides):
+    model = model if model is not None else tiny_model(arch)
+    Recording.force_separate = force_separate
+    return watch_body_passes(tiny_trainer(tmp_path, "fp32_head", trainer_cls=Recording, model=model, **overrides))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gpt_neox"])

@@ -63,6 +63,10 @@ def check_row(row: dict, engine: str, precision: str, mode: str, where: str) -> 
     differs = precision == "bf16" or mode == "fp16_clone"
     assert (min(c["gap_to_bf16_mode"] for c in checks) > 0) == differs, where
     assert row["policy_forward_unchanged"], where  # policy swaps leave the training forward bit-identical
+    # fp32_head keeps its separate pass under a sharded engine (the old passes above are that pass), and says why
+    assert not row["fused_head"], where
+    if mode == "fp32_head":
+        assert row["fused_head_fallback"].startswith(f"sharded engine ({engine})"), where
     check_copies(row, engine, precision, mode, where)
 
 

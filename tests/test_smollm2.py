@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,3 +59,30 @@ def test_precision_gap_moves_into_new_old_on_smollm2():
     assert bf16["ratio/new_old/oob_rate"] == 0.0 and bf16["ratio/new_old/mean_abs_log_ratio"] == 0.0
     assert fp32["ratio/new_old/mean_abs_log_ratio"] > 1e-3
     assert bf16["ratio/old_sampler/oob_rate"] > 0.0  # the bf16 sampler and the bf16 trainer already disagree
+
+
+def test_fp32_head_fused_equals_its_separate_pass_on_smollm2(tmp_path):
+    # Issue 23: in the on-policy default fp32_head runs no no-grad pass of the body on SmolLM2 either, and its old
+    # log-probs (fp32 norm + head on the training forward's hidden states) equal the separate pass's bitwise.
+    # 1 step, 4 completions of <= 8 tokens.
+    from test_fused_head import Recording, watch_body_passes
+    from trainer_fixtures import tiny_grpo_args
+
+    from grpo_ratio.models import load_tokenizer, resolve_model_path
+    from grpo_ratio.tasks import load_task
+
+    path = resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")
+    dataset, rewards = load_task("arithmetic", num_examples=8)
+    args = tiny_grpo_args(tmp_path, old_logprob_mode="fp32_head", max_steps=1, learning_rate=1e-5,
+                          model_init_kwargs={"dtype": "float32"})
+    Recording.force_separate = False
+    trainer = watch_body_passes(Recording(model=path, reward_funcs=rewards, args=args, train_dataset=dataset,
+                                          processing_class=load_tokenizer(path)))
+    assert trainer.plan.fused_head
+    trainer.train()
+    assert trainer.body_passes == {"grad": 1, "no_grad": 0}
+    ((fused, separate),) = trainer.pairs
+    assert torch.equal(fused, separate)
+    # the bf16 head of the training forward against the fp32 head on the same hidden states: a real, small gap
+    gap = trainer.state.log_history[0]["ratio/new_old/mean_abs_log_ratio"]
+    assert 1e-4 < gap < 0.1
