@@ -22,7 +22,8 @@ TRL_HOOKS = {
     "_generate_single_turn": "(completion_ids, logprobs) per turn: the generate recording, vLLM's sampling masks",
     "_get_per_token_logps_and_entropies": "every log-prob call: TRL's old pass is the first no-grad call on the "
                                           "policy inside a generation batch (replaced or measured); the training "
-                                          "forward inside _compute_loss",
+                                          "forward inside _compute_loss (fp32_head fused: the norm's input captured, "
+                                          "old_per_token_logps set in the micro-batch inputs)",
     "_compute_loss": "one loss micro-batch (model, inputs): the MicroBatchRecord and the first-inner-step diagnostics",
 }
 
@@ -31,7 +32,8 @@ TRL_ATTRIBUTES = {
     "use_vllm": "the generation backend (plan)",
     "use_transformers_continuous_batching": "the generation backend (plan)",
     "vllm_mode": "colocate vs server (the colocate engine's dtype)",
-    "vllm_generation": "`.llm`: the colocate engine (its generate is wrapped; `.llm_engine.model_config.dtype`)",
+    "vllm_generation": "`.llm`: the colocate engine (its generate is wrapped; `.llm_engine.model_config.dtype` and "
+                       "`.head_dtype`)",
     "vllm_importance_sampling_mode": "the IS weights recomputed after lift_sampler",
     "vllm_importance_sampling_clip_min": "the IS weights recomputed after lift_sampler",
     "vllm_importance_sampling_clip_max": "the IS weights recomputed after lift_sampler",
@@ -74,6 +76,11 @@ TRL_CONDITIONS = (
     "TRL's fused LM head patches the policy's `forward` on the instance (copies and scoring forwards bypass it)",
     "_generate_single_turn returns per-row python lists; TRL pads sampling_per_token_logps and stitches tool turns",
     "_compute_loss prefers sampling_per_token_logps over old_per_token_logps for its off-policy mask",
+    "_compute_loss calls _get_per_token_logps_and_entropies (the training forward) before it reads "
+    "inputs.get('old_per_token_logps'): fp32_head's fused path sets that key inside the training forward "
+    "(tests/test_fused_head.py fails when the order changes: the loss would fall back to the detached training "
+    "log-probs and new/old would be exactly 1)",
+    "the training forward calls the policy with no position_ids (fp32_head's separate pass uses that layout too)",
 )
 
 

@@ -69,3 +69,35 @@ def test_head_dtype_override_puts_the_lm_head_in_fp32_on_smollm2(smollm2_dir, ca
                   f"({gap.numel()} tokens)")
     # measured on a 2-core CPU: 0.040 (bf16 head) -> 0.030 (fp32 head); the rest is the bf16 body (fp32 engine: 0.017)
     assert gaps["fp32"].mean() < gaps["bf16 + fp32 head"].mean() < 0.9 * gaps["bf16"].mean()
+
+
+@pytest.mark.parametrize("head_fp32", [False, True])
+def test_colocate_engine_takes_the_field_and_the_one_sided_lint_follows(head_fp32, tmp_path, tiny_llama_dir):
+    """`vllm_lm_head_fp32=True` reaches TRL's colocate engine (its model config reports an fp32 head); with
+    `fp32_head` on the trainer side the one-sided lint then stays quiet, and without the field it names the field.
+    The run trains 2 steps (TRL's IS correction on: TRL runs its old pass, so fp32_head keeps its separate pass)."""
+    import warnings
+
+    import shims
+    from trainer_fixtures import tiny_grpo_args
+
+    from grpo_ratio import RatioGRPOTrainer
+    from grpo_ratio.testing import letter_reward, tiny_prompts, tiny_tokenizer
+
+    args = tiny_grpo_args(tmp_path, use_vllm=True, vllm_mode="colocate", vllm_max_model_length=128,
+                          old_logprob_mode="fp32_head", vllm_dtype="bfloat16", vllm_lm_head_fp32=head_fp32)
+    with shims.colocate_engine_kwargs(enforce_eager=True), shims.cpu_colocate_weight_sync():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer = RatioGRPOTrainer(model=tiny_llama_dir, reward_funcs=letter_reward, args=args,
+                                       train_dataset=tiny_prompts(8), processing_class=tiny_tokenizer())
+        config = trainer.vllm_generation.llm.llm_engine.model_config
+        assert config.dtype == torch.bfloat16
+        assert config.head_dtype == (torch.float32 if head_fp32 else torch.bfloat16)
+        one_sided = [str(w.message) for w in caught if "LM head on the trainer side only" in str(w.message)]
+        assert len(one_sided) == (0 if head_fp32 else 1)
+        assert head_fp32 or "vllm_lm_head_fp32=True" in one_sided[0]
+        assert not trainer.plan.fused_head and "TRL runs its own old pass" in trainer.plan.fused_head_fallback
+        trainer.train()
+    rows = [r for r in trainer.state.log_history if "loss" in r]
+    assert len(rows) == 2 and all(r["ratio/old_sampler/nonfinite_rate"] == 0.0 for r in rows)
