@@ -15,17 +15,11 @@ from trainer_fixtures import tiny_grpo_args, tiny_trainer
 
 from grpo_ratio import RatioGRPOTrainer
 from grpo_ratio.fused_head import fused_head_fallback
-from grpo_ratio.testing import tiny_model
+from grpo_ratio.testing import letter_reward, tiny_model, tiny_prompts, tiny_tokenizer
 
 
-class Recording(RatioGRPOTrainer):
-    """Counts decoder forwards outside generation (with / without grad) and keeps every micro-batch's old log-probs
-    next to the separate pass's on the same rows (`OldLogprobScorer.score`, the pass the fallback runs)."""
-
-    force_separate = False
-
-    def _fused_head_fallback(self):
-        return "forced by the test" if self.force_separate else super()._fused_head_fallback()
+class Counting(RatioGRPOTrainer):
+    """Marks generation, so that `watch_body_passes` counts only the decoder forwards outside it."""
 
     @contextlib.contextmanager
     def _not_counted(self):
@@ -39,6 +33,16 @@ class Recording(RatioGRPOTrainer):
         with self._not_counted():  # generate's forwards are the rollouts, not old passes
             return super()._generate_single_turn(*args, **kwargs)
 
+
+class Recording(Counting):
+    """Keeps every micro-batch's old log-probs next to the separate pass's on the same rows (`OldLogprobScorer.score`,
+    the pass the fallback runs); `force_separate` turns the fused path off."""
+
+    force_separate = False
+
+    def _fused_head_fallback(self):
+        return "forced by the test" if self.force_separate else super()._fused_head_fallback()
+
     def _compute_loss(self, model, inputs):
         loss = super()._compute_loss(model, inputs)
         prompt, completion = inputs["prompt_ids"], inputs["completion_ids"]
@@ -51,7 +55,7 @@ class Recording(RatioGRPOTrainer):
         return loss
 
 
-def watch_body_passes(trainer: Recording) -> Recording:
+def watch_body_passes(trainer: Counting) -> Counting:
     """Count the decoder's forwards outside generation in `trainer.body_passes` ("grad" / "no_grad")."""
     trainer.pairs, trainer.body_passes, trainer._generating = [], {"grad": 0, "no_grad": 0}, False
     decoder = trainer.accelerator.unwrap_model(trainer.model).get_decoder()
@@ -70,7 +74,7 @@ def recording(tmp_path, arch="qwen2", model=None, force_separate=False, **overri
     return watch_body_passes(tiny_trainer(tmp_path, "fp32_head", trainer_cls=Recording, model=model, **overrides))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gpt_neox"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt_neox"])  # qwen2: the whole-run test below
 def test_no_body_pass_and_bitwise_equal_to_the_separate_pass(tmp_path, arch):
     # on-policy default, 2 optimizer steps of 2 micro-batches each (gradient accumulation 2)
     trainer = recording(tmp_path, arch, gradient_accumulation_steps=2, per_device_train_batch_size=4,
@@ -114,6 +118,22 @@ def test_the_run_equals_the_separate_pass_run(tmp_path):
     assert fused.state.log_history[0]["ratio/new_old/mean_abs_log_ratio"] > 1e-4
     for (name, p), q in zip(fused.model.named_parameters(), split.model.parameters(), strict=True):
         assert torch.equal(p, q), name
+
+
+def test_evaluation_adds_no_forward_either(tmp_path):
+    # evaluate(): TRL's loss forward runs without grad there; the fused fp32_head adds no decoder forward to it (the
+    # same count as the bf16 arm, TRL's own numbers) and its old log-probs equal the separate pass's
+    counts = {}
+    for mode, cls in (("bf16", Counting), ("fp32_head", Recording)):
+        Recording.force_separate = False
+        args = tiny_grpo_args(tmp_path / mode, old_logprob_mode=mode, per_device_eval_batch_size=4)
+        trainer = watch_body_passes(cls(model=tiny_model("qwen2"), reward_funcs=letter_reward, args=args,
+                                        train_dataset=tiny_prompts(8), eval_dataset=tiny_prompts(1),
+                                        processing_class=tiny_tokenizer()))
+        trainer.evaluate()
+        counts[mode] = trainer.body_passes
+    assert counts["fp32_head"] == counts["bf16"] == {"grad": 0, "no_grad": 1}  # 1 prompt x 4 completions, 1 batch
+    assert len(trainer.pairs) == 1 and torch.equal(*trainer.pairs[0])
 
 
 def _fallback(tmp_path, caplog, model=None, **overrides):
