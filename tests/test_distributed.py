@@ -1,4 +1,5 @@
-"""Two CPU processes (gloo) under the real `accelerate launch`: fp16_clone trains and ranks stay in step.
+"""Two CPU processes (gloo) under the real `accelerate launch`: fp16_clone and the fused fp32_head train and ranks
+stay in step.
 
 Run: pytest tests/test_distributed.py   (about 20 s; starts two Python processes)
 """
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 
-@pytest.mark.parametrize("mode", ["fp16_clone"])
+@pytest.mark.parametrize("mode", ["fp16_clone", "fp32_head"])
 def test_two_process_run(tmp_path, mode):
     script = Path(__file__).parent / "two_process_train.py"
     accelerate = Path(sys.executable).parent / "accelerate"
@@ -28,4 +29,7 @@ def test_two_process_run(tmp_path, mode):
     assert len(steps) == 2 and all(row["num_tokens"] > 0 for row in steps)
     # ratio metrics are reduced over both ranks: 2 completions per rank x 2 ranks = 4 completions per step
     assert all(row["ratio/new_old/num_tokens"] == row["completions/mean_length"] * 4 for row in steps)
-    assert all(row["ratio/fp16_fallback_rows"] == 0 for row in steps)
+    if mode == "fp16_clone":
+        assert all(row["ratio/fp16_fallback_rows"] == 0 for row in steps)
+    else:  # DDP replicates the weights: fp32_head takes the fused path on each rank (no body pass)
+        assert result["fused_head"] and all(row["ratio/new_old/mean_abs_log_ratio"] > 0 for row in steps)
