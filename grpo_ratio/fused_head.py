@@ -9,8 +9,9 @@ positions as the separate pass. Cost: one fp32 norm and head matmul per micro-ba
 
 Where the two cannot be equal the trainer keeps the separate pass (`fused_head_fallback` names why, logged once):
 dropout in the training forward, a head that is not a plain `nn.Linear` or logits transformed after it, a decoder
-that does not return the norm's output (a probe forward of two tokens at start-up), a sharded engine, TRL running its own old pass (then the mode replaces it: nothing to save), a truncation correction (its kept
-sets and log M_old come from the old pass's full logits). Equality is checked, not assumed: tests/test_fused_head.py
+that does not return the norm's output (a probe forward of two tokens at start-up), a sharded engine, TRL running its
+own old pass (then the mode replaces it: nothing to save), a truncation correction (its kept sets and log M_old come
+from the old pass's full logits). Equality is checked, not assumed: tests/test_fused_head.py
 (tiny dense models, `torch.equal` against the separate pass) and tests/test_smollm2.py (SmolLM2-135M, slow).
 
 Shapes: b = rows of a micro-batch, P = prompt tokens, T = completion tokens, H = hidden size.

@@ -360,8 +360,8 @@ class RatioGRPOTrainer(GRPOTrainer):
         fused = micro_batch is not None and self.plan.fused_head
         if fused:
             self._check_text_only(args, kwargs)
-        unwrapped = self.accelerator.unwrap_model(model)
-        with capture_norm_inputs(unwrapped) if fused else contextlib.nullcontext() as norm_inputs:
+        capture = capture_norm_inputs(self.accelerator.unwrap_model(model)) if fused else contextlib.nullcontext()
+        with capture as norm_inputs:
             logps, entropies, aux, on_kept = self._policy_logps(model, input_ids, attention_mask, logits_to_keep,
                                                                  batch_size, kept, *args, **kwargs)
         if fused:  # TRL's `_compute_loss` reads the micro-batch's old log-probs after this call returns
