@@ -100,7 +100,7 @@ class RatioGRPOTrainer(GRPOTrainer):
         self._lint(policy)
         # copies are refreshed whenever the policy's weights may have changed (copies.WeightsVersion)
         self.weights_version = WeightsVersion()
-        self.add_callback(_WeightsVersionCallback(self.weights_version))
+        self.add_callback(_WeightsVersionCallback(self.weights_version, self.accelerator))
         self.diagnostics = RatioDiagnostics(args, self.accelerator, self.eos_token_ids) if args.ratio_diagnostics else None
         check_sharded_mode(self.accelerator, self.model, args)  # FSDP2/ZeRO-3 combinations that cannot be exact
         if args.old_logprob_mode in PRECISION_MODES[1:]:  # layer indices and model anatomy fail here, not at step 1
@@ -458,12 +458,15 @@ class RatioGRPOTrainer(GRPOTrainer):
 
 class _WeightsVersionCallback(TrainerCallback):
     """Moves the trainer's `WeightsVersion` when training starts (a second `train()`, a resume that loaded weights)
-    and hooks it to the optimizer's steps."""
+    and after every applied optimizer step (`on_optimizer_step`: the same event under DDP, FSDP2 and DeepSpeed)."""
 
-    def __init__(self, version: WeightsVersion):
+    def __init__(self, version: WeightsVersion, accelerator):
         self.version = version
+        self.accelerator = accelerator
 
-    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+    def on_train_begin(self, args, state, control, **kwargs):
         self.version.bump()
-        if optimizer is not None:
-            self.version.watch(optimizer)
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if not self.accelerator.optimizer_step_was_skipped:  # a loss-scaler skip leaves the weights as they were
+            self.version.bump()
