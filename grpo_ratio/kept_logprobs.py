@@ -72,12 +72,21 @@ def _scaled(logits: torch.Tensor, cells: torch.Tensor, temperature: float) -> to
     return z.div_(temperature) if temperature != 1.0 else z
 
 
-def _scatter(cells: torch.Tensor, values: list[torch.Tensor], shape, device) -> torch.Tensor:
-    """(B, T) fp32 zeros with `values` (concatenated, (M,)) at the flat `cells` (M,); differentiable."""
-    out = torch.zeros(shape[0] * shape[1], dtype=torch.float32, device=device)  # (B*T,)
+def _scatter(cells: torch.Tensor, values: list[torch.Tensor], logits: torch.Tensor) -> torch.Tensor:
+    """(B, T) fp32 zeros with `values` (concatenated, (M,)) at the flat `cells` (M,); differentiable.
+
+    Always a function of `logits` when they require grad, also with no valid cell (every completion masked: TRL's
+    `mask_truncated_completions` on an all-truncated batch): the loss is then 0 with a zero gradient that reaches
+    every parameter, as TRL's own full-vocabulary log-probs give, instead of a tensor without `grad_fn` (backward
+    raised "element 0 of tensors does not require grad"; DDP/ZeRO would also miss every parameter's gradient)."""
+    B, T = logits.shape[:2]
+    out = torch.zeros(B * T, dtype=torch.float32, device=logits.device)  # (B*T,)
     if values:
-        out = out.index_put((cells,), torch.cat(values))
-    return out.reshape(shape)
+        return out.index_put((cells,), torch.cat(values)).reshape(B, T)
+    if logits.requires_grad and logits.numel():
+        never = torch.zeros(1, dtype=torch.bool, device=logits.device)
+        out = out + logits.reshape(-1)[:1].float().where(never, 0.0)  # (B*T,) value 0, gradient 0 (finite or not)
+    return out.reshape(B, T)
 
 
 def _empty_cell_error(kept_sizes: torch.Tensor, cells: torch.Tensor, T: int) -> None:
@@ -144,7 +153,7 @@ def kept_set_logprobs(
             _inconsistent_rollout_error(keep, g, c, T)
             lse = torch.logsumexp(z.masked_fill(~keep, -math.inf), dim=-1)  # (K,)
         values.append(z.gather(1, g).squeeze(1) - lse)  # (K,)
-    return _scatter(cells, values, logits.shape[:2], logits.device)
+    return _scatter(cells, values, logits)
 
 
 def _inconsistent_rollout_error(keep: torch.Tensor, g: torch.Tensor, cells: torch.Tensor, T: int) -> None:

@@ -10,10 +10,13 @@ Run: pytest tests/test_masked_batch.py
 """
 
 import pytest
+import torch
 from trainer_fixtures import peaked_model, tiny_trainer, trl_logged_values
 from trl import GRPOTrainer
 
 from grpo_ratio.config import SCORING_MODES, TRUNCATION_CORRECTIONS
+from grpo_ratio.kept_logprobs import kept_set_logprobs
+from grpo_ratio.kept_sets import KeptSets
 
 
 SETTINGS = dict(max_steps=2, max_completion_length=4, mask_truncated_completions=True, top_k=5)
@@ -31,9 +34,7 @@ def stock_rows(tmp_path_factory):
 
 
 # every (mode, correction) the config accepts (sampler + lift_sampler is refused: no old pass measures the kept mass)
-CASES = [pytest.param(m, c, marks=pytest.mark.xfail(c == "renormalize", strict=True, raises=RuntimeError,
-                                                    reason="issue 20: no grad_fn at the first backward; fix pending"))
-         for m in SCORING_MODES for c in TRUNCATION_CORRECTIONS if (m, c) != ("sampler", "lift_sampler")]
+CASES = [(m, c) for m in SCORING_MODES for c in TRUNCATION_CORRECTIONS if (m, c) != ("sampler", "lift_sampler")]
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # "no valid completion token", truncation without a correction
@@ -48,3 +49,16 @@ def test_all_masked_batch_trains_like_stock(tmp_path, mode, correction, stock_ro
     assert [row["loss"] for row in rows] == [0.0, 0.0]
     assert [row["ratio/new_old/num_tokens"] for row in rows] == [0.0, 0.0]  # nothing valid to measure
     assert trl_logged_values(trainer) == stock_rows  # reward, lengths, grad_norm 0, clip ratios: stock's
+
+
+def test_kept_set_logprobs_of_no_valid_cell_keep_the_graph():
+    # The pure function under the trainer: no valid cell gives zeros that are still a function of the logits
+    # (zero gradient), also where a masked logit is not finite.
+    logits = torch.randn(2, 3, 5)
+    logits[1, 2, 4] = float("inf")
+    logits.requires_grad_(True)
+    kept = KeptSets.from_mask(torch.ones(2, 3, 5, dtype=torch.bool))
+    logps = kept_set_logprobs(logits, torch.zeros(2, 3, dtype=torch.long), kept, mask=torch.zeros(2, 3, dtype=torch.bool))
+    assert logps.grad_fn is not None and torch.equal(logps, torch.zeros(2, 3))
+    logps.sum().backward()
+    assert torch.equal(logits.grad, torch.zeros(2, 3, 5))
