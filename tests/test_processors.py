@@ -88,6 +88,16 @@ def test_repetition_penalty_equals_transformers_processor():
         assert torch.equal(ours[:, t], expected), t
 
 
+def test_no_effect_processors_are_silent_and_leave_the_ratio_at_one(tmp_path):
+    # The third class: a log-softmax of the scores and NaN/inf removal leave the sampled distribution unchanged
+    model = peaked_model(scale=20.0)
+    model.generation_config.renormalize_logits = True
+    model.generation_config.remove_invalid_values = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # nothing to warn about
+        _corrected_is_one(_train(tmp_path, model=model))
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # not modelled: warned at start-up, naming the field
 
@@ -124,6 +134,59 @@ def test_vllm_sampling_kwargs_are_read_against_vllms_fields():
     with pytest.warns(UserWarning, match="presence_penalty=0.5.*min_tokens=4") as record:
         named = check_processors(dict(settings.processors), "renormalize", False, "config", VLLM_PROCESSORS)
     assert named == ["presence_penalty", "min_tokens"] and len(record) == 1
+
+
+# the processor class generate builds for each field (temperature and truncation warpers are sampling itself)
+FIELD_OF_CLASS = {
+    "RepetitionPenaltyLogitsProcessor": "repetition_penalty", "NoRepeatNGramLogitsProcessor": "no_repeat_ngram_size",
+    "NoBadWordsLogitsProcessor": "bad_words_ids", "SuppressTokensLogitsProcessor": "suppress_tokens",
+    "SuppressTokensAtBeginLogitsProcessor": "begin_suppress_tokens", "MinLengthLogitsProcessor": "min_length",
+    "MinNewTokensLengthLogitsProcessor": "min_new_tokens", "ForcedBOSTokenLogitsProcessor": "forced_bos_token_id",
+    "ForcedEOSTokenLogitsProcessor": "forced_eos_token_id", "TypicalLogitsWarper": "typical_p",
+    "EpsilonLogitsWarper": "epsilon_cutoff", "EtaLogitsWarper": "eta_cutoff", "TopHLogitsWarper": "top_h",
+    "SequenceBiasLogitsProcessor": "sequence_bias", "ExponentialDecayLengthPenalty": "exponential_decay_length_penalty",
+    "LogitNormalization": "renormalize_logits", "InfNanRemoveLogitsProcessor": "remove_invalid_values",
+}
+SAMPLING_CLASSES = {"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper",
+                    "SamplerLogprobRecorder"}
+
+
+@pytest.mark.parametrize("trl_penalty,model_penalty", [(1.2, 1.5), (1.0, 1.3)], ids=["trl-field", "model-only"])
+def test_the_settings_read_are_what_generate_builds(tmp_path, monkeypatch, trl_penalty, model_penalty):
+    # TRL's fields, generation_kwargs and the model's generation_config together: the processors the trainer reads
+    # (and warns about or models) are exactly the ones generate builds during the rollouts, with the same penalty.
+    # TRL always passes its repetition_penalty, so the model's own is overridden (docs/truncation.md).
+    built = []
+    build = GenerationMixin._get_logits_processor
+
+    def spy(self, *args, **kwargs):
+        processors = build(self, *args, **kwargs)
+        built.append(list(processors))
+        return processors
+
+    monkeypatch.setattr(GenerationMixin, "_get_logits_processor", spy)
+    model = peaked_model(scale=20.0)
+    config = model.generation_config
+    config.repetition_penalty, config.no_repeat_ngram_size, config.min_new_tokens = model_penalty, 3, 2
+    config.suppress_tokens = [5]
+    trainer = tiny_trainer(tmp_path, "fp32_clone", model=model, bf16=False, max_steps=1, top_k=20,
+                           repetition_penalty=trl_penalty, generation_kwargs={"typical_p": 0.95},
+                           truncation_correction="renormalize")
+    trainer.train()
+    assert len(built) >= 1
+    for processors in built:
+        names = [type(p).__name__ for p in processors]
+        assert set(names) - SAMPLING_CLASSES <= set(FIELD_OF_CLASS), names  # every class is mapped here
+        fields = {FIELD_OF_CLASS[n] for n in names if n in FIELD_OF_CLASS}
+        # generate turns min_new_tokens into min_length = prompt + min_new_tokens as well (_prepare_generated_length):
+        # the same EOS removal, one row of the table
+        fields -= {"min_length"} if "min_new_tokens" in fields else set()
+        assert fields == set(dict(trainer.sampling.processors)), names
+        penalties = [p.penalty for p in processors if isinstance(p, RepetitionPenaltyLogitsProcessor)]
+        assert penalties == ([trl_penalty] if trl_penalty != 1.0 else [])
+    assert trainer.sampling.repetition_penalty == trl_penalty
+    assert {"no_repeat_ngram_size", "min_new_tokens", "suppress_tokens", "typical_p"} <= set(
+        dict(trainer.sampling.processors))  # the model's fields and generation_kwargs' are read
 
 
 # ---------------------------------------------------------------------------------------------------------------------
