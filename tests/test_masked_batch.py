@@ -34,14 +34,19 @@ def stock_rows(tmp_path_factory):
 
 
 # every (mode, correction) the config accepts (sampler + lift_sampler is refused: no old pass measures the kept mass)
-CASES = [(m, c) for m in SCORING_MODES for c in TRUNCATION_CORRECTIONS if (m, c) != ("sampler", "lift_sampler")]
+# with kept sets recorded during generate (the default there), and recomputed from the trainer's logits (vLLM's
+# default: the source whose arrival broke renormalize) in the modes with an old pass of each kind and without one
+CASES = [(m, c, "auto") for m in SCORING_MODES for c in TRUNCATION_CORRECTIONS if (m, c) != ("sampler", "lift_sampler")]
+CASES += [("bf16", "renormalize", "recompute"), ("fp32_clone", "renormalize", "recompute"),
+          ("sampler", "renormalize", "recompute"), ("fp32_clone", "lift_sampler", "recompute")]
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # "no valid completion token", truncation without a correction
-@pytest.mark.parametrize("mode,correction", CASES)
-def test_all_masked_batch_trains_like_stock(tmp_path, mode, correction, stock_rows):
+@pytest.mark.parametrize("mode,correction,source", CASES)
+def test_all_masked_batch_trains_like_stock(tmp_path, mode, correction, source, stock_rows):
     trainer = tiny_trainer(tmp_path, mode, model=peaked_model(never_eos=True), truncation_correction=correction,
-                           guided_fp32_layers="0" if mode == "guided_fp32" else None, **SETTINGS)
+                           guided_fp32_layers="0" if mode == "guided_fp32" else None, kept_set_source=source,
+                           **SETTINGS)
     trainer.train()
     rows = [row for row in trainer.state.log_history if "loss" in row]
     assert len(rows) == 2
