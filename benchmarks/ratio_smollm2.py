@@ -48,8 +48,9 @@ def run_setting(setting: dict, steps: int, prompts: int, generations: int, token
     else:  # arithmetic: rewards vary within a group, so advantages (and clip flips) are non-zero
         dataset, rewards = load_task("arithmetic", num_examples=prompts * steps)
     kwargs = {k: v for k, v in setting.items() if k != "name"}
+    kwargs.setdefault("bf16", True)  # bf16 autocast unless the setting says otherwise
     args = RatioGRPOConfig(
-        output_dir=tempfile.mkdtemp(), use_cpu=True, bf16=True, seed=0, max_steps=steps, logging_steps=1,
+        output_dir=tempfile.mkdtemp(), use_cpu=True, seed=0, max_steps=steps, logging_steps=1,
         per_device_train_batch_size=prompts * generations, num_generations=generations,
         max_completion_length=tokens, report_to="none", save_strategy="no", gradient_checkpointing=False,
         disable_tqdm=True, shuffle_dataset=False, **kwargs,

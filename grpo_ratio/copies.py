@@ -103,28 +103,26 @@ def merged_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
 
 class WeightsVersion:
     """A counter that moves whenever the policy's weights may have changed, so that copies are refreshed then and
-    never otherwise. It moves
-    - after every step of the trainer's optimizer that ran (a torch step post-hook: a step skipped by the fp16
-      gradient scaler on inf/NaN gradients does not move it; a user's own `optimizer.step()` does), and
+    never otherwise. The trainer moves it (`RatioGRPOTrainer`'s callback)
+    - after every optimizer step of the training loop that was applied: transformers' `on_optimizer_step` event,
+      which every engine passes through (a torch optimizer, accelerate's `AcceleratedOptimizer`, DeepSpeed ZeRO,
+      whose engine steps inside `accelerator.backward`), unless accelerate reports the step skipped
+      (`optimizer_step_was_skipped`: the fp16 gradient scaler or DeepSpeed's loss scaler on inf/NaN gradients), and
     - whenever training starts (`on_train_begin`: a second `train()`, a resume that loaded a checkpoint).
 
-    `state.global_step` cannot serve: it restarts at 0 on a second `train()` while the weights went on
-    (grpo_ratio issue: a copy kept the step-0 weights and new/old left the band for 75% of tokens).
+    An optimizer step taken outside the training loop (a user's own `optimizer.step()`) is not seen: call `bump()`
+    after it. An optimizer hook cannot serve instead: DeepSpeed's ZeRO optimizers are not torch optimizers and have
+    no `register_step_post_hook` (grpo_ratio issue 20: ZeRO-3 crashed at the first step). `state.global_step` cannot
+    serve either: it restarts at 0 on a second `train()` while the weights went on (a copy kept the step-0 weights and
+    new/old left the band for 75% of tokens).
     """
 
     def __init__(self):
         self.value = 0
-        self._hooked: set[int] = set()
 
-    def bump(self, *args, **kwargs) -> None:
+    def bump(self) -> None:
+        """Record that the weights may have changed: every copy synced at an older value is stale."""
         self.value += 1
-
-    def watch(self, optimizer) -> None:
-        """Move on every step of `optimizer` (the torch optimizer inside accelerate's wrapper); once per optimizer."""
-        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the torch one
-        if id(inner) not in self._hooked:
-            inner.register_step_post_hook(self.bump)
-            self._hooked.add(id(inner))
 
 
 def _strip_instance_patches(module: nn.Module) -> None:

@@ -25,6 +25,7 @@ from torch import nn
 from .adapters import base_model
 from .kept_logprobs import KeptLogprobs, logprobs_on_kept_sets
 from .kept_sets import KeptSets
+from .processors import RepetitionPenalty
 from .rollouts import SamplingSettings
 from .scoring import logit_transforms
 
@@ -58,7 +59,7 @@ def capture_last_hidden(model: nn.Module):
 
 def kept_set_logps_from_hidden(model: nn.Module, hidden: torch.Tensor, tokens: torch.Tensor,
                                kept: KeptSets | SamplingSettings, temperature: float, fp32_head: bool, autocast_ctx,
-                               mask: torch.Tensor) -> KeptLogprobs:
+                               mask: torch.Tensor, penalty: RepetitionPenalty | None = None) -> KeptLogprobs:
     """Log-probs of `tokens` renormalised over their kept sets, from hidden states through the model's LM head.
 
     Args:
@@ -71,6 +72,7 @@ def kept_set_logps_from_hidden(model: nn.Module, hidden: torch.Tensor, tokens: t
         fp32_head: project in fp32 outside autocast (TRL's `cast_lm_head_to_fp32`), else under `autocast_ctx`.
         autocast_ctx: zero-argument callable returning the trainer's autocast context.
         mask: (B, T) bool completion tokens.
+        penalty: the sampler's repetition penalty over the same rows (`grpo_ratio.processors`), or None.
     Returns:
         `KeptLogprobs`: (B, T) fp32 log-probs over S (0.0 where the cell has no kept set), the sets, the additions.
     Raises:
@@ -83,4 +85,4 @@ def kept_set_logps_from_hidden(model: nn.Module, hidden: torch.Tensor, tokens: t
     else:
         with autocast_ctx():
             logits = head(hidden)  # (B, T, V)
-    return logprobs_on_kept_sets(logits, tokens, kept, temperature, mask)
+    return logprobs_on_kept_sets(logits, tokens, kept, temperature, mask, penalty)

@@ -13,7 +13,10 @@ implementation each:
    `lift_sampler_logprobs`.
 
 The kept mass has one implementation, the one the trainer uses: log M_S = log p(g) - log p_S(g), the full-vocabulary
-log-prob minus `kept_set_logprobs` of the same token (`KeptLogprobs.log_mass`). How the trainer applies the
+log-prob minus `kept_set_logprobs` of the same token (`KeptLogprobs.log_mass`). With the sampler's
+`repetition_penalty` re-applied to the logits first (`grpo_ratio.processors.RepetitionPenalty`), p_S is the sampler's
+processed distribution over S and log M = log p(g) - log q_S(g) carries the penalty's factor as well as the kept
+mass: the whole factor between the trainer's full-vocabulary probability and the sampler's. How the trainer applies the
 corrections is `grpo_ratio.corrections`.
 
 Shapes: N or B = sequences (rows), T = completion tokens (generation steps), V = vocabulary, K = cells in a chunk.
@@ -34,6 +37,7 @@ from .kept_sets import KeptSets, _offsets_from_sizes
 
 
 if TYPE_CHECKING:
+    from .processors import RepetitionPenalty
     from .rollouts import SamplingSettings
 
 
@@ -65,19 +69,36 @@ def _chunks(mask: torch.Tensor, chunk_cells: int) -> tuple[torch.Tensor, list[to
     return cells, list(cells.split(chunk_cells)) if cells.numel() else []  # split() of nothing gives one empty chunk
 
 
-def _scaled(logits: torch.Tensor, cells: torch.Tensor, temperature: float) -> torch.Tensor:
-    """fp32 logits / temperature of the flat cells `cells` (K,) -> (K, V); only this chunk is converted."""
+def _raw(logits: torch.Tensor, cells: torch.Tensor, penalty: RepetitionPenalty | None = None) -> torch.Tensor:
+    """fp32 logits (K, V) of the flat cells `cells` (K,), with the sampler's repetition penalty applied when given
+    (before temperature, as generate and vLLM apply it); only this chunk is converted."""
     T = logits.shape[1]
-    z = logits[cells // T, cells % T].float()  # (K, V) a fresh copy: safe to divide in place
+    z = logits[cells // T, cells % T].float()  # (K, V) a fresh copy
+    return z if penalty is None else penalty(z, cells, T)
+
+
+def _scaled(logits: torch.Tensor, cells: torch.Tensor, temperature: float,
+            penalty: RepetitionPenalty | None = None) -> torch.Tensor:
+    """fp32 (penalised) logits / temperature of the flat cells `cells` (K,) -> (K, V)."""
+    z = _raw(logits, cells, penalty)  # (K, V) a fresh tensor: safe to divide in place
     return z.div_(temperature) if temperature != 1.0 else z
 
 
-def _scatter(cells: torch.Tensor, values: list[torch.Tensor], shape, device) -> torch.Tensor:
-    """(B, T) fp32 zeros with `values` (concatenated, (M,)) at the flat `cells` (M,); differentiable."""
-    out = torch.zeros(shape[0] * shape[1], dtype=torch.float32, device=device)  # (B*T,)
+def _scatter(cells: torch.Tensor, values: list[torch.Tensor], logits: torch.Tensor) -> torch.Tensor:
+    """(B, T) fp32 zeros with `values` (concatenated, (M,)) at the flat `cells` (M,); differentiable.
+
+    Always a function of `logits` when they require grad, also with no valid cell (every completion masked: TRL's
+    `mask_truncated_completions` on an all-truncated batch): the loss is then 0 with a zero gradient that reaches
+    every parameter, as TRL's own full-vocabulary log-probs give, instead of a tensor without `grad_fn` (backward
+    raised "element 0 of tensors does not require grad"; DDP/ZeRO would also miss every parameter's gradient)."""
+    B, T = logits.shape[:2]
+    out = torch.zeros(B * T, dtype=torch.float32, device=logits.device)  # (B*T,)
     if values:
-        out = out.index_put((cells,), torch.cat(values))
-    return out.reshape(shape)
+        return out.index_put((cells,), torch.cat(values)).reshape(B, T)
+    if logits.requires_grad and logits.numel():
+        never = torch.zeros(1, dtype=torch.bool, device=logits.device)
+        out = out + logits.reshape(-1)[:1].float().where(never, 0.0)  # (B*T,) value 0, gradient 0 (finite or not)
+    return out.reshape(B, T)
 
 
 def _empty_cell_error(kept_sizes: torch.Tensor, cells: torch.Tensor, T: int) -> None:
@@ -102,8 +123,10 @@ def kept_set_logprobs(
     temperature: float = 1.0,
     mask: torch.Tensor | None = None,
     chunk_cells: int = DEFAULT_CHUNK_CELLS,
+    penalty: RepetitionPenalty | None = None,
 ) -> torch.Tensor:
-    """Log-probs of `tokens` renormalised over the kept sets: log p_S(g) = z_g - logsumexp_{v in S} z_v, z = logits/T.
+    """Log-probs of `tokens` renormalised over the kept sets: log p_S(g) = z_g - logsumexp_{v in S} z_v, z = logits/T
+    (z = penalised logits / T with the sampler's `repetition_penalty`: the sampler's own processed distribution).
 
     The `renormalize` correction (the batch-logprob-gap README; DeepSeek-V3.2 "Keep Sampling Mask", arXiv
     2512.02556): used for
@@ -118,6 +141,8 @@ def kept_set_logprobs(
         temperature (`float`): sampling temperature (> 0); 1.0 when the logits are already divided.
         mask (`torch.Tensor`, (B, T) bool, *optional*): completion tokens; other cells are not computed and give 0.0.
         chunk_cells (`int`): cells per fp32 chunk (memory K x V x 4 B; the (B, T, V) fp32 tensor is never built).
+        penalty (`grpo_ratio.processors.RepetitionPenalty`, *optional*): the sampler's repetition penalty over the same
+            rows, re-applied to the logits before temperature and the kept set (differentiable).
 
     Returns:
         (B, T) fp32 log-probs (<= 0), 0.0 outside `mask`.
@@ -135,7 +160,7 @@ def kept_set_logprobs(
     values = []
     for c in chunks:
         _empty_cell_error(kept.sizes, c, T)
-        z = _scaled(logits, c, temperature)  # (K, V)
+        z = _scaled(logits, c, temperature, penalty)  # (K, V)
         g = flat_tokens[c][:, None]  # (K, 1)
         if kept.support_size_only:
             lse = _lse_top_prefix(z, kept.sizes.reshape(-1)[c.to(kept.sizes.device)])  # (K,)
@@ -144,7 +169,7 @@ def kept_set_logprobs(
             _inconsistent_rollout_error(keep, g, c, T)
             lse = torch.logsumexp(z.masked_fill(~keep, -math.inf), dim=-1)  # (K,)
         values.append(z.gather(1, g).squeeze(1) - lse)  # (K,)
-    return _scatter(cells, values, logits.shape[:2], logits.device)
+    return _scatter(cells, values, logits)
 
 
 def _inconsistent_rollout_error(keep: torch.Tensor, g: torch.Tensor, cells: torch.Tensor, T: int) -> None:
@@ -219,6 +244,7 @@ def recompute_kept_sets(
     sampling: SamplingSettings,
     mask: torch.Tensor | None = None,
     chunk_cells: int = DEFAULT_CHUNK_CELLS,
+    penalty: RepetitionPenalty | None = None,
 ) -> tuple[KeptSets, torch.Tensor]:
     """Kept sets of every masked-in cell recomputed from `logits` by the sampler's truncation (`sampling.keep_mask`,
     transformers' own warpers; the "recompute" kept-set source, NeMo-RL's approach); a sampled token the filter drops
@@ -230,6 +256,8 @@ def recompute_kept_sets(
         sampling (`grpo_ratio.rollouts.SamplingSettings`): the sampler's temperature / top_k / top_p / min_p.
         mask (`torch.Tensor`, (B, T) bool, *optional*): completion tokens; other cells get empty sets.
         chunk_cells (`int`): cells per fp32 chunk (memory K x V x 4 B).
+        penalty (`grpo_ratio.processors.RepetitionPenalty`, *optional*): the sampler's repetition penalty, applied
+            before the truncation (generate's and vLLM's order).
 
     Returns:
         (`KeptSets` (B, T), `torch.Tensor` (B, T) bool: cells whose sampled token was outside and was added).
@@ -247,7 +275,7 @@ def recompute_kept_sets(
     cells, chunks = _chunks(valid, chunk_cells)
     flat_tokens = tokens.reshape(-1).to(logits.device)  # (B*T,)
     for c in chunks:  # ascending cells: the ids come out row-major, as CSR needs
-        keep = sampling.keep_mask(logits[c // T, c % T])  # (K, V)
+        keep = sampling.keep_mask(_raw(logits, c, penalty))  # (K, V)
         g = flat_tokens[c][:, None]  # (K, 1)
         outside = ~keep.gather(1, g).squeeze(1)  # (K,)
         keep.scatter_(1, g, True)
@@ -279,11 +307,13 @@ class KeptLogprobs:
 
 
 def logprobs_on_kept_sets(logits: torch.Tensor, tokens: torch.Tensor, kept: KeptSets | SamplingSettings,
-                          temperature: float, mask: torch.Tensor) -> KeptLogprobs:
+                          temperature: float, mask: torch.Tensor,
+                          penalty: RepetitionPenalty | None = None) -> KeptLogprobs:
     """`kept_set_logprobs` over given kept sets, or over sets recomputed from these same logits by a
-    `SamplingSettings` (`recompute_kept_sets`). Shapes as there: logits (B, T, V), tokens and mask (B, T)."""
+    `SamplingSettings` (`recompute_kept_sets`), the sampler's repetition penalty re-applied first when given. Shapes
+    as there: logits (B, T, V), tokens and mask (B, T)."""
     added = None
     if not isinstance(kept, KeptSets):  # the sampler's settings: recompute the sets from these logits
-        kept, added = recompute_kept_sets(logits, tokens, kept, mask)
+        kept, added = recompute_kept_sets(logits, tokens, kept, mask, penalty=penalty)
     mask = mask.to(logits.device) & (kept.sizes.to(logits.device) > 0)  # (B, T) cells with a kept set
-    return KeptLogprobs(kept_set_logprobs(logits, tokens, kept, temperature, mask=mask), kept, added)
+    return KeptLogprobs(kept_set_logprobs(logits, tokens, kept, temperature, mask=mask, penalty=penalty), kept, added)

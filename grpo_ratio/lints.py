@@ -31,12 +31,13 @@ def check_sampling(args, sampling: SamplingSettings) -> None:
 
     (Beam search or greedy decoding with a correction is refused where the plan is resolved, `grpo_ratio.plan`.)
 
-    Warns (UserWarning): a correction where sampling is not truncated (it changes nothing); truncation that feeds
+    Warns (UserWarning): a correction where sampling is neither truncated nor processed otherwise (it changes
+        nothing; logits processors are `grpo_ratio.processors.check_processors`'s); truncation that feeds
         the importance ratio (vLLM IS correction, `off_policy_mask_threshold` with `sampler_logprobs_in_loss`)
         uncorrected; truncation with no correction at all (the diagnostics will show the kept mass).
     """
     correction = args.truncation_correction
-    if correction != "none" and not sampling.truncated:
+    if correction != "none" and not sampling.truncated and not sampling.processors:
         warnings.warn(f"truncation_correction={correction!r} has no effect: sampling is not truncated "
                       f"(top_p=1, top_k=0, no min_p in the {sampling.source}); ratio/kept_mass_mean will be 1",
                       stacklevel=3)

@@ -15,7 +15,7 @@ question (`plan.corrects`, `plan.anchor_is_sampler`, ...) instead of comparing c
 | `kept_sets` | `"none"`, `"recorded"` (the `generate` recording), `"vllm_masks"`, `"recompute"` | `kept_set_source`, backend |
 | `record_generate` | whether `generate` rollouts run under the recorder | `record_sampler_logprobs`, backend, sampling |
 | `sampler_in_loss` | the recorded sampler log-probs reach TRL's loss as `sampling_per_token_logps` | `sampler_logprobs_in_loss` |
-| `sampling` | the `SamplingSettings` generation uses (also the filter the `"recompute"` source re-applies) | backend, model |
+| `sampling` | the `SamplingSettings` generation uses (also the filter the `"recompute"` source re-applies, and the repetition penalty a correction re-applies) | backend, model |
 
 To add a setting (routing replay, an IS correction): add a field with a default that means "off", resolve it in
 `RunPlan.resolve` (one line, or one `_resolve_*` function that also raises the start-up refusals of that setting),
@@ -147,6 +147,12 @@ class RunPlan:
     def vllm_masks(self) -> bool:
         """The kept sets are vLLM's sampling masks of TRL's colocate engine (captured outputs)."""
         return self.kept_sets == VLLM_MASKS
+
+    @property
+    def repetition_penalty(self) -> float:
+        """The sampler's `repetition_penalty` the correction re-applies to the trainer's logits (1.0: none, or no
+        correction; `grpo_ratio.processors.RepetitionPenalty`)."""
+        return self.sampling.repetition_penalty if self.corrects else 1.0
 
     def corrected_logps(self, full: torch.Tensor, on_kept: torch.Tensor) -> torch.Tensor:
         """The trainer's log-probs (B, T) as the correction wants them: over the kept sets (`on_kept`) under

@@ -23,6 +23,7 @@ from transformers import GenerationMixin, LogitsProcessor, LogitsProcessorList
 
 from .adapters import base_model
 from .kept_sets import KeptSets, _offsets_from_sizes, _range_index
+from .processors import PROCESSORS, VLLM_PROCESSORS, active_processors
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -343,7 +344,11 @@ class SamplingSettings:
     to the trainer's logits (`keep_mask`, the "recompute" kept-set source).
 
     Fields: `temperature` (> 0), `top_k` (0 = off), `top_p` (1.0 = off), `min_p` (0.0 = off), `num_beams`,
-    `do_sample`, and `source` (where they were read: "generation config" or "config").
+    `do_sample`, `source` (where they were read: "generation config" or "config"), `repetition_penalty` (1.0 =
+    off; the one reweighting processor the corrections re-apply, `grpo_ratio.processors.RepetitionPenalty`),
+    `processors` (every other logits processor the sampler applies, as (field, value) pairs, repetition_penalty
+    included when on: `grpo_ratio.processors.active_processors`) and `engine` ("generate", or "vllm": which field
+    table `processors` is read against).
     """
 
     temperature: float = 1.0
@@ -353,6 +358,9 @@ class SamplingSettings:
     num_beams: int = 1
     do_sample: bool = True
     source: str = "config"
+    repetition_penalty: float = 1.0
+    processors: tuple = ()
+    engine: str = "generate"
 
     def truncating(self) -> dict[str, float]:
         """The truncating settings in effect, in generate's order (`top_k` > 0, `top_p` < 1, `min_p` > 0): the one
@@ -397,10 +405,15 @@ class SamplingSettings:
         return scores != -math.inf
 
 
-def settings_from_config(args) -> SamplingSettings:
+def settings_from_config(args, vllm: bool = False) -> SamplingSettings:
     """The sampling settings a `GRPOConfig` asks for (its fields, overridden by `generation_kwargs`), as TRL passes
-    them to vLLM; the transformers path also fills unset fields from the model (`settings_from_generation_config`)."""
+    them to vLLM (`vllm=True`: `generation_kwargs` are vLLM `SamplingParams`) or to transformers continuous batching;
+    the `generate` path also fills unset fields from the model (`settings_from_generation_config`)."""
     gen = args.generation_kwargs or {}
+    fields = {"repetition_penalty": args.repetition_penalty, **gen}
+    if vllm:
+        fields.setdefault("vllm_structured_outputs_regex", getattr(args, "vllm_structured_outputs_regex", None))
+    table = VLLM_PROCESSORS if vllm else PROCESSORS
     return SamplingSettings(
         temperature=float(gen.get("temperature", args.temperature)),
         top_k=int(gen.get("top_k", args.top_k) or 0),
@@ -409,13 +422,17 @@ def settings_from_config(args) -> SamplingSettings:
         num_beams=int(gen.get("num_beams", 1) or 1),
         do_sample=bool(gen.get("do_sample", True)),
         source="config",
+        repetition_penalty=float(fields["repetition_penalty"] or 1.0),
+        processors=tuple(active_processors(fields, table).items()),
+        engine="vllm" if vllm else "generate",
     )
 
 
 def settings_from_generation_config(model, generation_config) -> SamplingSettings:
     """The settings transformers' `generate` will use for `model.generate(generation_config=generation_config)`:
-    fields left unset (None) there are filled from the model's own `generation_config` (e.g. a `min_p` the model
-    ships), exactly as `GenerationMixin._prepare_generation_config` does (transformers 5.x)."""
+    fields left unset (None) there are filled from the model's own `generation_config` (e.g. a `min_p` or a
+    `no_repeat_ngram_size` the model ships), exactly as `GenerationMixin._prepare_generation_config` does
+    (transformers 5.x)."""
     target = _generation_model(model)
     effective, _ = target._prepare_generation_config(generation_config)
     return SamplingSettings(
@@ -426,4 +443,6 @@ def settings_from_generation_config(model, generation_config) -> SamplingSetting
         num_beams=int(effective.num_beams or 1),
         do_sample=bool(effective.do_sample),
         source="generation config",
+        repetition_penalty=float(effective.repetition_penalty or 1.0),
+        processors=tuple(active_processors({n: getattr(effective, n, None) for n in PROCESSORS}).items()),
     )

@@ -39,6 +39,7 @@ from .config import COPY_STORAGES, PRECISION_MODES
 from .copies import ModuleCopy, PerLayerCast
 from .kept_logprobs import KeptLogprobs, logprobs_on_kept_sets
 from .kept_sets import KeptSets, concat_kept_sets
+from .processors import RepetitionPenalty
 from .rollouts import SamplingSettings
 from .sharding import ShardedPolicy
 
@@ -435,7 +436,8 @@ class OldLogprobScorer:
         logits = head(normed[:, -(T + 1):])  # (b, T + 1, V) fp32, the causal LM's `logits_to_keep` slice
         return completion_logprobs_from_logits(logits, completion_ids, temperature)  # (b, T)
 
-    def _chunk_logprobs(self, input_ids, attention_mask, logits_to_keep, temperature, version, kept=None):
+    def _chunk_logprobs(self, input_ids, attention_mask, logits_to_keep, temperature, version, kept=None,
+                        penalty=None):
         """(b, T) fp32 log-probs of one chunk and the number of its rows re-scored in fp32; with `kept` (KeptSets
         of the chunk's rows, or the sampler's SamplingSettings to recompute them from these logits), also the
         `KeptLogprobs`."""
@@ -443,7 +445,8 @@ class OldLogprobScorer:
         if kept is None:
             return logps, n_fallback, None
         completion = attention_mask[:, -logits_to_keep:].bool()  # (b, T)
-        on_kept = logprobs_on_kept_sets(logits[:, :-1], input_ids[:, -logits_to_keep:], kept, temperature, completion)
+        on_kept = logprobs_on_kept_sets(logits[:, :-1], input_ids[:, -logits_to_keep:], kept, temperature, completion,
+                                        penalty)
         return logps, n_fallback, on_kept
 
     def _chunk_full(self, input_ids, attention_mask, logits_to_keep, temperature, version):
@@ -480,7 +483,8 @@ class OldLogprobScorer:
     @torch.no_grad()
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, *,
               temperature: float = 1.0, batch_size: int | None = None, version: int = 0,
-              kept: KeptSets | SamplingSettings | None = None) -> ScoreResult:
+              kept: KeptSets | SamplingSettings | None = None,
+              penalty: RepetitionPenalty | None = None) -> ScoreResult:
         """Old log-probs of the last `logits_to_keep` tokens of each row.
 
         Args:
@@ -493,6 +497,8 @@ class OldLogprobScorer:
             kept: optional `grpo_ratio.kept_sets.KeptSets` (B, T) of the sampler's kept sets, or the sampler's
                 `SamplingSettings` to recompute them from this pass's logits; then the result also holds the (B, T) log-probs
                 renormalised over them (truncation correction) and the sets used.
+            penalty: with `kept`, the sampler's repetition penalty over the same rows (`grpo_ratio.processors`),
+                re-applied before temperature and the kept set.
         Returns:
             `ScoreResult`: (B, T) fp32 full-vocabulary log-probs (values at padded positions are whatever the forward
             gives), the rows re-scored in fp32, and the kept-set log-probs (`KeptLogprobs`) when `kept` is given.
@@ -507,7 +513,8 @@ class OldLogprobScorer:
                 rows = kept if not isinstance(kept, KeptSets) else kept.select_rows(
                     range(sl.start, min(sl.stop, input_ids.size(0))))
                 logps, n, kept_logps = self._chunk_logprobs(input_ids[sl], attention_mask[sl], logits_to_keep,
-                                                            temperature, version, rows)
+                                                            temperature, version, rows,
+                                                            None if penalty is None else penalty.rows(sl))
                 chunks.append(logps)
                 kept_chunks.append(kept_logps)
                 fallback += n

@@ -41,6 +41,7 @@ from .fused_head import capture_norm_inputs, fused_head_fallback, say_fused_head
 from .kept_logprobs import lift_sampler_logprobs
 from .lints import check_calibration, check_dropout, check_positions, check_sampling, check_vllm
 from .plan import CONTINUOUS_BATCHING, GENERATE, VLLM, VLLM_MASKS, RunPlan, kept_set_origin, trl_runs_old_pass
+from .processors import PROCESSORS, VLLM_PROCESSORS, RepetitionPenalty, check_processors
 from .ratios import importance_sampling_weights
 from .records import GenerationRecord, MicroBatchRecord
 from .rollouts import (
@@ -108,7 +109,7 @@ class RatioGRPOTrainer(GRPOTrainer):
         self._lint(policy)
         # copies are refreshed whenever the policy's weights may have changed (copies.WeightsVersion)
         self.weights_version = WeightsVersion()
-        self.add_callback(_WeightsVersionCallback(self.weights_version))
+        self.add_callback(_WeightsVersionCallback(self.weights_version, self.accelerator))
         self.diagnostics = RatioDiagnostics(args, self.accelerator, self.eos_token_ids,
                                             plan=self.plan) if args.ratio_diagnostics else None
         check_sharded_mode(self.accelerator, self.model, args)  # FSDP2/ZeRO-3 combinations that cannot be exact
@@ -157,13 +158,15 @@ class RatioGRPOTrainer(GRPOTrainer):
         """The sampling settings the rollouts really use: on the transformers path, TRL's generation config with the
         model's own `generation_config` filling unset fields (what `generate` does); with vLLM, the config's."""
         if self.use_vllm or self.use_transformers_continuous_batching:
-            return settings_from_config(self.args)
+            return settings_from_config(self.args, vllm=self.use_vllm)
         return settings_from_generation_config(policy, self.generation_config)
 
     def _lint(self, policy) -> None:
         """Start-up checks that need the model (grpo_ratio/lints.py; config-only ones ran in the config)."""
         check_head_is_linear(self.args.truncation_correction, policy.config)
         check_sampling(self.args, self.sampling)
+        check_processors(dict(self.sampling.processors), self.plan.correction, self.plan.records_kept_sets,
+                         self.sampling.source, VLLM_PROCESSORS if self.sampling.engine == "vllm" else PROCESSORS)
         check_dropout(self.args, policy)
         check_positions(self.args, policy)
         check_calibration(self.args, policy)  # a guided_fp32_layers calibration file made for another model
@@ -311,6 +314,7 @@ class RatioGRPOTrainer(GRPOTrainer):
             result = self.scorer.score(
                 input_ids, attention_mask, logits_to_keep,
                 temperature=self.temperature, batch_size=batch_size, version=self.weights_version.value, kept=kept,
+                penalty=None if kept is None else self._penalty(input_ids, attention_mask),
             )
         generation.fallback_rows += result.fallback_rows
         if kept is None:
@@ -442,9 +446,16 @@ class RatioGRPOTrainer(GRPOTrainer):
         hidden = torch.cat(hidden, dim=0)[:, -logits_to_keep - 1 : -1]  # (B, T, H) positions predicting the T tokens
         on_kept = kept_set_logps_from_hidden(
             unwrapped, hidden, input_ids[:, -logits_to_keep:], kept, self.temperature,
-            self.args.cast_lm_head_to_fp32, self.accelerator.autocast, attention_mask[:, -logits_to_keep:].bool())
+            self.args.cast_lm_head_to_fp32, self.accelerator.autocast, attention_mask[:, -logits_to_keep:].bool(),
+            self._penalty(input_ids, attention_mask))
         on_kept.log_mass = (logps - on_kept.logps).detach()  # (B, T) log M = log p_full(g) - log p_S(g)
         return self.plan.corrected_logps(logps, on_kept.logps), entropies, aux, on_kept
+
+    def _penalty(self, input_ids, attention_mask) -> RepetitionPenalty | None:
+        """The sampler's repetition penalty over these rows (B, P+T), which the correction re-applies to the trainer's
+        logits (None when the plan has none)."""
+        penalty = self.plan.repetition_penalty
+        return None if penalty == 1.0 else RepetitionPenalty(penalty, input_ids, attention_mask)
 
     def _kept_rows(self, generation, micro_batch, num_rows: int, logits_to_keep: int):
         """KeptSets (num_rows, T) of the rows a log-prob call scores, or None when no correction is active: the
@@ -496,12 +507,15 @@ class RatioGRPOTrainer(GRPOTrainer):
 
 class _WeightsVersionCallback(TrainerCallback):
     """Moves the trainer's `WeightsVersion` when training starts (a second `train()`, a resume that loaded weights)
-    and hooks it to the optimizer's steps."""
+    and after every applied optimizer step (`on_optimizer_step`: the same event under DDP, FSDP2 and DeepSpeed)."""
 
-    def __init__(self, version: WeightsVersion):
+    def __init__(self, version: WeightsVersion, accelerator):
         self.version = version
+        self.accelerator = accelerator
 
-    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+    def on_train_begin(self, args, state, control, **kwargs):
         self.version.bump()
-        if optimizer is not None:
-            self.version.watch(optimizer)
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if not self.accelerator.optimizer_step_was_skipped:  # a loss-scaler skip leaves the weights as they were
+            self.version.bump()

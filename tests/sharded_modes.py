@@ -20,7 +20,8 @@ import sys
 
 import torch
 import torch.distributed as dist
-from trainer_fixtures import tiny_grpo_args
+from trainer_fixtures import tiny_grpo_args, tiny_trainer, trl_logged_values
+from trl import GRPOTrainer
 
 from grpo_ratio import RatioGRPOTrainer
 from grpo_ratio.sharding_fsdp2 import fp32_logprob_output, fsdp_state_owning
@@ -90,11 +91,21 @@ def trl_logps(trainer, ids, mask, T):
     return logps
 
 
+def engine_evidence(trainer, policy) -> dict:
+    """`sharding_evidence` plus, under DeepSpeed, the ZeRO stage the engine really runs (not only the config's)."""
+    evidence = sharding_evidence(trainer.accelerator, policy)
+    engine = trainer.model_wrapped
+    if hasattr(engine, "zero_optimization_stage"):  # the DeepSpeedEngine accelerate built
+        evidence["zero_stage"] = engine.zero_optimization_stage()
+        evidence["optimizer"] = type(engine.optimizer).__name__
+    return evidence
+
+
 def check_mode(out_dir, mode, arch, tie, engine, bf16, rank):
     trainer = make_trainer(out_dir, mode, arch, tie, engine, bf16)
     trainer.train()
     policy = trainer.accelerator.unwrap_model(trainer.model)
-    evidence = sharding_evidence(trainer.accelerator, policy)  # after the old passes of 2 steps: still sharded
+    evidence = engine_evidence(trainer, policy)  # after the old passes of 2 steps: still sharded
     first = len(trainer.checks)
     if engine == "fsdp2":  # under ZeRO-3 a second train() fails in stock TRL too (transformers 5.24, accelerate 1.15)
         trainer.train()  # global_step restarts at 0; the copies must still follow the weights
@@ -176,6 +187,25 @@ def peft_refusal(out_dir, engine, bf16):
     return None
 
 
+def stock_and_trl_modes(out_dir, engine, bf16):
+    """Stock `trl.GRPOTrainer` and `RatioGRPOTrainer` in the modes that run TRL's own pass (`bf16`) or none
+    (`sampler`), 2 steps each on the same tiny model, data and seed: TRL's logged values of each, and the evidence
+    that the engine really sharded them."""
+    result = {}
+    for name, mode, trainer_cls in (("stock", "bf16", GRPOTrainer), ("bf16", "bf16", None),
+                                    ("sampler", "sampler", None)):
+        trainer = tiny_trainer(f"{out_dir}/{name}", mode, model=tiny_model("qwen2"), trainer_cls=trainer_cls,
+                               use_cpu=engine == "fsdp2", bf16=bf16)
+        trainer.train()
+        policy = trainer.accelerator.unwrap_model(trainer.model)
+        result[name] = {"rows": trl_logged_values(trainer), "evidence": engine_evidence(trainer, policy)}
+        if name != "stock":
+            result[name]["ratio_keys"] = sorted({k for row in trainer.state.log_history for k in row
+                                                 if k.startswith("ratio/")})
+        del trainer
+    return result
+
+
 def check_precision(out_dir, engine, precision, rank):
     bf16 = precision == "bf16"
     result = {"engine": engine, "precision": precision, "modes": {}}
@@ -191,6 +221,8 @@ def check_precision(out_dir, engine, precision, rank):
             result["world_size"] = trainer.accelerator.num_processes
             del trainer
     result["peft_refused"] = peft_refusal(out_dir, engine, bf16)
+    if engine == "zero3":
+        result["trl_modes"] = stock_and_trl_modes(out_dir, engine, bf16)
     return result
 
 

@@ -62,6 +62,16 @@ def test_clip_flip_every_zero_makes_the_metric_absent(tmp_path):
     assert "ratio/clip_flip_rate" not in row and "ratio/new_old/oob_rate" in row
 
 
+@pytest.mark.parametrize("loss", [dict(loss_type="cispo"), dict(importance_sampling_level="sequence")])
+def test_clip_flips_are_absent_for_another_clip(tmp_path, loss):
+    # docs/metrics.md: CISPO and sequence-level ratios clip differently from TRL's token-level PPO clip
+    trainer = _trainer(tmp_path, "fp32_clone", max_steps=1, **loss)
+    trainer.train()
+    (row,) = _steps(trainer)
+    assert "ratio/new_old/oob_rate" in row
+    assert not any(k.startswith("ratio/clip_flip_rate") for k in row)
+
+
 def test_wandb_offline_and_tensorboard_hold_the_keys(tmp_path, monkeypatch):
     pytest.importorskip("tensorboard")
     monkeypatch.setenv("WANDB_MODE", "offline")

@@ -14,11 +14,14 @@ from unittest.mock import patch
 
 import pytest
 import torch
+from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
 from trainer_fixtures import tiny_trainer
 
 from grpo_ratio.copies import WeightsVersion, merged_state_dict
 from grpo_ratio.scoring import OldLogprobScorer, completion_logprobs_from_logits
 from grpo_ratio.testing import tiny_model
+from grpo_ratio.trainer import _WeightsVersionCallback
 
 
 peft = pytest.importorskip("peft")
@@ -104,20 +107,28 @@ def test_second_train_and_resume_refresh_the_copy(tmp_path, monkeypatch):
     assert seen == [True] * 5  # 2 + 2 + 1 old passes, each with a copy equal to the policy
 
 
-def test_weights_version_moves_on_real_steps_only():
+def test_weights_version_moves_on_applied_optimizer_steps_only():
+    # The trainer's callback moves the version at train start and after every optimizer step accelerate applied;
+    # a step the loss scaler skipped (inf gradients) leaves the weights, and the version, as they were.
+    accelerator = Accelerator(cpu=True)
+    # accelerate's wrapper with the loss scaler it attaches under fp16 on a GPU (none on a CPU), registered as
+    # `prepare` registers it
     model = torch.nn.Linear(2, 2)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    optimizer = AcceleratedOptimizer(torch.optim.AdamW(model.parameters()), scaler=torch.amp.GradScaler("cpu"))
+    accelerator._optimizers.append(optimizer)
     version = WeightsVersion()
-    version.watch(optimizer)
-    version.watch(optimizer)  # watched twice: still one hook
-    model(torch.ones(1, 2)).sum().backward()
-    optimizer.step()  # a user's own step counts
+    callback = _WeightsVersionCallback(version, accelerator)
+    callback.on_train_begin(None, None, None)
     assert version.value == 1
-    scaler = torch.amp.GradScaler("cpu")
-    model.weight.grad.fill_(float("inf"))  # an overflowed step: the scaler skips optimizer.step
-    scaler.scale(model(torch.ones(1, 2)).sum())
-    scaler.step(optimizer)
-    assert version.value == 1
+    for overflow, expected in ((False, 2), (True, 2), (False, 3)):
+        optimizer.zero_grad()
+        optimizer.scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+        if overflow:
+            model.weight.grad.fill_(float("inf"))
+        optimizer.step()
+        callback.on_optimizer_step(None, None, None)
+        assert accelerator.optimizer_step_was_skipped == overflow
+        assert version.value == expected
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -4,8 +4,9 @@ Run: pytest tests/test_sharded.py                 (FSDP2, bf16 policy and none: 
      pip install -e ".[deepspeed]" && pytest -m slow tests/test_sharded.py   (ZeRO-3, bf16 and fp32; the first run on
      a machine compiles one DeepSpeed CPU op, about 1.5 minutes, then about 1 minute per launch)
 
-Each launch (tests/sharded_modes.py) checks every mode on both head kinds; the assertions are here. A run that
-silently fell back to DDP fails at the sharding evidence.
+Each launch (tests/sharded_modes.py) checks every mode on both head kinds; under ZeRO-3 also `bf16` against stock
+TRL (equal loss and metrics) and `sampler`; the assertions are here. A run that silently fell back to DDP (or ran
+another ZeRO stage) fails at the sharding evidence.
 """
 
 import json
@@ -50,11 +51,18 @@ def check(ranks: list[dict], engine: str, precision: str) -> None:
         assert "PEFT adapter is not supported" in run["peft_refused"]
 
 
-def check_row(row: dict, engine: str, precision: str, mode: str, where: str) -> None:
-    evidence = row["evidence"]  # real sharding, not a silent DDP fallback
+def check_evidence(evidence: dict, engine: str, where: str) -> None:
+    """Real sharding, not a silent DDP fallback: the distributed type, every parameter partitioned in halves, and
+    under DeepSpeed the engine's own ZeRO stage 3 with its stage-3 optimizer."""
     assert evidence["distributed_type"].endswith("FSDP" if engine == "fsdp2" else "DEEPSPEED"), where
     assert evidence["num_sharded"] == evidence["num_params"] > 0, where
     assert evidence["largest_local"] * 2 == evidence["largest_full"], where
+    if engine == "zero3":
+        assert evidence["zero_stage"] == 3 and evidence["optimizer"] == "DeepSpeedZeroOptimizer_Stage3", where
+
+
+def check_row(row: dict, engine: str, precision: str, mode: str, where: str) -> None:
+    check_evidence(row["evidence"], engine, where)
     checks = row["checks"]
     assert len(checks) == (4 if engine == "fsdp2" else 2), where  # an old pass per step, second train() included
     assert max(c["max_abs"] for c in checks) == 0.0, where  # bitwise equal to the unsharded replica
@@ -105,8 +113,23 @@ def test_fsdp2_modes(tmp_path, precision):
             assert side["max_abs_rounding"] == 0.0  # no policy, no output cast
 
 
+def check_trl_modes(ranks: list[dict], precision: str) -> None:
+    """`bf16` is stock TRL under ZeRO-3 (loss and every TRL metric, both steps); `sampler` trains 2 steps."""
+    for rank, run in enumerate(ranks):
+        modes = run["trl_modes"]
+        for name, row in modes.items():
+            check_evidence(row["evidence"], "zero3", f"rank {rank} {precision} {name}")
+            assert len(row["rows"]) == 2, name
+        assert modes["bf16"]["rows"] == modes["stock"]["rows"]  # exactly equal, not close
+        assert "ratio/new_old/oob_rate" in modes["bf16"]["ratio_keys"]  # and the diagnostics ran beside it
+        assert all(r["loss"] == r["loss"] for r in modes["sampler"]["rows"])  # finite losses (NaN != NaN)
+        assert "ratio/new_old/oob_rate" in modes["sampler"]["ratio_keys"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_zero3_modes(tmp_path, precision):
     pytest.importorskip("deepspeed", reason='ZeRO-3 tests need `pip install -e ".[deepspeed]"`')
-    check(launch(tmp_path, "zero3", precision), "zero3", precision)
+    ranks = launch(tmp_path, "zero3", precision)
+    check(ranks, "zero3", precision)
+    check_trl_modes(ranks, precision)

@@ -233,3 +233,33 @@ def test_recompute_lifts_the_server_mode_refusal():
     with pytest.raises(ValueError, match="kept_set_source='recompute'"):
         RatioGRPOConfig(output_dir="unused", use_cpu=True, use_vllm=True, vllm_mode="server", top_p=0.8,
                         truncation_correction="renormalize", kept_set_source="recorded", report_to="none")
+
+
+@pytest.mark.parametrize("correction,renormalized", [("renormalize", True), ("lift_sampler", False)])
+def test_reference_logprobs_follow_the_correction(tmp_path, correction, renormalized):
+    # docs/truncation.md: under renormalize TRL's reference pass (beta > 0) goes through the same hook, so the
+    # reference log-probs are over the kept sets too; under lift_sampler they stay full-vocabulary. At step 1 the
+    # reference weights are the policy's, so in fp32 the reference equals the old pass on the same support.
+    from transformers import AutoModelForCausalLM
+
+    tiny_model("qwen2").save_pretrained(tmp_path / "model")  # TRL re-loads the reference from this path
+    trainer = tiny_trainer(tmp_path, "fp32_clone", model=AutoModelForCausalLM.from_pretrained(tmp_path / "model"),
+                           bf16=False, top_k=5, beta=0.04, truncation_correction=correction, max_steps=1)
+    seen = []
+    generate_and_score = trainer._generate_and_score_completions
+
+    def keep(inputs):
+        output = generate_and_score(inputs)
+        seen.append(output)
+        return output
+
+    trainer._generate_and_score_completions = keep
+    trainer.train()
+    (output,) = seen
+    valid = output["completion_mask"].bool()  # (B, T)
+    log_mass = output["old_log_kept_mass"]  # (B, T) log M_old of the kept sets
+    old = output["old_per_token_logps"]  # (B, T) over S under renormalize, full-vocabulary under lift_sampler
+    full = old + log_mass if renormalized else old
+    expected = full - log_mass if renormalized else full
+    assert (output["ref_per_token_logps"] - expected)[valid].abs().max() < 1e-5
+    assert (log_mass[valid] < -0.1).any()  # top_k=5 of 300 tokens: over S and full-vocabulary differ

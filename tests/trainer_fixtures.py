@@ -54,3 +54,30 @@ def tiny_trainer(output_dir, mode: str = "bf16", arch: str = "qwen2", trainer_cl
         processing_class=tiny_tokenizer(),
         peft_config=peft_config,
     )
+
+
+WALL_CLOCK_KEYS = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")
+
+
+def trl_logged_values(trainer) -> list[dict]:
+    """TRL's own logged values of every optimizer step (ours are `ratio/*`), wall-clock keys left out: what must
+    equal stock TRL's bit for bit."""
+    return [{k: v for k, v in row.items() if not k.startswith("ratio/") and k not in WALL_CLOCK_KEYS}
+            for row in trainer.state.log_history if "loss" in row]
+
+
+def peaked_model(arch: str = "qwen2", scale: float = 50.0, eos_token_id: int = 1, never_eos: bool = False, **kwargs):
+    """A tiny untied model whose LM head is `scale` times the random one: peaked next-token distributions (logits
+    with a standard deviation of about 0.16 x `scale` nats), as a trained model has, where a tiny random one is
+    nearly uniform. With `never_eos` the EOS row of the head is zero, so EOS gets logit 0 against a top logit of
+    about 0.45 x `scale`: never sampled (probability below 1e-9 at the default scale), and every completion runs to
+    `max_completion_length` (truncated)."""
+    import torch
+
+    model = tiny_model(arch, **kwargs)
+    head = model.get_output_embeddings().weight
+    with torch.no_grad():
+        head.mul_(scale)
+        if never_eos:
+            head[eos_token_id] = 0.0
+    return model

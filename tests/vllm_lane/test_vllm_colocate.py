@@ -28,16 +28,15 @@ def _trainer(tmp_path, model_dir, **overrides):
     from grpo_ratio import RatioGRPOTrainer
     from grpo_ratio.testing import letter_reward, tiny_prompts, tiny_tokenizer
 
-    args = tiny_grpo_args(
-        tmp_path,
+    settings = dict(
         use_vllm=True,
         vllm_mode="colocate",
         vllm_max_model_length=128,  # a few prompt tokens + 8 completion tokens; keeps the CPU KV cache small
         top_p=TOP_P,
         # every completion runs the full 8 tokens, so TRL's sequence IS weight is a product of exactly 8 token ratios
         generation_kwargs={"ignore_eos": True},
-        **overrides,
     )
+    args = tiny_grpo_args(tmp_path, **{**settings, **overrides})
     return RatioGRPOTrainer(model=model_dir, reward_funcs=letter_reward, args=args, train_dataset=tiny_prompts(8),
                             processing_class=tiny_tokenizer())
 
@@ -121,6 +120,21 @@ def test_colocate_corrections_with_recomputed_kept_sets(correction, mode, tmp_pa
         if correction == "lift_sampler":  # TRL logs its IS ratio before the lift; ours are the loss's weights
             assert row["sampling/importance_sampling_ratio/mean"] < 0.2  # ~0.8^8
             assert abs(row["ratio/importance_sampling_ratio/mean"] - 1.0) < 0.01
+
+
+@pytest.mark.parametrize("correction", ["renormalize", "lift_sampler"])
+def test_colocate_models_the_repetition_penalty(correction, tmp_path, tiny_llama_peaked_dir):
+    """vLLM applies `repetition_penalty` to prompt and output tokens before temperature and top_k; the correction
+    re-applies it to the old policy's logits (grpo_ratio.processors), so on a peaked model the corrected old/sampler
+    ratio stays at 1 (fp32 engine and trainer)."""
+    with shims.colocate_engine_kwargs(enforce_eager=True), shims.cpu_colocate_weight_sync():
+        trainer = _trainer(tmp_path, tiny_llama_peaked_dir, old_logprob_mode="fp32_clone", top_p=1.0, top_k=20,
+                           repetition_penalty=1.3, truncation_correction=correction, vllm_dtype="float32", bf16=False)
+        trainer.train()
+    for row in (r for r in trainer.state.log_history if "loss" in r):
+        assert abs(row["ratio/old_sampler_corrected/mean"] - 1.0) < 0.01
+        assert row["ratio/old_sampler_corrected/oob_rate"] <= 0.01
+        assert row["ratio/old_sampler/oob_rate"] > 0.2  # the raw ratio carries the penalty and the top_k mass
 
 
 def test_engine_dtype_lint_against_a_real_engine(tmp_path, tiny_llama_dir):

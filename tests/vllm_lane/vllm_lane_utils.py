@@ -25,13 +25,17 @@ TINY_VOCAB = 300  # the tiny tokenizer's vocabulary (grpo_ratio.testing.tiny_tok
 MAX_MODEL_LEN = 128  # prompts of a few tokens plus <= 16 generated ones; keeps the CPU KV cache small
 
 
-def save_tiny_llama(path, tied: bool) -> str:
+def save_tiny_llama(path, tied: bool, head_scale: float = 1.0) -> str:
     """A random 2-layer Llama (hidden 64, 2 heads of head_dim 32, 1 KV head) and the tiny tokenizer, written with
-    `save_pretrained` so vLLM can load the directory. head_dim >= 32: vLLM's CPU attention has no smaller kernels."""
+    `save_pretrained` so vLLM can load the directory. head_dim >= 32: vLLM's CPU attention has no smaller kernels.
+    `head_scale` multiplies the (untied) LM head: peaked next-token distributions, as a trained model has."""
     from grpo_ratio.testing import tiny_model, tiny_tokenizer
 
     model = tiny_model("llama", vocab_size=TINY_VOCAB, tie_word_embeddings=tied, num_attention_heads=2,
                        num_key_value_heads=1, head_dim=32)
+    if head_scale != 1.0:
+        with torch.no_grad():
+            model.get_output_embeddings().weight.mul_(head_scale)
     model.save_pretrained(path)
     tiny_tokenizer(vocab_size=TINY_VOCAB).save_pretrained(path)
     return str(path)
