@@ -351,3 +351,28 @@ def test_generate_routes_replay_in_the_scoring_forward(arch):
     assert given[:, :, hooks.layout.moe_layers[0]].sum(1).tolist() == [5, 8]
     counts = route_agreement(replayed.native(), routes)
     assert int(counts.any_total) == 13 and 0 <= int(counts.any_differ) <= 13
+
+
+def test_attached_copies_and_row_subsets_follow_the_session():
+    import copy
+
+    model = tiny_model("granitemoe").eval()
+    clone = copy.deepcopy(model).to(torch.float16)  # e.g. fp16_clone's copy
+    hooks = RouteHooks(model)
+    hooks.attach(clone)
+    hooks.attach(clone)  # idempotent
+    ids = _ids(rows=3, seq=5)
+    with hooks.recording() as recorded:
+        model(input_ids=ids)
+    foreign = _foreign(recorded.used(), hooks.layout.num_experts)
+    with hooks.replaying(foreign) as replayed:
+        clone(input_ids=ids)  # the copy's forward takes the rows in order
+        with hooks.serving_rows(torch.tensor([2, 0])):  # e.g. the rows an fp16 pass re-scores in fp32
+            model(input_ids=ids[[2, 0]])
+        assert hooks.rows_served == 3
+    used = replayed.used()
+    assert torch.equal(used[:3], foreign) and torch.equal(used[3:], foreign[[2, 0]])
+    layer_copy = copy.deepcopy(model.model.layers[0])
+    hooks.attach(layer_copy, layer=0)
+    with pytest.raises(ValueError, match="differ"):
+        hooks.attach(tiny_model("granitemoe", num_hidden_layers=3))

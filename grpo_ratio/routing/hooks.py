@@ -114,16 +114,43 @@ class RouteHooks:
         self._cursor = 0  # rows of `_routes` already served
         self._call: _Call | None = None
         self._pending: dict[int, list[tuple[int, float, torch.Tensor | None]]] = {}  # for checkpoint recomputes
-        decoder = _base_model(model).get_decoder()
-        self._handles = [decoder.register_forward_pre_hook(self._on_forward, with_kwargs=True)]
-        self._handles += [router.register_forward_hook(self._router_hook(layer))
-                          for layer, router in layout.routers.items()]
+        self._rows: torch.Tensor | None = None  # rows of `_routes` the next forward takes (`serving_rows`)
+        self._handles = []
+        self._attached: set[int] = set()
+        self.attach(model)
+
+    def attach(self, module: nn.Module, layer: int | None = None) -> None:
+        """Make the routers of another module follow this object's sessions: a whole copy of the model (a
+        `ModuleCopy` of the policy, a sharded shadow), or with `layer` a copy of decoder layer `layer` (the fp32 layers
+        of `fp32_head` / `guided_fp32`). Idempotent per module.
+
+        Raises:
+            ValueError: the copy's routers are not of this model's family, or the copy of a decoder layer holds
+                no router where the model's layer `layer` has one.
+        """
+        if id(module) in self._attached:
+            return
+        if layer is None:
+            routers = moe_layout(module).routers if moe_layout(module) is not None else {}
+            if set(routers) != set(self.layout.routers):
+                raise ValueError(f"routing: the copy's MoE layers {sorted(routers)} differ from the model's "
+                                 f"{self.layout.moe_layers}")
+            decoder = _base_model(module).get_decoder()
+            self._handles.append(decoder.register_forward_pre_hook(self._on_forward, with_kwargs=True))
+        else:
+            name = self.layout.family.router_class
+            found = [m for m in module.modules() if type(m).__name__ == name]
+            if len(found) != (layer in self.layout.routers):
+                raise ValueError(f"routing: a copy of decoder layer {layer} holds {len(found)} {name} routers")
+            routers = {layer: found[0]} if found else {}
+        self._handles += [router.register_forward_hook(self._router_hook(i)) for i, router in routers.items()]
+        self._attached.add(id(module))
 
     def remove(self) -> None:
         """Take every hook off the model."""
         for handle in self._handles:
             handle.remove()
-        self._handles = []
+        self._handles, self._attached = [], set()
 
     # -----------------------------------------------------------------------------------------------------------------
     # sessions
@@ -163,6 +190,16 @@ class RouteHooks:
         finally:
             self._session, self._routes, self._call = None, None, None
 
+    @contextlib.contextmanager
+    def serving_rows(self, rows: torch.Tensor):
+        """Within the block, forwards of the open replay session take the rows `rows` (int64 indices into the
+        routes, e.g. the rows an fp16 pass re-scores in fp32) instead of the next rows in order; the cursor stays."""
+        self._rows = rows
+        try:
+            yield
+        finally:
+            self._rows = None
+
     @property
     def rows_served(self) -> int:
         """Rows of the open replay session's routes that forwards have taken so far."""
@@ -192,7 +229,12 @@ class RouteHooks:
         x = args[0] if x is None and args else x
         rows, positions = int(x.shape[0]), int(x.shape[1])
         target = None
-        if self._routes is not None:
+        if self._routes is not None and self._rows is not None:
+            if self._rows.numel() != rows or self._routes.size(1) != positions:
+                raise ValueError(f"routing replay: a forward of ({rows}, {positions}) positions for rows "
+                                 f"{self._rows.tolist()} of routes {tuple(self._routes.shape[:2])}")
+            target = self._routes[self._rows.to(self._routes.device)]
+        elif self._routes is not None:
             if self._cursor + rows > self._routes.size(0) or self._routes.size(1) != positions:
                 raise ValueError(f"routing replay: a forward of ({rows}, {positions}) positions after "
                                  f"{self._cursor} rows served, but the routes are {tuple(self._routes.shape[:2])}")
