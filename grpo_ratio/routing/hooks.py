@@ -205,12 +205,21 @@ class RouteHooks:
         """Rows of the open replay session's routes that forwards have taken so far."""
         return self._cursor
 
-    def _check_jitter(self) -> None:
+    def refuse_jitter(self) -> None:
+        """Refuse router input jitter whatever the mode (a trainer runs its passes in train mode, where it acts).
+
+        Raises:
+            ValueError: Mixtral with `router_jitter_noise > 0`.
+        """
+        self._check_jitter(train_mode_only=False)
+
+    def _check_jitter(self, train_mode_only: bool = True) -> None:
         jitter_attr = self.layout.family.jitter_attr
         if jitter_attr is None:
             return
         for block in self.layout.blocks.values():
-            if block.training and float(getattr(block, jitter_attr, 0.0) or 0.0) > 0:
+            active = block.training or not train_mode_only
+            if active and float(getattr(block, jitter_attr, 0.0) or 0.0) > 0:
                 raise ValueError(
                     f"routing replay: {type(block).__name__}.{jitter_attr}={getattr(block, jitter_attr)} "
                     f"(config.router_jitter_noise) multiplies the MoE input by fresh noise in train mode, where TRL "
