@@ -5,88 +5,17 @@ logged route disagreement against its definition, and the refusals.
 Run: pytest tests/test_routing_trainer.py
 """
 
-import contextlib
-
 import pytest
 import torch
+from routing_fixtures import ReplayLog, near_tie_model, rows_of
 from trainer_fixtures import tiny_trainer
 
 from grpo_ratio import metric_keys as keys
 from grpo_ratio.plan import RunPlan
 from grpo_ratio.rollouts import SamplingSettings, VLLMOutputCapture
-from grpo_ratio.routing import NO_ROUTE, RouteHooks, moe_layout
-from grpo_ratio.routing.hooks import _in_backward
+from grpo_ratio.routing import NO_ROUTE, moe_layout
 from grpo_ratio.routing.replay import GenerationRoutes, RoutingReplay
 from grpo_ratio.testing import tiny_model
-
-
-def near_tie_model(arch: str, dtype=torch.float32, spread: float = 0.8):
-    """A tiny MoE whose router rows share a large common direction, so the experts' logits are close relative to
-    their size: bf16 rounding then reorders them (16% of tokens flip between fp32 and bf16 autocast on qwen3_moe)."""
-    model = tiny_model(arch)
-    common = torch.randn(1, model.config.hidden_size, generator=torch.Generator().manual_seed(1)) * spread
-    with torch.no_grad():
-        for router in moe_layout(model).routers.values():
-            router.weight.add_(common)
-    return model.to(dtype)
-
-
-class ReplayLog:
-    """Every replay session of a run: the routes it was given and, per layer, the indices the routers returned to
-    the experts in its forwards (and in activation-checkpoint recomputes), through `RouteHooks` on any module."""
-
-    def __init__(self, monkeypatch):
-        self.sessions, self.finished = [], []
-        log, replaying, on_router = self, RouteHooks.replaying, RouteHooks._on_router
-
-        @contextlib.contextmanager
-        def logged_replaying(hooks, routes):
-            session = {"routes": routes.clone(), "served": {}, "recomputed": {}}
-            hooks._log_session = session
-            try:
-                with replaying(hooks, routes) as recording:
-                    yield recording
-            finally:
-                log.sessions.append(session)
-
-        def logged_on_router(hooks, layer, router, hidden, output):
-            result = on_router(hooks, layer, router, hidden, output)
-            session = getattr(hooks, "_log_session", None)
-            if session is not None and (hooks._routes is not None or _in_backward()):
-                store = session["recomputed"] if _in_backward() else session["served"]
-                store.setdefault(layer, []).append((output if result is None else result)[2].detach().clone())
-            return result
-
-        finish = GenerationRoutes.finish
-
-        def logged_finish(routes, prompt_mask, completion_mask):
-            pending = routes.pending is not None
-            finish(routes, prompt_mask, completion_mask)
-            if pending:
-                log.finished.append(routes.sampler.clone())
-
-        monkeypatch.setattr(RouteHooks, "replaying", logged_replaying)
-        monkeypatch.setattr(RouteHooks, "_on_router", logged_on_router)
-        monkeypatch.setattr(GenerationRoutes, "finish", logged_finish)
-
-    def assert_served_as_given(self, top_k: int):
-        """In every session, each forward's routers served exactly the given routes at the positions that have one
-        (rows in order), and every recompute served what its forward served."""
-        assert self.sessions
-        for session in self.sessions:
-            routes = session["routes"]  # (b, S, L, k)
-            for layer, served in session["served"].items():
-                target = routes[:, :, layer].reshape(-1, top_k).long()  # (b * S, k)
-                got = torch.cat(served)[: target.size(0)]
-                given = (target >= 0).all(-1)
-                assert torch.equal(got[given], target[given])
-                recomputed = session["recomputed"].get(layer, [])
-                assert all(any(torch.equal(r, s) for s in served) for r in recomputed)
-
-
-def _rows_of(rows: torch.Tensor, batch: torch.Tensor) -> bool:
-    """Every row of `rows` (b, ...) is a row of `batch` (B, ...)."""
-    return all(any(torch.equal(r, row) for row in batch) for r in rows)
 
 
 def _route_rows(trainer, pair: str, stat: str) -> list[float]:
@@ -102,7 +31,7 @@ def _route_rows(trainer, pair: str, stat: str) -> list[float]:
 def test_r3_replays_the_sampler_routes_in_the_old_pass_and_every_update(tmp_path, monkeypatch, arch):
     # generate under bf16 autocast (TRL's bf16=True), an fp32 old pass (fp32_clone), two updates per generation,
     # activation checkpointing on (TRL's default): the routers fire again in the backward recompute
-    log = ReplayLog(monkeypatch)
+    log = ReplayLog(monkeypatch.setattr)
     model = near_tie_model(arch)
     before = {i: r.weight.detach().clone() for i, r in moe_layout(model).routers.items()}
     trainer = tiny_trainer(tmp_path, "fp32_clone", model=model, routing_replay="R3", num_iterations=2, max_steps=4,
@@ -117,7 +46,7 @@ def test_r3_replays_the_sampler_routes_in_the_old_pass_and_every_update(tmp_path
         if n % 3 == 0:  # the old pass: the sampler's routes of the whole generation batch, rows in order
             assert torch.equal(session["routes"], sampler)
         else:  # an update: the sampler's routes of its (shuffled) rows
-            assert _rows_of(session["routes"], sampler)
+            assert rows_of(session["routes"], sampler)
         assert (sampler[..., layout.moe_layers, :] >= 0).any()
     assert _route_rows(trainer, "sampler_old", "any_layer") == [0.0, 0.0]  # exactly 0 with replay ...
     assert max(_route_rows(trainer, "sampler_old", "native_any_layer")) > 0  # ... while the routers would differ
@@ -127,7 +56,7 @@ def test_r3_replays_the_sampler_routes_in_the_old_pass_and_every_update(tmp_path
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_without_replay_the_sampler_trainer_route_mismatch_is_measured(tmp_path, monkeypatch, arch):
-    log = ReplayLog(monkeypatch)
+    log = ReplayLog(monkeypatch.setattr)
     trainer = tiny_trainer(tmp_path, "fp32_clone", model=near_tie_model(arch), num_iterations=2, max_steps=4)
     trainer.train()
     assert log.sessions == []  # nothing replayed
@@ -138,14 +67,14 @@ def test_without_replay_the_sampler_trainer_route_mismatch_is_measured(tmp_path,
 
 
 def test_r2_replays_the_old_pass_routes_in_every_update(tmp_path, monkeypatch):
-    log = ReplayLog(monkeypatch)
+    log = ReplayLog(monkeypatch.setattr)
     trainer = tiny_trainer(tmp_path, "bf16", model=near_tie_model("qwen3_moe"), routing_replay="R2",
                            num_iterations=3, max_steps=3)
     trainer.train()
     old = trainer._generations["train"].routes.old  # what TRL's old pass used (its routers' own choice)
     assert old is not None and len(log.sessions) == 3  # the three updates replay; the old pass records
     log.assert_served_as_given(trainer.routing.hooks.layout.top_k)
-    assert all(_rows_of(s["routes"], old) for s in log.sessions)
+    assert all(rows_of(s["routes"], old) for s in log.sessions)
     assert _route_rows(trainer, "old_new", "any_layer") == [0.0, 0.0, 0.0]
     native = _route_rows(trainer, "old_new", "native_any_layer")
     assert native[0] == 0.0 and native[-1] > 0  # the first update runs the old weights; later ones moved routes
@@ -162,7 +91,7 @@ def test_r2_replays_the_old_pass_routes_in_every_update(tmp_path, monkeypatch):
 def test_every_scoring_mode_replays_r3_routes(tmp_path, monkeypatch, mode, extra):
     # bf16-stored weights: fp32_clone / fp16_clone run whole copies, fp32_head / guided_fp32 copies of the head and of
     # layer 0; the copies' routers follow the session too
-    log = ReplayLog(monkeypatch)
+    log = ReplayLog(monkeypatch.setattr)
     trainer = tiny_trainer(tmp_path, mode, model=near_tie_model("qwen3_moe", dtype=torch.bfloat16),
                            routing_replay="R3", max_steps=1, **extra)
     trainer.train()
@@ -171,7 +100,7 @@ def test_every_scoring_mode_replays_r3_routes(tmp_path, monkeypatch, mode, extra
     assert len(log.sessions) == (2 if old_pass else 1)  # (the old pass and) the update
     if old_pass:  # the old pass: the sampler's routes, rows in order
         assert torch.equal(log.sessions[0]["routes"], log.finished[0])
-    assert _rows_of(log.sessions[-1]["routes"], log.finished[0])  # the update: its shuffled rows
+    assert rows_of(log.sessions[-1]["routes"], log.finished[0])  # the update: its shuffled rows
     router_class = trainer.routing.hooks.layout.family.router_class
     with_router = [c for c in (trainer.scorer.copies() if trainer.scorer is not None else [])
                    if any(type(m).__name__ == router_class for m in c.module.modules())]
