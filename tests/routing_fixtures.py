@@ -18,9 +18,15 @@ def near_tie_model(arch: str, dtype=torch.float32, spread: float = 0.8):
     their size: bf16 rounding then reorders them (16% of tokens flip between fp32 and bf16 autocast on qwen3_moe)."""
     model = tiny_model(arch)
     common = torch.randn(1, model.config.hidden_size, generator=torch.Generator().manual_seed(1)) * spread
-    with torch.no_grad():
-        for router in moe_layout(model).routers.values():
-            router.weight.add_(common)
+    weights = [router.weight for router in moe_layout(model).routers.values()]
+    gathered = contextlib.nullcontext()
+    if any(hasattr(w, "ds_id") for w in weights):  # built under ZeRO-3's zero.Init (a second trainer in a process)
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters(weights, modifier_rank=0)
+    with torch.no_grad(), gathered:
+        for weight in weights:
+            weight.add_(common)
     return model.to(dtype)
 
 
