@@ -8,6 +8,7 @@
     grpo-ratio probe layers ...      # writes DIR/calibration.json for RatioGRPOConfig(guided_fp32_layers=...)
     grpo-ratio probe calibrate --target 0.01 ...
     grpo-ratio probe controls | greedy | invariance ...
+    grpo-ratio probe routes --model tiny:qwen3_moe   # MoE route flips: decode vs prefill, fp32 vs bf16
 
 `train` and `compare` are `grpo_ratio/scripts/`; each probe is one module `grpo_ratio/probes/<name>.py` with its own
 `add_arguments` and `run`, writing `DIR/<probe>.json` and `DIR/<probe>.md` (and a PNG where a plot helps).
@@ -24,14 +25,14 @@ from pathlib import Path
 import torch
 
 
-PROBES = ("batch", "ladder", "layers", "calibrate", "controls", "greedy", "invariance")
+PROBES = ("batch", "ladder", "layers", "calibrate", "controls", "greedy", "invariance", "routes")
 
 
 def _probe_modules() -> dict:
-    from .probes import batch, calibrate, controls, greedy, invariance, ladder, layers
+    from .probes import batch, calibrate, controls, greedy, invariance, ladder, layers, routes
 
     modules = {"batch": batch, "ladder": ladder, "layers": layers, "calibrate": calibrate, "controls": controls,
-               "greedy": greedy, "invariance": invariance}
+               "greedy": greedy, "invariance": invariance, "routes": routes}
     return {name: modules[name] for name in PROBES}
 
 

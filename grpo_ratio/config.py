@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
+from .routing.replay import ROUTING_REPLAY_MODES  # noqa: F401  (re-exported: the allowed `routing_replay` values)
+
 
 # The groups of `old_logprob_mode` values (`grpo_ratio.plan.RunPlan` resolves what each means for a run):
 # TRL's own old pass: the policy at its training precision, TRL's numbers bit for bit
@@ -193,6 +195,16 @@ class RatioGRPOConfig(GRPOConfig):
         Without vLLM, pass the recorded log-probs to TRL as `sampling_per_token_logps` (TRL's
         `off_policy_mask_threshold` reads them). Off: TRL's loss is unchanged.
 
+    > Parameters that control MoE routing replay
+
+    routing_replay (`str`, *optional*, defaults to `"none"`):
+        Which expert routes a mixture-of-experts policy replays (`grpo_ratio.routing`, docs/moe.md): `"none"` (stock
+        TRL: every pass routes itself; the routes are only measured, `ratio/route/*`), `"R2"` (the old pass's routes
+        in every update forward of that generation: GSPO arXiv 2507.18071, slime `--use-routing-replay`) or `"R3"`
+        (the sampler's routes, recorded during `generate` or returned by vLLM colocate, in the old pass and every
+        update: arXiv 2510.11370, Megatron-LM `moe_enable_routing_replay`). Only the top-k expert indices are
+        replayed; the gate weights come from the live router logits, so the router keeps training.
+
     > Parameters that control the ratio diagnostics
 
     ratio_diagnostics (`bool`, *optional*, defaults to `True`):
@@ -283,6 +295,16 @@ class RatioGRPOConfig(GRPOConfig):
             "the ratio/* diagnostics read the recorded log-probs either way."
         },
     )
+    routing_replay: str = field(
+        default="none",
+        metadata={
+            "help": "MoE routing replay: 'none' (stock TRL; routes only measured as ratio/route/*), 'R2' (the old "
+            "pass's expert routes replayed in every update forward of that generation) or 'R3' (the sampler's routes, "
+            "from generate or vLLM colocate, replayed in the old pass and every update). Only the top-k indices are "
+            "replayed; gate weights come from the live router logits.",
+            "choices": list(ROUTING_REPLAY_MODES),
+        },
+    )
     ratio_diagnostics: bool = field(
         default=True,
         metadata={"help": "Log ratio/* metrics (out-of-band rates, quantiles, clip flips) next to reward."},
@@ -354,6 +376,7 @@ class RatioGRPOConfig(GRPOConfig):
             raise ValueError(f"clip_flip_every must be an integer >= 0 (0 = never), got {self.clip_flip_every!r}")
         self._check_truncation()
         self._check_sampler_mode()
+        self._check_routing_replay()
         if self.sampler_logprobs_in_loss and not self.record_sampler_logprobs:
             raise ValueError("sampler_logprobs_in_loss=True needs record_sampler_logprobs=True (the log-probs it hands "
                              "to TRL are the recorded ones)")
@@ -405,6 +428,31 @@ class RatioGRPOConfig(GRPOConfig):
                           "log-probs are the sampler's, so TRL's importance-sampling ratio old/sampler is 1 by "
                           "construction", stacklevel=3)
             self.vllm_importance_sampling_correction = False
+
+    def _check_routing_replay(self) -> None:
+        """Config-only checks of `routing_replay` (the model's family and the generation backend are checked when the
+        trainer starts: `grpo_ratio.plan`, `grpo_ratio.routing`).
+
+        Raises:
+            ValueError: a value outside `ROUTING_REPLAY_MODES`; R2 with `old_logprob_mode="sampler"` (no old pass
+                whose routes could be replayed; verl refuses R2 with its bypass mode, volcengine/verl#7805); R3 with
+                vLLM server mode (TRL's `/v1/completions` client does not return vLLM's `routed_experts`) or vLLM
+                tensor parallelism > 1 (the captured outputs would hold other ranks' rows).
+        """
+        mode = self.routing_replay
+        if mode not in ROUTING_REPLAY_MODES:
+            raise ValueError(f"routing_replay={mode!r} is not allowed; allowed: {', '.join(ROUTING_REPLAY_MODES)}")
+        if mode == "R2" and self.old_logprob_mode == SAMPLER_MODE:
+            raise ValueError("routing_replay='R2' replays the old pass's routes, but old_logprob_mode='sampler' runs "
+                             "no old pass (verl refuses R2 with its bypass mode for the same reason); use "
+                             "routing_replay='R3' (the sampler's routes) or a precision mode")
+        if mode == "R3" and self.use_vllm and self.vllm_mode != "colocate":
+            raise ValueError("routing_replay='R3' with vllm_mode='server': TRL's client calls vLLM's /v1/completions, "
+                             "whose response carries no routed_experts; use vllm_mode='colocate' (the engine returns "
+                             "them with enable_return_routed_experts) or transformers generate")
+        if mode == "R3" and self.use_vllm and self.vllm_tensor_parallel_size != 1:
+            raise ValueError(f"routing_replay='R3' with vLLM colocate supports vllm_tensor_parallel_size=1, got "
+                             f"{self.vllm_tensor_parallel_size}")
 
     def _check_truncation(self) -> None:
         """Config-only checks of `truncation_correction` against the generation backend and the sampling fields.

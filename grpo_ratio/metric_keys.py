@@ -109,14 +109,57 @@ SINGLE_KEYS = {
     IS_MASKED_SEQ_FRAC: KeyInfo(_IS_MASK, "share of sequences (partly) removed"),
 }
 
-# every key the diagnostics can emit
-TABLE: dict[str, KeyInfo] = {k: v for family in FAMILIES for k, v in family.keys().items()} | SINGLE_KEYS
+# MoE route agreement (grpo_ratio.routing.replay.RouteTally): two pairs, each with three fixed keys and one key per
+# MoE layer, `ratio/route/<pair>/layer_<i>` (absolute decoder-layer index i)
+ROUTE_PREFIX = f"{PREFIX}/route"
+ROUTE_PAIRS = {
+    "sampler_old": ("an MoE policy, ratio_diagnostics on, sampler routes recorded (generate, or vLLM under R3)",
+                    "sampler vs old pass (or the first update where no old pass runs)"),
+    "old_new": ("an MoE policy, ratio_diagnostics on, an old pass ran", "old pass vs every update forward"),
+}
+ROUTE_STATS = {
+    "any_layer": "share of tokens whose top-k expert set differs at one layer at least, routes the pass used",
+    "native_any_layer": "the same for the routes its routers chose themselves (what replay overrode)",
+    "num_tokens": "tokens routed on both sides at one MoE layer at least (all processes)",
+}
+
+
+def route_key(pair: str, stat: str) -> str:
+    """`ratio/route/{pair}/{stat}`; stat one of `ROUTE_STATS` or `layer_<i>`. Raises KeyError otherwise."""
+    if pair not in ROUTE_PAIRS or not (stat in ROUTE_STATS or _is_layer_stat(stat)):
+        raise KeyError(f"no route key {pair!r}/{stat!r}; pairs {', '.join(ROUTE_PAIRS)}, stats "
+                       f"{', '.join(ROUTE_STATS)} or layer_<i>")
+    return f"{ROUTE_PREFIX}/{pair}/{stat}"
+
+
+def _is_layer_stat(stat: str) -> bool:
+    return stat.startswith("layer_") and stat[len("layer_"):].isdigit()
+
+
+ROUTE_KEYS = {route_key(pair, stat): KeyInfo(present, f"{what}: {meaning}")
+              for pair, (present, what) in ROUTE_PAIRS.items() for stat, meaning in ROUTE_STATS.items()}
+# the per-layer keys, one pattern row per pair (`known` accepts every layer index)
+ROUTE_LAYER_ROWS = {f"{ROUTE_PREFIX}/{pair}/layer_<i>": KeyInfo(present, f"{what}: share of tokens whose top-k set "
+                                                                       f"differs at MoE layer i, routes used")
+                    for pair, (present, what) in ROUTE_PAIRS.items()}
+
+# every key the diagnostics can emit (the per-layer route keys: `known`)
+TABLE: dict[str, KeyInfo] = ({k: v for family in FAMILIES for k, v in family.keys().items()} | SINGLE_KEYS
+                             | ROUTE_KEYS)
+
+
+def known(key: str) -> bool:
+    """Whether the diagnostics can emit `key`: a key of `TABLE`, or a per-layer route key."""
+    if key in TABLE:
+        return True
+    parts = key.split("/")
+    return len(parts) == 4 and parts[:2] == [PREFIX, "route"] and parts[2] in ROUTE_PAIRS and _is_layer_stat(parts[3])
 
 
 def render() -> str:
     """The table as markdown (docs/metrics.md, "Every key")."""
     lines = ["| key | present when | meaning |", "| --- | --- | --- |"]
-    lines += [f"| `{key}` | {info.present} | {info.meaning} |" for key, info in TABLE.items()]
+    lines += [f"| `{key}` | {info.present} | {info.meaning} |" for key, info in (TABLE | ROUTE_LAYER_ROWS).items()]
     return "\n".join(lines)
 
 

@@ -16,6 +16,8 @@ question (`plan.corrects`, `plan.anchor_is_sampler`, ...) instead of comparing c
 | `record_generate` | whether `generate` rollouts run under the recorder | `record_sampler_logprobs`, backend, sampling |
 | `sampler_in_loss` | the recorded sampler log-probs reach TRL's loss as `sampling_per_token_logps` | `sampler_logprobs_in_loss` |
 | `sampling` | the `SamplingSettings` generation uses (also the filter the `"recompute"` source re-applies, and the repetition penalty a correction re-applies) | backend, model |
+| `routing_replay` | `"none"`, `"R2"`, `"R3"` (`grpo_ratio.routing.replay`) | `routing_replay` |
+| `sampler_routes` | where the sampler's MoE routes come from: `"generate"` (recorded), `"vllm"` (`routed_experts`), `"none"` | `routing_replay`, `ratio_diagnostics`, backend |
 
 To add a setting (routing replay, an IS correction): add a field with a default that means "off", resolve it in
 `RunPlan.resolve` (one line, or one `_resolve_*` function that also raises the start-up refusals of that setting),
@@ -72,6 +74,8 @@ class RunPlan:
     record_generate: bool = False
     sampler_in_loss: bool = False
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
+    routing_replay: str = "none"
+    sampler_routes: str = "none"
 
     @classmethod
     def resolve(cls, args, sampling: SamplingSettings, backend: str = GENERATE, multi_turn: bool = False,
@@ -84,7 +88,8 @@ class RunPlan:
         Raises:
             ValueError: `old_logprob_mode="sampler"` with continuous batching (no sampler log-probs); a truncation
                 correction, `sampler_logprobs_in_loss` or the sampler arm with beam search or greedy decoding (no
-                per-token sampling distribution); recorded kept sets with multi-turn `generate` (turns not stitched).
+                per-token sampling distribution); recorded kept sets with multi-turn `generate` (turns not stitched);
+                `routing_replay="R3"` where the sampler's routes cannot be had (`_resolve_sampler_routes`).
         Warns (UserWarning): `record_sampler_logprobs` on with beam search or greedy decoding (nothing recorded).
         """
         mode = args.old_logprob_mode
@@ -104,6 +109,8 @@ class RunPlan:
             record_generate=_resolve_record_generate(args, sampling, backend),
             sampler_in_loss=args.sampler_logprobs_in_loss,
             sampling=sampling,
+            routing_replay=args.routing_replay,
+            sampler_routes=_resolve_sampler_routes(args, sampling, backend, multi_turn),
         )
 
     # -- questions the hooks ask ----------------------------------------------------------------------------------
@@ -154,6 +161,11 @@ class RunPlan:
         correction; `grpo_ratio.processors.RepetitionPenalty`)."""
         return self.sampling.repetition_penalty if self.corrects else 1.0
 
+    @property
+    def replays_routes(self) -> bool:
+        """An MoE routing replay is on (`R2` or `R3`)."""
+        return self.routing_replay != "none"
+
     def corrected_logps(self, full: torch.Tensor, on_kept: torch.Tensor) -> torch.Tensor:
         """The trainer's log-probs (B, T) as the correction wants them: over the kept sets (`on_kept`) under
         `renormalize`, else the full-vocabulary ones (`full`)."""
@@ -195,3 +207,26 @@ def _check_sampled(args, sampling: SamplingSettings, recording: bool) -> None:
         raise ValueError(f"{' / '.join(needs)} need sampled rollouts, but generation uses num_beams="
                          f"{sampling.num_beams}, do_sample={sampling.do_sample} (generation_kwargs); set "
                          f"truncation_correction='none' and old_logprob_mode to a precision mode, or sample")
+
+
+def _resolve_sampler_routes(args, sampling: SamplingSettings, backend: str, multi_turn: bool) -> str:
+    """Where the sampler's MoE routes come from: `"vllm"` (colocate `routed_experts`, asked of the engine under R3
+    only), `"generate"` (recorded, under R3 or for the `ratio/route/*` diagnostics) or `"none"`.
+
+    Raises:
+        ValueError: R3 with continuous batching (it runs no forward the routers' hooks can see token by token), with
+            beam search (the beams reorder the rows between decoding steps) or with multi-turn `generate` (each tool
+            turn is a separate generate call; their routes are not stitched).
+    """
+    r3 = args.routing_replay == "R3"
+    if backend == VLLM:
+        return "vllm" if r3 else "none"
+    why = ("transformers continuous batching (its batches are not the trainer's rows)" if backend == CONTINUOUS_BATCHING
+           else f"beam search (num_beams={sampling.num_beams} reorders the rows)" if sampling.num_beams > 1
+           else "tools or environment_factory (each turn is a separate generate call)" if multi_turn else None)
+    if why is not None:
+        if r3:
+            raise ValueError(f"routing_replay='R3' needs the sampler's routes, which are not recorded with {why}; use "
+                             f"routing_replay='R2' or generate single-turn rollouts by sampling")
+        return "none"
+    return "generate" if r3 or args.ratio_diagnostics else "none"

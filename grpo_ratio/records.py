@@ -7,7 +7,9 @@ One GRPO step, and who writes and reads what (TRL 1.16's call order):
 ```
 _generate_and_score_completions          creates GenerationRecord (one per generation batch and mode)
     _generate_single_turn                    writes .recorded, and .kept when the sampler's sets are used
-                                             (the generate recording's first turn, or vLLM's masks)
+                                             (the generate recording's first turn, or vLLM's masks);
+                                             RoutingReplay writes .routes (the sampler's MoE routes, then the
+                                             old pass's; grpo_ratio.routing.replay)
     _get_per_token_logps_and_entropies       TRL's old pass: replaced by the scoring mode, or measured;
                                              `_keep_old_sets` writes .old_log_kept_mass, and recomputed .kept /
                                              .kept_added; the scoring mode writes .fallback_rows
@@ -28,11 +30,12 @@ Shapes: B = rows of the local generation batch, b = rows of a micro-batch, T = c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .kept_sets import KeptSets
+from .routing.replay import GenerationRoutes
 
 
 @dataclass
@@ -53,6 +56,8 @@ class GenerationRecord:
         old_log_kept_mass (`torch.Tensor | None`, (B, T) fp32): log M_old, the old policy's log mass on the kept
             sets (0 on padding), when a correction is on.
         fallback_rows (`int`): `fp16_clone` rows re-scored in fp32 in this batch's old pass.
+        routes (`GenerationRoutes`): an MoE policy's routes of this batch, (B, P+T, L, k) int16: the sampler's and
+            the old pass's. Written by the trainer's `RoutingReplay` only; empty for a dense model.
     """
 
     mode: str
@@ -62,6 +67,7 @@ class GenerationRecord:
     kept_added: torch.Tensor | None = None
     old_log_kept_mass: torch.Tensor | None = None
     fallback_rows: int = 0
+    routes: GenerationRoutes = field(default_factory=GenerationRoutes)
 
 
 @dataclass

@@ -53,6 +53,20 @@ SUMMARY_KEYS = {
     keys.NEW_OLD.num_tokens: "valid tokens measured per update",
 }
 
+# MoE policies (issue 21, docs/moe.md): route agreement, and the fields `route_findings` reads
+ROUTE_SUMMARY_KEYS = {
+    keys.route_key("sampler_old", "any_layer"): "MoE sampler vs old: share of tokens routed to another top-k set "
+                                                "(routes used)",
+    keys.route_key("sampler_old", "native_any_layer"): "MoE sampler vs old: the trainer's routers' own choice "
+                                                       "(what R3 overrides)",
+    keys.route_key("old_new", "any_layer"): "MoE old vs updates: share routed to another top-k set (routes used)",
+    keys.route_key("old_new", "native_any_layer"): "MoE old vs updates: the update routers' own choice (what R2 / "
+                                                   "R3 override)",
+}
+SUMMARY_KEYS |= ROUTE_SUMMARY_KEYS
+RUN_FIELDS += tuple(f for f in ("routing_replay", "num_iterations") if f not in RUN_FIELDS)
+ROUTE_FLIP_LIMIT = 0.01  # share of tokens routed differently (any layer) above which a route finding is written
+
 
 @dataclass
 class Finding:
@@ -153,6 +167,45 @@ def findings(stats: dict, config: dict | None = None) -> list[Finding]:
                            "some updates had no valid completion token (every completion masked, e.g. "
                            "mask_truncated_completions with completions that never end)",
                            "raise max_completion_length, or mask_truncated_completions=False"))
+    return out
+
+
+def route_findings(stats: dict, config: dict | None = None) -> list[Finding]:
+    """The route-agreement rules of docs/reading.md (MoE policies, `ratio/route/*`): a pair of passes that routes more
+    than `ROUTE_FLIP_LIMIT` of the tokens differently without replay gets the `routing_replay` that removes it (R3 for
+    sampler vs old, R2 or R3 for old vs new; R2 never with `old_logprob_mode="sampler"`, volcengine/verl#7805); a
+    replayed pair that is not exactly 0 is reported as a fault. Never suggests the run's own `routing_replay`.
+    `config`: the run's configuration when known (`RUN_FIELDS`), else the rules read the logged keys only."""
+    config = config or {}
+    replay, out = config.get("routing_replay"), []
+    sampler_old = _mean(stats, keys.route_key("sampler_old", "any_layer"))
+    old_new = _mean(stats, keys.route_key("old_new", "any_layer"))
+    replayed = {"R3": ("sampler_old", "old_new"), "R2": ("old_new",)}.get(replay, ())
+    for pair, value in (("sampler_old", sampler_old), ("old_new", old_new)):
+        if pair in replayed and value is not None and value > 0:
+            out.append(Finding(keys.route_key(pair, "any_layer"), value,
+                               f"routing_replay={replay!r} replays these routes, so the share must be exactly 0: some "
+                               "forward ran outside the replay session (a forward of your own, or a bug)",
+                               "nothing to change in the config; file an issue with the run's log history"))
+    if sampler_old is not None and sampler_old > ROUTE_FLIP_LIMIT and "sampler_old" not in replayed:
+        out.append(Finding(keys.route_key("sampler_old", "any_layer"), sampler_old,
+                           "the sampler and the trainer's old pass route this share of tokens to another top-k set "
+                           "of experts at one MoE layer at least (decode with a KV cache vs one batched pass, another "
+                           "precision or kernel): a flipped expert moves the token's log-prob by a jump no precision "
+                           "mode removes, and old/sampler carries it",
+                           "routing_replay='R3' (the sampler's routes in the old pass and every update; int16 routes "
+                           "of every layer x top_k per token, docs/moe.md)"))
+    if old_new is not None and old_new > ROUTE_FLIP_LIMIT and not replayed:
+        iterations = config.get("num_iterations")
+        why = ("the updates after the first move the routers (num_iterations > 1)" if iterations and iterations > 1
+               else "the training forward runs in another precision or batch shape than the old pass, or the "
+                    "routers moved between updates")
+        options = ["routing_replay='R2' (the old pass's routes in every update)"]
+        options = options if config.get("old_logprob_mode") != "sampler" else []
+        options.append("routing_replay='R3' (the sampler's routes everywhere: also removes sampler vs old)")
+        out.append(Finding(keys.route_key("old_new", "any_layer"), old_new,
+                           f"the old pass and the update forwards route this share of tokens to other experts: {why}; "
+                           "PPO's clip counts every route flip as policy change", "; or ".join(options)))
     return out
 
 
@@ -291,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for name, history, config in runs:
         stats = summarize_history(history)
-        results.append((name, stats, findings(stats, config), config))
+        results.append((name, stats, findings(stats, config) + route_findings(stats, config), config))
     if args.json:
         print(json.dumps([{"run": n, "config": c, "summary": s, "findings": [asdict(f) for f in fs]}
                           for n, s, fs, c in results], indent=1))

@@ -317,6 +317,25 @@ class VLLMOutputCapture:
 
         llm.generate = capturing_generate
 
+    def routed_experts(self, num_rows: int) -> tuple[list, list[int]]:
+        """The MoE routes of the captured completions (vLLM `enable_return_routed_experts`): per completion, in TRL's
+        order, `CompletionOutput.routed_experts` (an int array (seq_len - 1, num_layers, top_k), or None) and the
+        length of its prompt (`RequestOutput.prompt_token_ids`). Keeps the outputs (`kept_sets` reads them too).
+
+        Raises:
+            RuntimeError: nothing captured, or the row count differs from TRL's completions.
+        """
+        if self.outputs is None:
+            raise RuntimeError("grpo_ratio: no vLLM outputs captured for this generation batch")
+        routes, lengths = [], []
+        for request in self.outputs:
+            for completion in request.outputs:
+                routes.append(completion.routed_experts)
+                lengths.append(len(request.prompt_token_ids))
+        if len(routes) != num_rows:
+            raise RuntimeError(f"grpo_ratio: vLLM returned {len(routes)} completions, TRL kept {num_rows}")
+        return routes, lengths
+
     def kept_sets(self, num_rows: int) -> KeptSets:
         """KeptSets of the captured completions (one row per CompletionOutput, in TRL's order).
 

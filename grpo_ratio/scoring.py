@@ -270,6 +270,10 @@ class OldLogprobScorer:
         copy_storage: how a whole-model copy (`fp16_clone`; `fp32_clone` on bf16/fp16 weights) is held: `"resident"`
             (a `ModuleCopy`, refreshed after each optimizer step) or `"per_layer"` (a `PerLayerCast`: each module's
             weights cast just before it runs, nothing kept). Both give bitwise equal log-probs.
+        route_hooks: a `grpo_ratio.routing.RouteHooks` on an MoE policy: every copy this scorer runs (a whole-model
+            copy or shadow, an fp32 decoder layer) is attached to it, so a replay session reaches the copy's routers
+            (R3 under `fp32_clone` replays the sampler's routes), and the fp16 fallback re-scores its rows with their
+            own routes.
 
     Copies are built lazily, only when the policy's weights are not already in the dtype a mode needs:
     `fp32_clone` on fp32 weights and `fp32_head`/`guided_fp32` on fp32 weights use no copy at all (they run the
@@ -284,7 +288,7 @@ class OldLogprobScorer:
 
     def __init__(self, model: nn.Module, mode: str, layers: Iterable[int] | None = None,
                  policy_autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
-                 sharded: ShardedPolicy | None = None, copy_storage: str = "resident"):
+                 sharded: ShardedPolicy | None = None, copy_storage: str = "resident", route_hooks=None):
         if mode not in PRECISION_MODES:
             raise ValueError(f"old_logprob_mode={mode!r} is not a precision mode (a forward pass); allowed: "
                              f"{', '.join(PRECISION_MODES)}")
@@ -318,6 +322,8 @@ class OldLogprobScorer:
             self.layers = check_layer_indices(layers, len(anatomy.layers))
             self._anatomy = anatomy
         self._copies: dict[int, ModuleCopy] = {}  # id(source module) -> copy
+        self.route_hooks = route_hooks
+        self._chunk_start = 0  # first row of the chunk being scored (the fp16 fallback's rows are the chunk's)
 
     # -- contexts --------------------------------------------------------------------------------------------------
 
@@ -339,7 +345,23 @@ class OldLogprobScorer:
         key = id(module)
         if key not in self._copies or self._copies[key].dtype != dtype:
             self._copies[key] = ModuleCopy(module, dtype, whole_model=whole_model)
-        return self._copies[key].get(version)
+        copy = self._copies[key].get(version)
+        self._attach_routes(copy, None if whole_model else module)
+        return copy
+
+    def _attach_routes(self, runner: nn.Module, source: nn.Module | None) -> None:
+        """Let a replay session reach the routers of what runs in place of the policy: a whole-model copy
+        (`source` None) or what runs decoder layer `source` (a copy, or a ZeRO-3 fp32 runner's skeleton)."""
+        if self.route_hooks is None or runner is self.model or runner is source:
+            return
+        target = runner.__dict__.get("skeleton", runner)  # sharding_zero3.MasterFP32Runner runs its skeleton
+        if source is None:
+            self.route_hooks.attach(target)
+            return
+        layers = model_anatomy(self.model).layers
+        index = next((i for i, layer in enumerate(layers) if layer is source), None)
+        if index is not None:  # the final norm and the head hold no router
+            self.route_hooks.attach(target, layer=index)
 
     def copies(self) -> list[ModuleCopy]:
         """The copies built so far (empty when the mode runs on the policy's own weights); sharded: the shadows,
@@ -365,6 +387,7 @@ class OldLogprobScorer:
         """Whole forward in `dtype` outside autocast: the policy itself when its weights are already `dtype`."""
         if self.sharded is not None:
             with self.sharded.whole_model(dtype, version) as model, self._no_autocast():
+                self._attach_routes(model, None)
                 return self._forward(model, input_ids, attention_mask, logits_to_keep)
         if self.weight_dtype == dtype:
             model, casts = self.model, contextlib.nullcontext(self.model)
@@ -383,7 +406,9 @@ class OldLogprobScorer:
         """(runner, output dtype) running `module` in fp32: the module itself where its fp32 weights are at hand."""
         if self.sharded is not None:
             out_dtype = None if feeds_fp32 or self.hidden_dtype == torch.float32 else self.hidden_dtype
-            return self.sharded.fp32_runner(module), out_dtype
+            runner = self.sharded.fp32_runner(module)
+            self._attach_routes(runner, module)
+            return runner, out_dtype
         if self.weight_dtype == torch.float32:
             return module, None  # fp32 weights: just leave autocast; no copy, no cast back
         return self._copy_of(module, torch.float32, version), None if feeds_fp32 else self.weight_dtype
@@ -471,12 +496,21 @@ class OldLogprobScorer:
         if (n_bad if self.sharded is None else self.sharded.sum_over_ranks(n_bad)) == 0:
             return logps, 0, logits
         rows = bad.nonzero().squeeze(1) if n_bad else torch.zeros(1, dtype=torch.long, device=bad.device)
-        logits32 = self._logits_full(torch.float32, input_ids[rows], attention_mask[rows], logits_to_keep, version)
+        with self._route_rows(rows):  # a replay session serves these rows their own routes
+            logits32 = self._logits_full(torch.float32, input_ids[rows], attention_mask[rows], logits_to_keep,
+                                         version)
         if n_bad:
             logps[rows] = completion_logprobs_from_logits(logits32, completion_ids[rows], temperature)
             logits = logits.float()
             logits[rows] = logits32.float()
         return logps, n_bad, logits
+
+    def _route_rows(self, rows: torch.Tensor):
+        """Within the block, a replay session's forward takes the chunk's rows `rows` (indices into the whole batch
+        this `score` call scores)."""
+        if self.route_hooks is None:
+            return contextlib.nullcontext()
+        return self.route_hooks.serving_rows(rows + self._chunk_start)
 
     # -- public ------------------------------------------------------------------------------------------------------
 
@@ -510,6 +544,7 @@ class OldLogprobScorer:
         with deterministic, sharding:
             for start in range(0, input_ids.size(0), batch_size):
                 sl = slice(start, start + batch_size)
+                self._chunk_start = start
                 rows = kept if not isinstance(kept, KeptSets) else kept.select_rows(
                     range(sl.start, min(sl.stop, input_ids.size(0))))
                 logps, n, kept_logps = self._chunk_logprobs(input_ids[sl], attention_mask[sl], logits_to_keep,

@@ -11,11 +11,17 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV3Config,
+    Glm4MoeConfig,
     GPT2Config,
     GPTNeoXConfig,
+    GraniteMoeConfig,
     LlamaConfig,
+    MixtralConfig,
+    OlmoeConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
 )
@@ -30,6 +36,9 @@ _CORPUS = [
 ]
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt_neox", "qwen3_moe")
+# one tiny model per MoE family that routing replay supports (grpo_ratio.routing.families); the DeepSeek-V3-style
+# ones (sigmoid router, bias, group-limited top-k) have a dense first layer (`first_k_dense_replace=1`)
+MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "granitemoe", "olmoe", "deepseek_v3", "glm4_moe")
 
 
 def tiny_tokenizer(vocab_size: int = 300, pad_is_eos: bool = False) -> PreTrainedTokenizerFast:
@@ -81,11 +90,39 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 300, tie_word_embeddings:
         cfg = Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
                              num_experts_per_tok=2, decoder_sparse_step=1, **common)
+    elif arch in MOE_ARCHITECTURES:
+        return _tiny_moe_config(arch, common, overrides)
     else:
-        raise ValueError(f"Unknown tiny architecture {arch!r}; allowed: {', '.join(ARCHITECTURES)}, gpt2")
+        raise ValueError(f"Unknown tiny architecture {arch!r}; allowed: {', '.join(ARCHITECTURES + MOE_ARCHITECTURES)}, "
+                         f"gpt2")
     for k, v in overrides.items():
         setattr(cfg, k, v)
     return cfg
+
+
+def _tiny_moe_config(arch: str, common: dict, overrides: dict):
+    """2 layers, 4 experts, top-2 (3 layers, 8 experts in 4 or 2 groups for the DeepSeek-V3-style routers, the first
+    layer dense). `overrides` go to the config's constructor, so derived fields (`layer_types`) follow them."""
+    attention = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    deepseek = dict(intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                    n_shared_experts=1, first_k_dense_replace=1, hidden_size=64, num_hidden_layers=3,
+                    num_attention_heads=4)
+    configs = {
+        "qwen2_moe": (Qwen2MoeConfig, dict(intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+                                           shared_expert_intermediate_size=32, num_experts_per_tok=2,
+                                           decoder_sparse_step=1, **attention)),
+        "mixtral": (MixtralConfig, dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, head_dim=16,
+                                        **attention)),
+        "granitemoe": (GraniteMoeConfig, dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                                              **attention)),
+        "olmoe": (OlmoeConfig, dict(intermediate_size=32, num_experts=4, num_experts_per_tok=2, **attention)),
+        "deepseek_v3": (DeepseekV3Config, dict(n_group=4, topk_group=2, kv_lora_rank=16, q_lora_rank=None,
+                                               qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                                               num_key_value_heads=4, **deepseek)),  # multi-head latent attention
+        "glm4_moe": (Glm4MoeConfig, dict(n_group=2, topk_group=1, head_dim=16, num_key_value_heads=2, **deepseek)),
+    }
+    config_class, kwargs = configs[arch]
+    return config_class(**(kwargs | common | overrides))
 
 
 def tiny_model(arch: str = "qwen2", seed: int = 0, dtype: torch.dtype = torch.float32, **config_kwargs):

@@ -13,6 +13,9 @@ The only changes w.r.t. `trl.GRPOTrainer` (1.16):
    `sampler_logprobs_in_loss=True`, so by default TRL's loss, metrics and checkpoints are stock TRL's.
 3. Truncated-sampling correction (`truncation_correction`): old, new and sampler log-probs on one support.
 4. Ratio diagnostics (`ratio/*` metrics, docs/metrics.md), logged in the same step as the reward.
+5. MoE routing replay (`routing_replay`, `grpo_ratio.routing`): the sampler's (R3) or the old pass's (R2) expert
+   routes replayed in the trainer's forwards; on an MoE policy the routes are measured (`ratio/route/*`) by default,
+   which changes no number TRL computes.
 
 Wrapped TRL methods (each calls `super()`; none is copied): `_generate_and_score_completions`,
 `_generate_single_turn`, `_get_per_token_logps_and_entropies`, `_compute_loss`. State passes between them only
@@ -54,6 +57,7 @@ from .rollouts import (
     settings_from_generation_config,
     vllm_engine_kwargs,
 )
+from .routing.replay import RoutingReplay
 from .scoring import OldLogprobScorer
 from .sharding import check_sharded_mode, engine_of, sharded_policy
 from .sharding_fsdp2 import fp32_logprob_output
@@ -92,6 +96,8 @@ class RatioGRPOTrainer(GRPOTrainer):
             )
         # vLLM's sampling masks need an engine flag, so this one fact of the plan is needed before TRL builds the engine
         engine_kwargs = {"return_sampling_mask": True} if kept_set_origin(args) == VLLM_MASKS else {}
+        if args.use_vllm and args.routing_replay == "R3":  # the engine returns each row's routes (vLLM #28284)
+            engine_kwargs["enable_return_routed_experts"] = True
         if args.vllm_dtype is not None:
             engine_kwargs["dtype"] = args.vllm_dtype  # TRL passes none to its colocate engine
         if args.vllm_lm_head_fp32:  # vLLM's LM head projection in fp32 (ModelConfig.head_dtype)
@@ -105,7 +111,10 @@ class RatioGRPOTrainer(GRPOTrainer):
         fused_fallback = self._fused_head_fallback() if args.old_logprob_mode == "fp32_head" else None
         self.plan = RunPlan.resolve(args, self._sampling_settings(policy), self._backend(), multi_turn, fused_fallback)
         say_fused_head(self.plan)  # fp32_head: fused or not, and why, once
-        self._vllm_capture = VLLMOutputCapture(self.vllm_generation.llm) if self.plan.vllm_masks else None
+        # the MoE policy's routes: replayed (R2/R3) and measured (ratio/route/*); inactive for a dense policy
+        self.routing = RoutingReplay(policy, args.routing_replay, measure=args.ratio_diagnostics)
+        capture = self.plan.vllm_masks or self.plan.sampler_routes == VLLM
+        self._vllm_capture = VLLMOutputCapture(self.vllm_generation.llm) if capture else None
         self._lint(policy)
         # copies are refreshed whenever the policy's weights may have changed (copies.WeightsVersion)
         self.weights_version = WeightsVersion()
@@ -135,7 +144,7 @@ class RatioGRPOTrainer(GRPOTrainer):
             self._scorer = OldLogprobScorer(policy, self.plan.scorer_mode, layers=self.args.guided_fp32_layer_ids,
                                             policy_autocast=self.accelerator.autocast,
                                             sharded=sharded_policy(self.accelerator, policy),
-                                            copy_storage=self.args.copy_storage)
+                                            copy_storage=self.args.copy_storage, route_hooks=self.routing.hooks)
         return self._scorer
 
     def _fused_head_fallback(self) -> str | None:
@@ -217,6 +226,9 @@ class RatioGRPOTrainer(GRPOTrainer):
         if self.plan.corrects:
             # a row index that TRL shuffles and splits with the batch: micro-batches find their rows' kept sets
             output["kept_row_index"] = torch.arange(output["completion_ids"].size(0), device=self.accelerator.device)
+        if self.routing.active:  # the sampler's routes in TRL's layout; micro-batches find their rows' routes
+            generation.routes.finish(output["prompt_mask"], output["completion_mask"])
+            output["route_row_index"] = torch.arange(output["completion_ids"].size(0), device=self.accelerator.device)
         if self.plan.anchor_is_sampler:
             output["old_per_token_logps"] = self._sampler_anchor(output)
         if self.scorer is not None and "old_per_token_logps" not in output and not self.plan.fused_head:
@@ -259,10 +271,30 @@ class RatioGRPOTrainer(GRPOTrainer):
         if generation is None:  # called outside a generation batch (not by TRL 1.16): nothing to record
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
                                                  has_tool_images)
-        if self._vllm_capture is not None:  # vLLM colocate with a truncation correction: keep the sampling masks
+        with self._recording_routes(generation, prompt_ids):
+            return self._generate_recorded(generation, prompt_ids, images, multimodal_fields, num_generations,
+                                           has_tool_images)
+
+    def _recording_routes(self, generation, prompt_ids):
+        """The MoE policy's routes while `generate` decodes (R3's sampler routes, and `ratio/route/sampler_old`),
+        over the prompts left-padded as TRL pads them for `generate`."""
+        if self.plan.sampler_routes != GENERATE or not self.routing.active:
+            return contextlib.nullcontext()
+        from trl.trainer.utils import pad
+
+        prompt_mask = pad([torch.ones(len(p), dtype=torch.long) for p in prompt_ids], padding_value=0,
+                          padding_side="left", pad_to_multiple_of=self.pad_to_multiple_of)  # (B, Pg)
+        return self.routing.recording_generate(generation.routes, prompt_mask)
+
+    def _generate_recorded(self, generation, prompt_ids, images, multimodal_fields, num_generations,
+                           has_tool_images):
+        if self._vllm_capture is not None:  # vLLM colocate: keep the sampling masks and/or the routes
             completion_ids, logprobs = super()._generate_single_turn(prompt_ids, images, multimodal_fields,
                                                                      num_generations, has_tool_images)
-            generation.kept = self._vllm_capture.kept_sets(len(completion_ids))
+            if self.plan.sampler_routes == VLLM:
+                self.routing.expect_vllm(generation.routes, *self._vllm_capture.routed_experts(len(completion_ids)))
+            if self.plan.vllm_masks:
+                generation.kept = self._vllm_capture.kept_sets(len(completion_ids))
             return completion_ids, logprobs
         if not self.plan.record_generate:
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
@@ -310,7 +342,8 @@ class RatioGRPOTrainer(GRPOTrainer):
         """(B, T) fp32 old log-probs from the scoring mode, in TRL's chunking, with copies synced at this step
         (over the kept sets under `renormalize`); records log M_old and the fp16 fallback rows in `generation`."""
         kept = self._kept_rows(generation, None, input_ids.size(0), logits_to_keep)
-        with torch.no_grad(), self._no_gradient_checkpointing():
+        with torch.no_grad(), self._no_gradient_checkpointing(), self._old_pass_routes(generation, attention_mask,
+                                                                                       logits_to_keep):
             result = self.scorer.score(
                 input_ids, attention_mask, logits_to_keep,
                 temperature=self.temperature, batch_size=batch_size, version=self.weights_version.value, kept=kept,
@@ -327,7 +360,7 @@ class RatioGRPOTrainer(GRPOTrainer):
         if generation.old_log_kept_mass is None:  # no old pass ran (on-policy bf16): one no-grad pass measures M
             input_ids, attention_mask, T, batch_size = self._scoring_inputs(output, generation.mode)
             kept = self._kept_rows(generation, None, input_ids.size(0), T)
-            with torch.no_grad(), self._no_gradient_checkpointing():
+            with torch.no_grad(), self._no_gradient_checkpointing(), self._old_pass_routes(generation, attention_mask, T):
                 *_, on_kept = self._policy_logps(self.model, input_ids, attention_mask, T, batch_size, kept)
             self._keep_old_sets(generation, on_kept)
         valid = output["completion_mask"].bool()  # (B, T)
@@ -361,11 +394,17 @@ class RatioGRPOTrainer(GRPOTrainer):
             self._check_text_only(args, kwargs)
             return self._score_old(generation, input_ids, attention_mask, logits_to_keep, batch_size), None, None
         kept = self._kept_rows(generation, micro_batch, input_ids.size(0), logits_to_keep)
+        if is_old_pass:  # TRL's own old pass (bf16): R3 replays the sampler's routes, R2 keeps its routes
+            routes = self._old_pass_routes(generation, attention_mask, logits_to_keep)
+        elif micro_batch is not None:  # the training forward: R3/R2 replay at the micro-batch's rows
+            routes = self._update_routes(generation, micro_batch, attention_mask, logits_to_keep)
+        else:  # the reference pass, or a call outside TRL's steps: the routers route themselves
+            routes = contextlib.nullcontext()
         fused = micro_batch is not None and self.plan.fused_head
         if fused:
             self._check_text_only(args, kwargs)
         capture = capture_norm_inputs(self.accelerator.unwrap_model(model)) if fused else contextlib.nullcontext()
-        with capture as norm_inputs:
+        with routes, capture as norm_inputs:
             logps, entropies, aux, on_kept = self._policy_logps(model, input_ids, attention_mask, logits_to_keep,
                                                                  batch_size, kept, *args, **kwargs)
         if fused:  # TRL's `_compute_loss` reads the micro-batch's old log-probs after this call returns
@@ -375,6 +414,28 @@ class RatioGRPOTrainer(GRPOTrainer):
         if micro_batch is not None:
             self._keep_training_forward(micro_batch, logps, on_kept)
         return logps, entropies, aux
+
+    def _old_pass_routes(self, generation, attention_mask, logits_to_keep: int):
+        """The routing session of an old pass over the whole generation batch (`RoutingReplay.old_pass`)."""
+        if generation is None or not self.routing.active:
+            return contextlib.nullcontext()
+        T = logits_to_keep
+        return self.routing.old_pass(generation.routes, attention_mask[:, :-T], attention_mask[:, -T:])
+
+    def _update_routes(self, generation, micro_batch, attention_mask, logits_to_keep: int):
+        """The routing session of a training forward over a micro-batch (`RoutingReplay.update_forward`)."""
+        if generation is None or not self.routing.active or "route_row_index" not in micro_batch.inputs:
+            return contextlib.nullcontext()
+        T = logits_to_keep
+        first_inner = self.model.training and self._first_inner_step()
+        return self.routing.update_forward(generation.routes, micro_batch.inputs["route_row_index"],
+                                           attention_mask[:, :-T], attention_mask[:, -T:], first_inner)
+
+    def _first_inner_step(self) -> bool:
+        """This micro-step is in the first optimizer update of its generation (the weights that generated it)."""
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        micro_step = self._step % generate_every  # position in this generation's cycle (before the increment)
+        return micro_step < min(self.args.gradient_accumulation_steps, self.args.steps_per_generation)
 
     @staticmethod
     def _check_text_only(args, kwargs) -> None:
@@ -495,13 +556,11 @@ class RatioGRPOTrainer(GRPOTrainer):
         return loss
 
     def _update_diagnostics(self, micro_batch: MicroBatchRecord) -> None:
-        generate_every = self.args.steps_per_generation * self.num_iterations
-        micro_step = self._step % generate_every  # position in this generation's cycle (before the increment)
-        first_inner = micro_step < min(self.args.gradient_accumulation_steps, self.args.steps_per_generation)
-        if first_inner and micro_batch.train_logps is not None:
+        if self._first_inner_step() and micro_batch.train_logps is not None:
             self.diagnostics.update(micro_batch, mode_is_policy=self.plan.anchor_is_policy)
         if (self._step + 1) % self.current_gradient_accumulation_steps == 0:  # last micro-step of this update
-            for key, value in self.diagnostics.flush().items():
+            routes = self.routing.metrics(lambda v: self.accelerator.reduce(v, "sum"), self.accelerator.device)
+            for key, value in (self.diagnostics.flush() | routes).items():
                 self._metrics["train"][key].append(value)
 
 

@@ -277,3 +277,32 @@ def test_a_copy_of_a_tied_model_keeps_one_embedding():
     embedding_bytes = model.model.embed_tokens.weight.numel() * 2  # fp16
     assert copy_.num_bytes() == sum(p.numel() for p in model.parameters()) * 2  # one embedding, not two
     assert embedding_bytes > 0 and torch.equal(module.lm_head.weight, model.lm_head.weight.half())
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# an MoE policy: routes measured by default, nothing TRL computes changes
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_moe_defaults_equal_stock_trl_loss_metrics_and_checkpoints(tmp_path, arch):
+    # the default routing_replay="none" measures the routes (ratio/route/*: hooks on every router, recording in
+    # generate, TRL's old pass and the updates) and must leave TRL's loss, metrics and checkpoint bit for bit
+    from safetensors.torch import load_file
+    from trl import GRPOTrainer
+
+    runs, checkpoints = [], []
+    for cls in (GRPOTrainer, None):
+        out = tmp_path / ("stock" if cls else "ratio")
+        trainer = tiny_trainer(out, "bf16", model=tiny_model(arch), trainer_cls=cls, max_steps=3,
+                               num_iterations=2, steps_per_generation=2, gradient_checkpointing=True,
+                               save_strategy="steps", save_steps=3)
+        trainer.train()
+        runs.append([{k: v for k, v in row.items() if not k.startswith("ratio/") and k not in (
+            "step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")}
+            for row in trainer.state.log_history])
+        checkpoints.append(load_file(str(out / "checkpoint-3" / "model.safetensors")))
+    assert len(runs[0]) == 4 and runs[0] == runs[1]
+    assert checkpoints[0].keys() == checkpoints[1].keys()
+    assert all(torch.equal(checkpoints[0][k], checkpoints[1][k]) for k in checkpoints[0])
+    routed = [row for row in trainer.state.log_history if "ratio/route/old_new/num_tokens" in row]
+    assert routed and trainer.routing.active  # the routes were measured on the way

@@ -280,6 +280,43 @@ def test_controls_probe_on_tiny_model(tmp_path, capsys):
     assert "2 x --batch-size" in capsys.readouterr().err
 
 
+def test_controls_probe_counts_route_flips_on_an_moe_model(tmp_path):
+    rc = main(["probe", "controls", "--model", "tiny:qwen3_moe", "--max-new-tokens", "6", "--no-progress",
+               "--num-prompts", "8", "--batch-size", "4", "--out", str(tmp_path)])
+    assert rc == 0
+    r = json.loads((tmp_path / "controls.json").read_text())["results"]
+    flips = {k: v["route_flips"] for k, v in r.items()}
+    # B: 8 rows of (prompt + 6) real positions, no padding; every position but each row's last one counts
+    info = json.loads((tmp_path / "controls.json").read_text())["info"]
+    assert info["model_type"] == "qwen3_moe"
+    b_positions = flips["B_equal_length_no_pad"]["tokens"]
+    assert b_positions % 8 == 0 and b_positions > 8 * 5
+    assert flips["C_same_sequence_x8"]["tokens"] == 4 * b_positions // 8  # 4 copies of sequence 0
+    # D on CPU: transformers' experts compute each row independently of its batch: no route moves
+    assert flips["D_two_groupings"]["any_differ"] == 0 and flips["D_two_groupings"]["tokens"] == b_positions
+    assert set(flips["A_padded_ragged"]["per_layer"]) == {"0", "1"}
+    assert "routes flipped (any layer)" in (tmp_path / "controls.md").read_text()
+
+
+def test_routes_probe_counts_flips_on_an_moe_model_and_refuses_dense(tmp_path, capsys):
+    rc = main(["probe", "routes", "--model", "tiny:deepseek_v3", "--max-new-tokens", "12", "--no-progress",
+               "--num-prompts", "8", "--out", str(tmp_path)])
+    assert rc == 0
+    payload = json.loads((tmp_path / "routes.json").read_text())
+    r = payload["results"]
+    assert payload["moe_layers"] == [1, 2] and payload["top_k"] == 2  # layer 0 dense (first_k_dense_replace)
+    tokens = {res["tokens"] for res in r.values()}
+    assert len(tokens) == 1 and tokens.pop() > 8 * 12  # the same scored positions in every pair
+    # the tiny DeepSeek-V3 router's logits are near ties: bf16 autocast (its F.linear runs in bf16) flips some
+    assert r["fp32_vs_bf16_autocast"]["any_differ"] > 0
+    for res in r.values():
+        assert set(res["per_layer"]) == {"1", "2"}
+        assert res["any_layer"] == res["any_differ"] / res["tokens"]
+        assert max(res["per_layer"].values()) <= res["any_layer"] <= sum(res["per_layer"].values())
+    assert main(["probe", "routes", *TINY, "--out", str(tmp_path)]) == 2
+    assert "no MoE layers" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # the real model
 

@@ -12,6 +12,7 @@ Method (the batch-logprob-gap report, github.com/GuoCheng24/batch-logprob-gap, s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import dataclass
@@ -38,16 +39,21 @@ class ProbeError(ValueError):
 
 
 def load_model(name: str, dtype: torch.dtype = torch.float32):
-    """(model, tokenizer) in eval mode: `tiny` = a random 2-layer Qwen2 (V = 300) and its tokenizer, else
+    """(model, tokenizer) in eval mode: `tiny` = a random 2-layer Qwen2 (V = 300) and its tokenizer, `tiny:ARCH` the
+    same for another tiny architecture (`grpo_ratio.testing`: e.g. `tiny:qwen3_moe`, `tiny:mixtral`), else
     `grpo_ratio.models.resolve_model(name, dtype)` (local directory, hub id, or the SmolLM2 GGUF fallback).
 
     Raises:
         ProbeError: the model cannot be found or read (the message says what was tried).
     """
-    if name == TINY:
+    if name == TINY or name.startswith(TINY + ":"):
         from ..testing import tiny_model, tiny_tokenizer
 
-        model, tokenizer = tiny_model("qwen2", dtype=dtype), tiny_tokenizer()
+        try:
+            model = tiny_model(name.partition(":")[2] or "qwen2", dtype=dtype)
+        except ValueError as err:
+            raise ProbeError(f"--model {name!r}: {err}") from None
+        tokenizer = tiny_tokenizer()
     else:
         from ..models import resolve_model
 
@@ -128,13 +134,15 @@ class Completions:
     """Sampled completions in TRL's layout: prompts left-padded, completions right-padded.
 
     input_ids (B, P+T) int64, attention_mask (B, P+T) 0/1 (prompt mask, then the completion mask up to and including
-    the first EOS, as TRL builds it), valid (B, T) bool (`valid_token_mask`), T = logits_to_keep.
+    the first EOS, as TRL builds it), valid (B, T) bool (`valid_token_mask`), T = logits_to_keep; routes (B, P+T, L,
+    k) int16: an MoE model's routes recorded while decoding (`sample_completions(route_hooks=...)`), else None.
     """
 
     input_ids: torch.Tensor  # (B, P+T)
     attention_mask: torch.Tensor  # (B, P+T)
     valid: torch.Tensor  # (B, T)
     logits_to_keep: int
+    routes: torch.Tensor | None = None  # (B, P+T, L, k)
 
     @property
     def num_tokens(self) -> int:
@@ -151,7 +159,8 @@ class Completions:
 
     def rows(self, idx) -> Completions:
         """The rows `idx` (a list or slice), same T."""
-        return Completions(self.input_ids[idx], self.attention_mask[idx], self.valid[idx], self.logits_to_keep)
+        routes = None if self.routes is None else self.routes[idx]
+        return Completions(self.input_ids[idx], self.attention_mask[idx], self.valid[idx], self.logits_to_keep, routes)
 
 
 def eos_ids(model, tokenizer) -> list[int]:
@@ -174,13 +183,15 @@ def completion_mask_trl(completion_ids: torch.Tensor, eos: list[int]) -> torch.T
 
 @torch.no_grad()
 def sample_completions(model, tokenizer, prompts: list[str], max_new_tokens: int, seed: int, *, gsm8k: bool = False,
-                       fixed_length: bool = False, batch_size: int = 8) -> Completions:
+                       fixed_length: bool = False, batch_size: int = 8, route_hooks=None) -> Completions:
     """Sample one completion per prompt with `model.generate` (do_sample, temperature 1.0, top_k 0, top_p 1.0) under
     `torch.manual_seed(seed)`, in batches of `batch_size` left-padded prompts, and lay them out as TRL does.
 
     `fixed_length=True` is the report's equal-length control (`pad_control.py`): prompts left-truncated to the shortest
     prompt length, EOS disabled and exactly `max_new_tokens` tokens, so nothing is padded.
     The sampling dtype does not matter to the measurement (the tokens are then fixed); use fp32 weights on CPU.
+    With `route_hooks` (a `grpo_ratio.routing.RouteHooks` on `model`) the routes chosen while decoding are kept in
+    `Completions.routes`, laid out as the completions.
     """
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
@@ -196,15 +207,34 @@ def sample_completions(model, tokenizer, prompts: list[str], max_new_tokens: int
     if fixed_length:
         gen_kwargs.update(min_new_tokens=max_new_tokens, eos_token_id=None)
     torch.manual_seed(seed)
-    prompt_rows, completion_rows = [], []
+    prompt_rows, completion_rows, decoded = [], [], []
     for start in range(0, len(enc), batch_size):
         chunk = tokenizer.pad({"input_ids": enc[start:start + batch_size]}, return_tensors="pt")
-        out = model.generate(**chunk, **gen_kwargs)  # (b, P_chunk + T_chunk)
+        with route_hooks.recording() if route_hooks is not None else contextlib.nullcontext() as recording:
+            out = model.generate(**chunk, **gen_kwargs)  # (b, P_chunk + T_chunk)
+        if recording is not None:  # (b, P_chunk + T_chunk - 1, L, k) in generate's layout
+            decoded.append((recording.decode(), chunk["attention_mask"]))
         P = chunk["input_ids"].size(1)
         for i in range(out.size(0)):
             prompt_rows.append(chunk["input_ids"][i][chunk["attention_mask"][i].bool()])
             completion_rows.append(out[i, P:])
-    return layout_trl(prompt_rows, completion_rows, tokenizer.pad_token_id, eos, fixed_length)
+    data = layout_trl(prompt_rows, completion_rows, tokenizer.pad_token_id, eos, fixed_length)
+    if decoded:
+        data.routes = _decoded_routes(data, decoded, batch_size)
+    return data
+
+
+def _decoded_routes(data: Completions, decoded: list, batch_size: int) -> torch.Tensor:
+    """(B, P+T, L, k) int16: each generate chunk's routes laid out as `data` (grpo_ratio.routing.relayout_routes)."""
+    from ..routing import relayout_routes
+
+    P = data.input_ids.size(1) - data.logits_to_keep
+    parts = []
+    for n, (routes, prompt_mask) in enumerate(decoded):
+        rows = slice(n * batch_size, n * batch_size + routes.size(0))
+        parts.append(relayout_routes(routes, prompt_mask, data.attention_mask[rows, :P],
+                                     data.attention_mask[rows, P:]))
+    return torch.cat(parts)
 
 
 def layout_trl(prompt_rows: list[torch.Tensor], completion_rows: list[torch.Tensor], pad_id: int, eos: list[int],

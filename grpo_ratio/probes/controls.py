@@ -10,6 +10,11 @@ Four comparisons, all with the model's weights cast to one dtype (default bf16) 
   alone suffices;
 - D two groupings of one batch: 2 x 8 sequences of B scored as rows (0..7), (8..15) and as (0, 2, .., 14),
   (1, 3, .., 15). D > 0 means batch membership matters (the report found this only for MoE routing).
+
+On an MoE model (`grpo_ratio.routing`) each control also counts route flips: the share of scored tokens whose top-k
+expert set differs between the two scorings at any layer (`probe routes`). Membership acts on an MoE model through its
+routes: a D log-prob gap with D route flips is the membership channel; D flips of 0 mean the experts' kernels do not
+depend on which rows share a batch (transformers' experts on CPU).
 """
 
 from __future__ import annotations
@@ -19,43 +24,70 @@ import copy
 import torch
 from tqdm.auto import tqdm
 
+from ..routing import RouteHooks, moe_layout
 from . import common
 from .batch import score_native, score_native_alone
 from .common import Completions, compare, pct_ci
+from .routes import flips, recorded, routes_alone
 
 
-def regrouped(model, data: Completions, batch_size: int) -> torch.Tensor:
+def regrouped(model, data: Completions, batch_size: int, hooks=None):
     """(B, T) log-probs with the rows grouped by stride 2 (even rows, then odd rows) into batches of `batch_size`,
-    returned in the original row order."""
+    returned in the original row order; with `hooks` (an MoE model's `RouteHooks`) also the (B, P+T, L, k) routes in
+    the original row order (else None)."""
     B = data.input_ids.size(0)
     order = torch.cat([torch.arange(0, B, 2), torch.arange(1, B, 2)])  # (B,)
-    logps = score_native(model, data.rows(order), batch_size)  # (B, T) in `order`
+    logps, recording = recorded(hooks, lambda: score_native(model, data.rows(order), batch_size))  # in `order`
     out = torch.empty_like(logps)
     out[order] = logps
-    return out
+    if recording is None:
+        return out, None
+    routes = torch.empty_like(recording.used())
+    routes[order] = recording.used()
+    return out, routes
+
+
+def _batch_vs_alone(model, data: Completions, batch_size: int, hooks) -> dict:
+    """compare(batch of `batch_size`, each row alone), with the route flips between the two on an MoE model."""
+    batch, batch_rec = recorded(hooks, lambda: score_native(model, data, batch_size))
+    alone, alone_rec = recorded(hooks, lambda: score_native_alone(model, data))
+    result = compare(batch, alone, data.valid)
+    if hooks is not None:
+        result["route_flips"] = flips(batch_rec.used(), routes_alone(alone_rec, data), data)
+    return result
 
 
 def run_controls(model, padded: Completions, equal: Completions, batch_size: int = 8, progress: bool = True) -> dict:
     """The four controls on `model` in its own dtype; `padded` and `equal` hold >= 2 * batch_size sequences.
 
     Returns:
-        {"A_padded_ragged", "B_equal_length_no_pad", "C_same_sequence_x8", "D_two_groupings"}: compare(...) each.
+        {"A_padded_ragged", "B_equal_length_no_pad", "C_same_sequence_x8", "D_two_groupings"}: compare(...) each,
+        plus "route_flips" (`probe routes`' `flips`) on an MoE model.
     """
+    layout = moe_layout(model)
+    hooks = RouteHooks(model) if layout is not None else None
     results = {}
     with tqdm(total=4, desc="controls", disable=not progress) as bar:
-        results["A_padded_ragged"] = compare(score_native(model, padded, batch_size),
-                                             score_native_alone(model, padded), padded.valid)
+        results["A_padded_ragged"] = _batch_vs_alone(model, padded, batch_size, hooks)
         bar.update()
-        results["B_equal_length_no_pad"] = compare(score_native(model, equal, batch_size),
-                                                   score_native_alone(model, equal), equal.valid)
+        results["B_equal_length_no_pad"] = _batch_vs_alone(model, equal, batch_size, hooks)
         bar.update()
         copies = equal.rows([0] * batch_size)  # (batch_size, P+T): one sequence repeated
-        alone = score_native_alone(model, equal.rows([0])).expand(batch_size, -1)  # (batch_size, T)
-        results["C_same_sequence_x8"] = compare(score_native(model, copies, batch_size), alone, copies.valid)
+        together, together_rec = recorded(hooks, lambda: score_native(model, copies, batch_size))
+        alone, alone_rec = recorded(hooks, lambda: score_native_alone(model, equal.rows([0])))
+        results["C_same_sequence_x8"] = compare(together, alone.expand(batch_size, -1), copies.valid)
+        if hooks is not None:
+            alone_routes = routes_alone(alone_rec, equal.rows([0])).expand(batch_size, -1, -1, -1)
+            results["C_same_sequence_x8"]["route_flips"] = flips(together_rec.used(), alone_routes, copies)
         bar.update()
-        results["D_two_groupings"] = compare(regrouped(model, equal, batch_size),
-                                             score_native(model, equal, batch_size), equal.valid)
+        grouped, grouped_routes = regrouped(model, equal, batch_size, hooks)
+        in_order, in_order_rec = recorded(hooks, lambda: score_native(model, equal, batch_size))
+        results["D_two_groupings"] = compare(grouped, in_order, equal.valid)
+        if hooks is not None:
+            results["D_two_groupings"]["route_flips"] = flips(grouped_routes, in_order_rec.used(), equal)
         bar.update()
+    if hooks is not None:
+        hooks.remove()
     return results
 
 
@@ -69,8 +101,16 @@ def markdown(payload: dict) -> str:
     lines = [(f"### controls: {info['model']} ({payload['dtype']}, {info['num_sequences']} sequences, "
              f"<= {info['max_new_tokens']} new tokens)"), "",
              "| control | tokens | OOB [95% CI] | max abs dlogp |", "|---|---|---|---|"]
+    moe = all("route_flips" in res for res in r.values())
+    if moe:  # the membership channel of an MoE model: its routes
+        lines[-2:] = ["| control | tokens | OOB [95% CI] | max abs dlogp | routes flipped (any layer) |",
+                      "|---|---|---|---|---|"]
     for key, res in r.items():
-        lines.append(f"| {LABELS[key]} | {res['num_tokens']} | {pct_ci(res)} | {res['max_abs_dlogp']:.2g} |")
+        row = f"| {LABELS[key]} | {res['num_tokens']} | {pct_ci(res)} | {res['max_abs_dlogp']:.2g} |"
+        if moe:
+            f = res["route_flips"]
+            row += f" {f['any_differ']} of {f['tokens']} |"
+        lines.append(row)
     lines += ["", ("Reading: B ~ A means padding is not the cause, B << A that it is; C > 0 means batch size alone "
                    "suffices; D > 0 means batch membership matters (the batch-logprob-gap report, on GPUs: B ~ A, "
                    "C > 0, D > 0 only under MoE routing)."), ""]
