@@ -96,7 +96,10 @@ def test_every_scoring_mode_replays_r3_routes(tmp_path, monkeypatch, mode, extra
                            routing_replay="R3", max_steps=1, **extra)
     trainer.train()
     log.assert_served_as_given(trainer.routing.hooks.layout.top_k)
-    old_pass = mode in ("fp32_clone", "fp16_clone", "fp32_head", "guided_fp32")
+    # fp32_head in TRL's on-policy default runs no old pass: its old log-probs come from the update's own forward
+    # (grpo_ratio.fused_head), which replays the sampler's routes, so the old side is on them too
+    assert trainer.plan.fused_head == (mode == "fp32_head")
+    old_pass = mode in ("fp32_clone", "fp16_clone", "guided_fp32")
     assert len(log.sessions) == (2 if old_pass else 1)  # (the old pass and) the update
     if old_pass:  # the old pass: the sampler's routes, rows in order
         assert torch.equal(log.sessions[0]["routes"], log.finished[0])
