@@ -1,13 +1,16 @@
 """`grpo-ratio report RUN_DIR`: read a run's (or a comparison's) logged ratio metrics and say what they mean.
 
     grpo-ratio report runs/smollm2-135m/arithmetic/fp32_clone          # a run: its log_history.json
-    grpo-ratio report runs/compare/arith-arms                          # a comparison: summary.json and every run
+    grpo-ratio report runs/compare/arith-arms                          # a comparison: every run, and the verdict
     grpo-ratio report path/to/log_history.json --json                  # machine-readable
+    grpo-ratio report --ranges results/arms_smollm2_arithmetic         # per-arm ranges (docs/reading.md's table)
+    grpo-ratio report --verdict results/arms_smollm2_arithmetic        # the comparison verdict only
 
-It prints, as markdown to paste into an issue, the per-metric summary (mean, first, last, min, max over the logged
-steps) and a list of findings: what is out of the healthy range (docs/reading.md), its likely cause, and the config
-change that addresses it. The rules read only logged keys; where the run's configuration is known (`run.json` of a
-comparison or of `grpo-ratio train`) they use it too.
+It prints, as markdown to paste into an issue, the run's configuration, the per-metric summary (mean, first, last,
+min, max over the logged steps) and the findings (`grpo_ratio.advice`): what is out of the healthy range, what is
+expected for the run's arm, the likely cause and a config change the run does not already have. For a comparison it
+adds the verdict of each arm against the baseline (`grpo_ratio.verdict`: paired by seed, with an interval, and the
+first step at which the arm's rollouts differ from the baseline's).
 """
 
 from __future__ import annotations
@@ -16,13 +19,21 @@ import argparse
 import json
 import statistics
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
+from .advice import Finding, findings
+from .verdict import RunSeries, Verdict, compare_arms, needs_text, run_series
 
-# what a run was configured with, written next to its log history (`run.json`, by `grpo-ratio train` and `compare`)
-RUN_FIELDS = ("old_logprob_mode", "guided_fp32_layers", "truncation_correction", "top_p", "top_k", "min_p",
-              "temperature", "bf16", "learning_rate", "max_steps", "per_device_train_batch_size", "num_generations")
+
+__all__ = ["Finding", "findings", "main", "run_config", "summarize_history", "load_runs", "render_comparison"]
+
+# what a run was configured with, written next to its log history (`run.json`, by `grpo-ratio train` and `compare`),
+# printed by the report and read by the findings (`grpo_ratio.advice`)
+RUN_FIELDS = ("old_logprob_mode", "guided_fp32_layers", "truncation_correction", "kept_set_source", "top_p", "top_k",
+              "min_p", "temperature", "bf16", "fp16", "use_vllm", "vllm_dtype", "vllm_importance_sampling_correction",
+              "num_iterations", "disable_dropout", "mask_truncated_completions", "max_completion_length",
+              "ratio_diagnostics", "learning_rate", "max_steps", "per_device_train_batch_size", "num_generations")
 
 
 def run_config(args) -> dict:
@@ -52,17 +63,6 @@ SUMMARY_KEYS = {
 }
 
 
-@dataclass
-class Finding:
-    """One thing out of the healthy range: `metric`, its `value`, the likely `cause` and the config `fix`."""
-
-    metric: str
-    value: float
-    cause: str
-    fix: str
-    severity: str = "warning"  # "warning": worth a change before a long run; "note": worth knowing
-
-
 def series(history: list[dict], key: str) -> list[float]:
     """The logged values of `key`, in step order (evaluation and summary rows excluded)."""
     return [row[key] for row in history if row.get(key) is not None and "train_runtime" not in row]
@@ -79,81 +79,6 @@ def summarize_history(history: list[dict]) -> dict[str, dict]:
     return out
 
 
-def _mean(stats: dict, key: str) -> float | None:
-    return stats[key]["mean"] if key in stats else None
-
-
-def findings(stats: dict, config: dict | None = None) -> list[Finding]:
-    """The rules of docs/reading.md applied to one run's summary (`summarize_history`). `config`: the run's
-    configuration when known (keys of `RatioGRPOConfig`), else the rules use the logged keys only."""
-    config = config or {}
-    mode = config.get("old_logprob_mode")
-    out = []
-    sampler_mean = _mean(stats, "ratio/old_sampler/mean")
-    corrected = "ratio/old_sampler_corrected/oob_rate" in stats
-    if sampler_mean is not None and sampler_mean < 0.97 and not corrected and mode != "sampler":
-        out.append(Finding("ratio/old_sampler/mean", sampler_mean,
-                           "old/sampler sits below 1 on average: the sampler's log-probs are renormalised over a kept "
-                           "set (top_p / top_k / min_p, possibly from the model's generation_config) while the "
-                           "trainer's are over the whole vocabulary; the ratio carries the kept mass",
-                           "truncation_correction='renormalize' (or 'lift_sampler')"))
-    corrected_oob = _mean(stats, "ratio/old_sampler_corrected/oob_rate")
-    if corrected_oob is not None and corrected_oob > 0.10:
-        out.append(Finding("ratio/old_sampler_corrected/oob_rate", corrected_oob,
-                           "after the correction old/sampler is still often out of band: sampler and trainer compute "
-                           "different numbers (another dtype, e.g. vLLM in bf16 against an fp32 trainer, or the bf16 "
-                           "batch-shape gap)",
-                           "vllm_dtype matching the trainer; an fp32 old_logprob_mode; or accept and keep the IS "
-                           "correction on"))
-    raw_oob = _mean(stats, "ratio/old_sampler/oob_rate")
-    if raw_oob is not None and raw_oob > 0.10 and not corrected and (sampler_mean is None or sampler_mean >= 0.97):
-        out.append(Finding("ratio/old_sampler/oob_rate", raw_oob,
-                           "old/sampler is often out of band without a systematic shift: sampler and trainer "
-                           "disagree numerically (precision, batch shape, another engine or dtype)",
-                           "match the sampler's dtype (vllm_dtype); score old log-probs in fp32 (old_logprob_mode="
-                           "'fp32_clone' or 'fp32_head'); or old_logprob_mode='sampler' to anchor the ratio on the "
-                           "sampler itself"))
-    new_old_oob = _mean(stats, "ratio/new_old/oob_rate")
-    if new_old_oob is not None and mode == "bf16" and new_old_oob > 0:
-        out.append(Finding("ratio/new_old/oob_rate", new_old_oob,
-                           "with old_logprob_mode='bf16' new/old is 1 at the first inner step when TRL reuses the "
-                           "training forward; tokens out of band mean TRL ran its own old pass and it differs: dropout "
-                           "(disable_dropout=False), or another batch shape in bf16",
-                           "disable_dropout=True; or an fp32 old_logprob_mode to see the precision gap explicitly"))
-    elif new_old_oob is not None and new_old_oob > 0.05:
-        out.append(Finding("ratio/new_old/oob_rate", new_old_oob,
-                           "the old log-probs and the training forward disagree before any update: the training "
-                           "forward runs at training precision (bf16 autocast) while the old log-probs do not, or "
-                           "dropout is on; PPO's clip treats this gap as policy change",
-                           "expected for fp32/fp16 arms under bf16 training: read ratio/clip_flip_rate to see whether "
-                           "it changes clip decisions; disable_dropout=True if dropout is on", "note"))
-    flips = _mean(stats, "ratio/clip_flip_rate")
-    if flips is not None and flips > 0.01:
-        out.append(Finding("ratio/clip_flip_rate", flips,
-                           "the choice of old log-probs changes the PPO-clip decision of more than 1% of tokens: the "
-                           "arm matters for the update, compare rewards over seeds before choosing",
-                           "grpo-ratio compare with 2+ seeds", "note"))
-    added = _mean(stats, "ratio/kept_set_added_rate")
-    if added is not None and added > 0.01:
-        out.append(Finding("ratio/kept_set_added_rate", added,
-                           "the kept sets recomputed from the trainer's logits often miss the token the sampler drew: "
-                           "the trainer's logits and the sampler's disagree at the top_p/top_k boundary",
-                           "kept_set_source='recorded' where the engine provides masks; match vllm_dtype"))
-    fallback = stats.get("ratio/fp16_fallback_rows")
-    if fallback is not None and fallback["max"] > 0:
-        out.append(Finding("ratio/fp16_fallback_rows", fallback["max"],
-                           "fp16 overflowed (activations past 65,504) and rows were re-scored in fp32",
-                           "old_logprob_mode='fp32_clone' if it happens often (each fallback costs an fp32 pass)",
-                           "note"))
-    tokens = stats.get("ratio/new_old/num_tokens")
-    if tokens is not None and tokens["min"] == 0:
-        out.append(Finding("ratio/new_old/num_tokens", 0.0,
-                           "some updates had no valid completion token (every completion masked, e.g. "
-                           "mask_truncated_completions with completions that never end)",
-                           "raise max_completion_length, or mask_truncated_completions=False"))
-    return out
-
-
 def _fmt(x: float) -> str:
     return f"{x:.4g}"
 
@@ -163,6 +88,9 @@ def render_run(name: str, stats: dict, found: list[Finding], config: dict | None
     lines = [f"### {name}", ""]
     if config:
         lines += [", ".join(f"{k}={v}" for k, v in config.items() if v is not None), ""]
+    else:
+        lines += ["Configuration unknown (no run.json): the findings read the logged keys only and cannot say what "
+                  "is expected for the run's arm.", ""]
     lines += ["| metric | what | mean | first | last | min | max |", "|---|---|---|---|---|---|---|"]
     for key, s in stats.items():
         lines.append(f"| `{key}` | {SUMMARY_KEYS[key]} | {_fmt(s['mean'])} | {_fmt(s['first'])} | {_fmt(s['last'])} "
@@ -171,40 +99,75 @@ def render_run(name: str, stats: dict, found: list[Finding], config: dict | None
     lines += ["", f"{steps} logged steps. " + ("Findings:" if found else "Nothing out of the healthy range "
                                                                           "(docs/reading.md).")]
     for f in found:
-        lines.append(f"- **{f.severity}** `{f.metric}` = {_fmt(f.value)}: {f.cause}. Try: {f.fix}.")
+        lead = "" if f.fix.startswith("nothing") else "Try: "
+        lines.append(f"- **{f.severity}** `{f.metric}` = {_fmt(f.value)}: {f.cause}. {lead}{f.fix[0].upper()}"
+                     f"{f.fix[1:]}.")
     return "\n".join(lines) + "\n"
 
 
-def separation(diff: float | None, k: int, noise: list[float | None], spread: list[float | None]) -> str:
-    """Whether an arm's last-k reward difference to the baseline exceeds the noise: "beyond noise", "within noise" or
-    "unknown". Noise floor: 2 sigma of a difference of two last-k means of independent steps, 2 * sqrt(2 / k) *
-    step noise (the larger of the two arms'), and the larger seed-to-seed spread where one was measured."""
-    known = [x for x in noise if x is not None]
-    if diff is None or not known:
-        return "unknown"
-    floor = max([2 * (2 / k) ** 0.5 * max(known), *(x for x in spread if x is not None)])
-    return "beyond noise" if abs(diff) > floor else "within noise"
+# ---------------------------------------------------------------------------------------------------------------------
+# the comparison verdict
 
 
-def render_comparison(summary: dict) -> str:
-    """Markdown: per arm its last-k reward difference to the baseline against the noise, and what a reader must
-    know before deciding (one seed, unmatched step-1 rollouts)."""
-    k, base, arms = summary["last_k_used"], summary["baseline"], summary["arms"]
-    lines = [f"### Comparison: reward over the last {k} logged steps, each arm against `{base}`", "",
-             "| arm | seeds | - " + base + " | step noise | seed spread | verdict |", "|---|---|---|---|---|---|"]
-    ref = arms.get(base, {})
-    for arm, stats in arms.items():
-        if arm == base:
-            continue
-        verdict = separation(stats["mean_diff_vs_baseline"], k, [stats["reward_step_noise"],
-                             ref.get("reward_step_noise")], [stats["spread"], ref.get("spread")])
-        cells = [stats["mean_diff_vs_baseline"], stats["reward_step_noise"], stats["spread"]]
-        lines.append(f"| {arm} | {stats['num_seeds']} | " + " | ".join("-" if x is None else _fmt(x) for x in cells)
-                     + f" | {verdict} |")
-    lines += ["", "Verdict: beyond noise when |difference| > 2 sqrt(2/k) x step noise and > the seed spread "
-                  "(docs/reading.md, Reading a comparison)."]
-    if min((a["num_seeds"] for a in arms.values()), default=0) < 2:
-        lines.append("- **note** one seed: the seed-to-seed spread is not measured; add seeds (--seeds 0 1) before "
+def _divergence_cell(divergence: dict) -> str:
+    cells = []
+    for seed, d in sorted(divergence.items(), key=lambda kv: int(kv[0])):
+        if d["step"] is None:
+            cells.append(f"s{seed}: none seen")
+        else:
+            cells.append(f"s{seed}: {'' if d['exact'] else '<= '}{d['step']}")
+    return ", ".join(cells) or "-"
+
+
+def _signed(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.3f}"
+
+
+def render_verdicts(verdicts: list, baseline: str, last_k: int) -> str:
+    """Markdown: per arm the mean paired last-k reward difference to `baseline`, its 95% interval and how it was
+    made, the first step of rollout divergence per seed, and the verdict; then why each verdict is what it is.
+
+    `verdicts`: `grpo_ratio.verdict.Verdict`s or their dicts (as stored in summary.json).
+    """
+    rows = [v if isinstance(v, dict) else asdict(v) for v in verdicts]
+    lines = [f"### Verdict: each arm against `{baseline}`, paired by seed (reward, last {last_k} logged steps)", "",
+             f"| arm | seeds | steps in window | - {baseline} | 95% interval | interval from | rollouts differ from "
+             f"{baseline} at step | verdict |", "|---|---|---|---|---|---|---|---|"]
+    for v in rows:
+        interval = "-" if v["interval"] is None else f"[{v['interval'][0]:+.3f}, {v['interval'][1]:+.3f}]"
+        lines.append(f"| {v['arm']} | {len(v['seeds'])} | {v['window']} | {_signed(v['estimate'])} | {interval} | "
+                     f"{v['method'] or '-'} | {_divergence_cell(v['divergence'])} | {v['verdict']} |")
+    lines.append("")
+    for v in rows:
+        if v["reason"]:
+            lines.append(f"- **{v['arm']}** ({v['verdict']}): {v['reason']}.")
+    exact = all(d["exact"] for v in rows for d in v["divergence"].values())
+    lines += ["", f"Paired: each difference is taken between runs of the same seed (same data order and sampling "
+                  f"RNG). The verdict {needs_text()}; 'not diverged yet' = every paired difference is exactly 0, "
+                  f"so there is no effect to measure yet (not the same as 'no effect'). Method and assumptions: "
+                  f"docs/reading.md, Reading a comparison."]
+    if not exact:
+        lines.append("Rollout divergence '<= N': these runs stored no per-step rollout fingerprints, so the step is "
+                     "the first at which a statistic of the rollouts (reward, completion lengths, token count) "
+                     "differs; the rollouts differ there or earlier.")
+    return "\n".join(lines) + "\n"
+
+
+def render_comparison(summary: dict, series_: list[RunSeries] | None = None) -> str:
+    """Markdown: the verdict (from `series_`, the runs' histories, when given; else the verdicts stored in
+    `summary`), and what a reader must know before deciding (one seed, unmatched step-1 rollouts)."""
+    k, base = summary["last_k_used"], summary["baseline"]
+    if series_:
+        order = list(summary.get("arms", {}))  # the comparison's arm order, not the folders' alphabetical one
+        series_ = sorted(series_, key=lambda r: (order.index(r.arm) if r.arm in order else len(order), r.seed))
+        verdicts = compare_arms(series_, base, summary.get("last_k", k))
+    else:
+        verdicts = summary.get("verdicts") or [
+            Verdict(arm, "unknown", [], 0, reason="summary.json without verdicts and no run histories beside it")
+            for arm in summary.get("arms", {}) if arm != base]
+    lines = [render_verdicts(verdicts, base, k)]
+    if min((a["num_seeds"] for a in summary.get("arms", {}).values()), default=0) < 2:
+        lines.append("- **note** one seed: the seed-to-seed spread is not measured; add seeds (--seeds 0 1 2) before "
                      "deciding on an arm.")
     unmatched = [s for s, ok in summary.get("matched_first_rollouts", {}).items() if not ok]
     if unmatched:
@@ -212,6 +175,66 @@ def render_comparison(summary: dict) -> str:
                      f"sample differently (top_p / top_k / min_p / temperature), so reward differences are not the "
                      f"scoring arm's alone.")
     return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# per-arm ranges over committed runs (docs/reading.md)
+
+RANGE_KEYS = {  # key -> (column, as percent)
+    "ratio/new_old/oob_rate": ("new/old OOB", True),
+    "ratio/new_old/p1": ("new/old p1", False),
+    "ratio/new_old/p99": ("new/old p99", False),
+    "ratio/old_sampler/oob_rate": ("old/sampler OOB", True),
+    "ratio/old_sampler/mean": ("old/sampler mean", False),
+    "ratio/clip_flip_rate": ("clip flips", True),
+}
+
+
+def arm_ranges(runs: list[tuple[str, list[dict]]]) -> dict[str, dict]:
+    """Per arm, over all its runs (seeds) and logged steps, for each `RANGE_KEYS` key: the mean of the run means and
+    the smallest and largest per-step value. `runs`: (arm, log history) pairs."""
+    out: dict[str, dict] = {}
+    for arm, history in runs:
+        entry = out.setdefault(arm, {"runs": 0, "steps": 0, "keys": {}})
+        entry["runs"] += 1
+        entry["steps"] += len(series(history, "reward"))
+        for key in RANGE_KEYS:
+            values = series(history, key)
+            if values:
+                acc = entry["keys"].setdefault(key, {"run_means": [], "min": values[0], "max": values[0]})
+                acc["run_means"].append(statistics.fmean(values))
+                acc["min"], acc["max"] = min(acc["min"], *values), max(acc["max"], *values)
+    for entry in out.values():
+        for acc in entry["keys"].values():
+            acc["mean"] = statistics.fmean(acc.pop("run_means"))
+    return out
+
+
+def _range_cell(acc: dict | None, percent: bool) -> str:
+    if acc is None:
+        return "-"
+    f = (lambda x: f"{100 * x:.1f}%") if percent else (lambda x: f"{x:.3f}")
+    return f"{f(acc['mean'])} ({f(acc['min'])}–{f(acc['max'])})"
+
+
+def render_ranges(folders: list[Path]) -> str:
+    """Markdown: per arm of the comparison folders, each `RANGE_KEYS` metric as run mean (per-step min–max)."""
+    lines = []
+    for folder in folders:
+        runs = [(_arm_seed(name, path)[0], history) for name, history, _, path in _comparison_runs(folder)]
+        ranges = arm_ranges(runs)
+        lines += [f"`{folder}` ({len(runs)} runs): run mean (smallest–largest logged step).", "",
+                  "| arm | runs | steps | " + " | ".join(c for c, _ in RANGE_KEYS.values()) + " |",
+                  "|---" * (3 + len(RANGE_KEYS)) + "|"]
+        for arm, entry in ranges.items():
+            cells = [_range_cell(entry["keys"].get(k), pct) for k, (_, pct) in RANGE_KEYS.items()]
+            lines.append(f"| {arm} | {entry['runs']} | {entry['steps']} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# reading runs
 
 
 def _versions() -> str:
@@ -243,6 +266,11 @@ def _last_checkpoint_state(path: Path) -> Path | None:
     return max(states, key=lambda p: int(p.parent.name.rsplit("-", 1)[-1]), default=None)
 
 
+def _run_meta(path: Path) -> dict:
+    meta = path / "run.json"
+    return json.loads(meta.read_text()) if meta.is_file() else {}
+
+
 def load_runs(path: Path) -> list[tuple[str, list[dict], dict | None]]:
     """(name, log history, config or None) of: a run folder (`log_history.json`, else TRL's `trainer_state.json`
     in it or in its newest `checkpoint-N`), one of those files, or a comparison folder/its summary.json.
@@ -260,12 +288,8 @@ def load_runs(path: Path) -> list[tuple[str, list[dict], dict | None]]:
     history = next((p for p in (path / "log_history.json", path / "trainer_state.json") if p.is_file()), None)
     history = history or _last_checkpoint_state(path)
     if history is not None:
-        meta = path / "run.json"
-        config = json.loads(meta.read_text()).get("config") if meta.is_file() else None
-        return [(path.name, _read_history(history), config)]
-    runs = []
-    for sub in sorted(p for p in path.iterdir() if p.is_dir()):
-        runs += load_runs(sub) if (sub / "log_history.json").is_file() else []
+        return [(path.name, _read_history(history), _run_meta(path).get("config"))]
+    runs = [(name, h, c) for name, h, c, _ in _comparison_runs(path)]
     if not runs:
         raise FileNotFoundError(
             f"{path}: no log_history.json or trainer_state.json (a run's output_dir or one of its checkpoint-N "
@@ -274,18 +298,66 @@ def load_runs(path: Path) -> list[tuple[str, list[dict], dict | None]]:
     return runs
 
 
+def _comparison_runs(path: Path) -> list[tuple[str, list[dict], dict | None, Path]]:
+    """(name, history, config, folder) of every `<arm>-s<seed>/log_history.json` under a comparison folder."""
+    subs = sorted(p for p in path.iterdir() if (p / "log_history.json").is_file()) if path.is_dir() else []
+    return [(p.name, _read_history(p / "log_history.json"), _run_meta(p).get("config"), p) for p in subs]
+
+
+def _arm_seed(name: str, folder: Path) -> tuple[str, int]:
+    """(arm, seed) of a comparison run: from its run.json, else from its folder name `<arm>-s<seed>`."""
+    meta = _run_meta(folder)
+    if "arm" in meta and "seed" in meta:
+        return meta["arm"], int(meta["seed"])
+    arm, _, seed = name.rpartition("-s")
+    return (arm, int(seed)) if arm and seed.isdigit() else (name, 0)
+
+
+def comparison_series(path: Path) -> list[RunSeries]:
+    """`RunSeries` of every run of a comparison folder, with its rollout fingerprints when stored."""
+    out = []
+    for name, history, _, folder in _comparison_runs(path):
+        arm, seed = _arm_seed(name, folder)
+        prints = folder / "rollout_fingerprints.json"
+        fingerprints = json.loads(prints.read_text())["fingerprints"] if prints.is_file() else None
+        out.append(run_series(arm, seed, history, fingerprints))
+    return out
+
+
+def _comparison_summary(path: Path) -> dict | None:
+    """The `summary.json` of a comparison folder (or that file itself); None for a single run."""
+    path = path if path.name == "summary.json" else path / "summary.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="grpo-ratio report", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("path", help="a run's output_dir, its log_history.json or TRL's trainer_state.json (also in "
-                                     "checkpoint-N), or a comparison folder/summary.json")
+    parser.add_argument("path", nargs="+", help="a run's output_dir, its log_history.json or TRL's trainer_state.json "
+                                                "(also in checkpoint-N), or a comparison folder/summary.json")
     parser.add_argument("--json", action="store_true", help="print the summary and findings as JSON")
+    parser.add_argument("--ranges", action="store_true",
+                        help="print only the per-arm ranges of comparison folders (docs/reading.md)")
+    parser.add_argument("--verdict", action="store_true", help="print only the comparison verdict")
     args = parser.parse_args(argv)
+    paths = [Path(p) for p in args.path]
     try:
-        runs = load_runs(Path(args.path))
+        if args.ranges:
+            print(render_ranges(paths), end="")
+            return 0
+        runs = [run for p in paths for run in load_runs(p)]
     except (FileNotFoundError, ValueError) as err:  # json.JSONDecodeError is a ValueError
         print(f"grpo-ratio report: error: {err}", file=sys.stderr)
         return 2
+    summaries = [(p, s) for p in paths if (s := _comparison_summary(p)) and s.get("arms")]
+    if args.verdict:
+        if not summaries:
+            print(f"grpo-ratio report: error: --verdict needs a comparison folder (with summary.json), got "
+                  f"{', '.join(map(str, paths))}", file=sys.stderr)
+            return 2
+        for p, s in summaries:
+            print(render_comparison(s, comparison_series(p if p.is_dir() else p.parent)), end="")
+        return 0
     results = []
     for name, history, config in runs:
         stats = summarize_history(history)
@@ -294,16 +366,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps([{"run": n, "config": c, "summary": s, "findings": [asdict(f) for f in fs]}
                           for n, s, fs, c in results], indent=1))
         return 0
-    print(f"## grpo-ratio report: {args.path}\n\n{_versions()}\n")
+    print(f"## grpo-ratio report: {' '.join(args.path)}\n\n{_versions()}\n")
     for name, stats, found, config in results:
         print(render_run(name, stats, found, config))
-    summary = _comparison_summary(Path(args.path))
-    if summary and summary.get("arms"):
-        print(render_comparison(summary))
+    for p, s in summaries:
+        print(render_comparison(s, comparison_series(p if p.is_dir() else p.parent)))
     return 0
-
-
-def _comparison_summary(path: Path) -> dict | None:
-    """The `summary.json` of a comparison folder (or that file itself); None for a single run."""
-    path = path if path.name == "summary.json" else path / "summary.json"
-    return json.loads(path.read_text()) if path.is_file() else None
