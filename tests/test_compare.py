@@ -210,3 +210,21 @@ def test_summary_printed_to_a_log_file_is_never_cut(compare, tmp_path, capsys):
     assert "…" not in text and "a_rather_long_arm_label_for_a_column | 0 | 3 | 0.150 |" in text
     assert "| TRL clip |" in text and "### Verdict" in text and "needs >= 2 seeds" in text
     assert max(len(line) for line in text.splitlines()) > 140  # nothing was wrapped or cut to fit a width
+
+
+def test_comparison_plot_keeps_equal_arms_visible_and_legends_off_the_data(compare):
+    # the issue: arms whose lines equal the baseline's were hidden under it, and legends covered the data
+    from grpo_ratio.plots import comparison_styles, draw_runs
+
+    rows = [{"step": s, "reward": 0.1 * s, "ratio/new_old/oob_rate": 0.0} for s in (1, 2, 3)]
+    runs = [compare.RunResult(arm, 0, rows, [], [], "") for arm in ("bf16", "fp32_clone", "sampler")]
+    styles, offsets = comparison_styles(runs)
+    fig, drawn = draw_runs({f"{r.arm} s{r.seed}": r.history for r in runs}, "t", styles, offsets=offsets)
+    assert drawn == ["reward", "ratio/new_old/oob_rate"]
+    fig.canvas.draw()
+    for ax in fig.axes:
+        lines = ax.get_lines()
+        assert [ln.get_xdata()[0] for ln in lines] == pytest.approx([0.85, 1.0, 1.15])  # shifted apart
+        assert len({ln.get_marker() for ln in lines}) == 3 and {ln.get_markerfacecolor() for ln in lines} == {"none"}
+        legend, box = ax.get_legend().get_window_extent(), ax.get_window_extent()
+        assert legend.x0 >= box.x1  # right of the panel, not over it
