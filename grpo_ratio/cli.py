@@ -21,8 +21,6 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-
 
 PROBES = ("batch", "ladder", "layers", "calibrate", "controls", "greedy", "invariance")
 
@@ -52,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_probe(args) -> int:
+    import torch  # here, not at the top: `grpo-ratio report` and the config checks need no torch
+
     from .probes.common import ProbeError
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

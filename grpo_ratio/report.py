@@ -138,9 +138,12 @@ def render_verdicts(verdicts: list, baseline: str, last_k: int) -> str:
         lines.append(f"| {v['arm']} | {len(v['seeds'])} | {v['window']} | {_signed(v['estimate'])} | {interval} | "
                      f"{v['method'] or '-'} | {_divergence_cell(v['divergence'])} | {v['verdict']} |")
     lines.append("")
+    reasons: dict[tuple, list[str]] = {}  # one line per distinct (verdict, reason): six arms, one sentence
     for v in rows:
         if v["reason"]:
-            lines.append(f"- **{v['arm']}** ({v['verdict']}): {v['reason']}.")
+            reasons.setdefault((v["verdict"], v["reason"]), []).append(v["arm"])
+    for (verdict, reason), arms in reasons.items():
+        lines.append(f"- **{', '.join(arms)}** ({verdict}): {reason}.")
     exact = all(d["exact"] for v in rows for d in v["divergence"].values())
     lines += ["", f"Paired: each difference is taken between runs of the same seed (same data order and sampling "
                   f"RNG). The verdict {needs_text()}; 'not diverged yet' = every paired difference is exactly 0, "
@@ -186,6 +189,9 @@ RANGE_KEYS = {  # key -> (column, as percent)
     "ratio/new_old/p99": ("new/old p99", False),
     "ratio/old_sampler/oob_rate": ("old/sampler OOB", True),
     "ratio/old_sampler/mean": ("old/sampler mean", False),
+    "ratio/kept_mass_mean": ("kept mass", False),
+    "ratio/old_sampler_corrected/oob_rate": ("corrected old/sampler OOB", True),
+    "ratio/old_sampler_corrected/mean": ("corrected old/sampler mean", False),
     "ratio/clip_flip_rate": ("clip flips", True),
 }
 
@@ -214,20 +220,55 @@ def _range_cell(acc: dict | None, percent: bool) -> str:
     if acc is None:
         return "-"
     f = (lambda x: f"{100 * x:.1f}%") if percent else (lambda x: f"{x:.3f}")
+    if f(acc["min"]) == f(acc["max"]):  # one step, or a constant: one number
+        return f(acc["mean"])
     return f"{f(acc['mean'])} ({f(acc['min'])}–{f(acc['max'])})"
 
 
-def render_ranges(folders: list[Path]) -> str:
-    """Markdown: per arm of the comparison folders, each `RANGE_KEYS` metric as run mean (per-step min–max)."""
+def _setting_label(setting: dict) -> str:
+    """`bf16`, or `bf16, top_p=0.8, renormalize`: a benchmark run's arm and sampling (results/ratio_*.json)."""
+    parts = [setting.get("old_logprob_mode", "bf16")]
+    if "name" in setting:
+        parts.append(setting["name"])
+    if setting.get("truncation_correction", "none") != "none":
+        parts.append(setting["truncation_correction"])
+    return ", ".join(parts)
+
+
+def range_runs(source: Path) -> tuple[list[tuple[str, list[dict]]], str]:
+    """(label, log history) pairs of a committed result and how it was measured: a comparison folder
+    (`<arm>-s<seed>/`, label = arm) or a benchmark JSON of `benchmarks/ratio_smollm2.py` (label = arm and sampling).
+
+    Raises:
+        FileNotFoundError: neither.
+    """
+    if source.is_dir():
+        runs = [(_arm_seed(name, path)[0], history) for name, history, _, path in _comparison_runs(source)]
+        summary = _comparison_summary(source) or {}
+        order = list(summary.get("arms", {}))  # the comparison's arm order
+        runs.sort(key=lambda r: order.index(r[0]) if r[0] in order else len(order))
+        if runs:
+            return runs, summary.get("command", "")
+    elif source.is_file():
+        data = json.loads(source.read_text())
+        if isinstance(data, dict) and isinstance(data.get("runs"), list):
+            return [(_setting_label(r["setting"]), r["rows"]) for r in data["runs"]], data.get("config", "")
+    raise FileNotFoundError(f"{source}: neither a comparison folder nor a benchmarks/ratio_smollm2.py result")
+
+
+def render_ranges(sources: list[Path]) -> str:
+    """Markdown: per arm (and sampling) of each committed result, each `RANGE_KEYS` metric it logged, as the mean
+    of its run means and, in brackets, the smallest and largest logged step."""
     lines = []
-    for folder in folders:
-        runs = [(_arm_seed(name, path)[0], history) for name, history, _, path in _comparison_runs(folder)]
+    for source in sources:
+        runs, how = range_runs(source)
         ranges = arm_ranges(runs)
-        lines += [f"`{folder}` ({len(runs)} runs): run mean (smallest–largest logged step).", "",
-                  "| arm | runs | steps | " + " | ".join(c for c, _ in RANGE_KEYS.values()) + " |",
-                  "|---" * (3 + len(RANGE_KEYS)) + "|"]
+        keys = [k for k in RANGE_KEYS if any(k in e["keys"] for e in ranges.values())]
+        lines += [f"`{source}`" + (f" ({how})" if how else "") + ": run mean (smallest–largest logged step).", "",
+                  "| arm | runs | steps | " + " | ".join(RANGE_KEYS[k][0] for k in keys) + " |",
+                  "|---" * (3 + len(keys)) + "|"]
         for arm, entry in ranges.items():
-            cells = [_range_cell(entry["keys"].get(k), pct) for k, (_, pct) in RANGE_KEYS.items()]
+            cells = [_range_cell(entry["keys"].get(k), RANGE_KEYS[k][1]) for k in keys]
             lines.append(f"| {arm} | {entry['runs']} | {entry['steps']} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
@@ -337,7 +378,8 @@ def main(argv: list[str] | None = None) -> int:
                                                 "(also in checkpoint-N), or a comparison folder/summary.json")
     parser.add_argument("--json", action="store_true", help="print the summary and findings as JSON")
     parser.add_argument("--ranges", action="store_true",
-                        help="print only the per-arm ranges of comparison folders (docs/reading.md)")
+                        help="print only the per-arm ranges of comparison folders or benchmarks/ratio_smollm2.py "
+                             "results (docs/reading.md)")
     parser.add_argument("--verdict", action="store_true", help="print only the comparison verdict")
     args = parser.parse_args(argv)
     paths = [Path(p) for p in args.path]
