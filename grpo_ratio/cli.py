@@ -73,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `grpo-ratio` console script; returns the exit status (2 on bad input)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     # train and compare parse their own flags (TrlParser: every TRL field is a flag), so hand them the rest
+    if argv[:1] in (["train"], ["compare"]):  # recipe keys and flags checked before the heavy imports (10-40 s)
+        from .precheck import run_or_exit
+
+        run_or_exit(argv[0], argv[1:])
     if argv[:1] == ["train"]:
         from .scripts.train import cli_main
 
