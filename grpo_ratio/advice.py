@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from . import metric_keys as keys
+
 
 # scoring arms whose old log-probs are (partly) more exact than the bf16 training forward and the bf16 sampler
 MORE_EXACT = {"fp32_clone": "fp32", "fp16_clone": "fp16", "fp32_head": "fp32 in the final norm and LM head",
@@ -58,19 +60,19 @@ def _finding(config: dict, metric: str, value: float, cause: str, options: list[
 
 
 def _truncation(stats: dict, config: dict, mode: str | None) -> list[Finding]:
-    sampler_mean = _mean(stats, "ratio/old_sampler/mean")
-    if sampler_mean is None or sampler_mean >= 0.97 or "ratio/old_sampler_corrected/oob_rate" in stats:
+    sampler_mean = _mean(stats, keys.OLD_SAMPLER.mean)
+    if sampler_mean is None or sampler_mean >= 0.97 or keys.OLD_SAMPLER_CORRECTED.oob_rate in stats:
         return []
     if mode == "sampler":
         return []
     correction = config.get("truncation_correction")
     if correction not in (None, "none"):
-        return [_finding(config, "ratio/old_sampler/mean", sampler_mean,
+        return [_finding(config, keys.OLD_SAMPLER.mean, sampler_mean,
                          f"old/sampler sits below 1 although truncation_correction={correction!r} is set, and the "
                          "corrected metrics (ratio/old_sampler_corrected/*) were not logged: the correction did not "
                          "run on these tokens", [("ratio_diagnostics", True, "the corrected metrics need it")],
                          otherwise="check the start-up warnings (a correction without truncated sampling is a no-op)")]
-    return [_finding(config, "ratio/old_sampler/mean", sampler_mean,
+    return [_finding(config, keys.OLD_SAMPLER.mean, sampler_mean,
                      "old/sampler sits below 1 on average: the sampler's log-probs are renormalised over a kept set "
                      "(top_p / top_k / min_p, possibly from the model's generation_config) while the trainer's are "
                      "over the whole vocabulary; the ratio carries the kept mass",
@@ -92,9 +94,9 @@ def _engine_options(config: dict) -> list[tuple]:
 def _sampler_gap(stats: dict, config: dict, mode: str | None) -> list[Finding]:
     """old/sampler often out of band, raw (no correction) or after the correction."""
     out = []
-    corrected = "ratio/old_sampler_corrected/oob_rate" in stats
-    key = "ratio/old_sampler_corrected/oob_rate" if corrected else "ratio/old_sampler/oob_rate"
-    rate, sampler_mean = _mean(stats, key), _mean(stats, "ratio/old_sampler/mean")
+    corrected = keys.OLD_SAMPLER_CORRECTED.oob_rate in stats
+    key = keys.OLD_SAMPLER_CORRECTED.oob_rate if corrected else keys.OLD_SAMPLER.oob_rate
+    rate, sampler_mean = _mean(stats, key), _mean(stats, keys.OLD_SAMPLER.mean)
     shifted = not corrected and sampler_mean is not None and sampler_mean < 0.97  # the kept mass: _truncation's
     # a more exact arm shows the sampler's gap by design: say so from the level the bf16 arm stays below
     if rate is None or rate <= (0.05 if mode in MORE_EXACT else 0.10) or shifted or mode == "sampler":
@@ -121,19 +123,19 @@ def _sampler_gap(stats: dict, config: dict, mode: str | None) -> list[Finding]:
 
 
 def _clip_text(stats: dict) -> str:
-    flips = _mean(stats, "ratio/clip_flip_rate")
+    flips = _mean(stats, keys.CLIP_FLIP_RATE)
     return ("nothing to change; read ratio/clip_flip_rate for what it does to the clip" if flips is None else
             f"nothing to change; it changes the PPO-clip decision of {flips:.2%} of tokens (ratio/clip_flip_rate)")
 
 
 def _new_old(stats: dict, config: dict, mode: str | None) -> list[Finding]:
-    rate = _mean(stats, "ratio/new_old/oob_rate")
+    rate = _mean(stats, keys.NEW_OLD.oob_rate)
     if rate is None:
         return []
     if mode == "bf16":
         if rate == 0:
             return []
-        return [_finding(config, "ratio/new_old/oob_rate", rate,
+        return [_finding(config, keys.NEW_OLD.oob_rate, rate,
                          "with old_logprob_mode='bf16' new/old is 1 at the first inner step when TRL reuses the "
                          "training forward; tokens out of band mean TRL ran its own old pass (num_iterations > 1, or "
                          "steps_per_generation > gradient_accumulation_steps) and it differs: dropout, or another "
@@ -143,13 +145,13 @@ def _new_old(stats: dict, config: dict, mode: str | None) -> list[Finding]:
     if rate <= 0.05:
         return []
     if mode == "sampler":
-        return [_finding(config, "ratio/new_old/oob_rate", rate,
+        return [_finding(config, keys.NEW_OLD.oob_rate, rate,
                          "expected for old_logprob_mode='sampler': new/old is policy/sampler here, the "
                          "sampler-vs-trainer gap that old/sampler shows in the other arms, now inside PPO's clip",
                          [], severity="expected", otherwise=_clip_text(stats))]
     low_precision_training = config.get("bf16") or config.get("fp16")
     if mode in MORE_EXACT and low_precision_training:
-        return [_finding(config, "ratio/new_old/oob_rate", rate,
+        return [_finding(config, keys.NEW_OLD.oob_rate, rate,
                          f"expected for old_logprob_mode={mode!r} under {'bf16' if config.get('bf16') else 'fp16'} "
                          f"training: the training forward runs at that precision, the old log-probs in "
                          f"{MORE_EXACT[mode]}; the precision gap moved to where PPO's clip sees it",
@@ -158,47 +160,47 @@ def _new_old(stats: dict, config: dict, mode: str | None) -> list[Finding]:
              (" although training is not in bf16/fp16: dropout, or another batch shape" if mode in MORE_EXACT
               else ": the training forward runs at training precision while the old log-probs may not, or dropout "
               "is on") + "; PPO's clip treats this gap as a policy change")
-    return [_finding(config, "ratio/new_old/oob_rate", rate, cause,
+    return [_finding(config, keys.NEW_OLD.oob_rate, rate, cause,
                      [("disable_dropout", True, "if dropout is on"),
                       (None, None, "read ratio/clip_flip_rate to see whether it changes clip decisions")], "note")]
 
 
 def _clip(stats: dict, config: dict, mode: str | None) -> list[Finding]:
-    flips = _mean(stats, "ratio/clip_flip_rate")
+    flips = _mean(stats, keys.CLIP_FLIP_RATE)
     if flips is None or flips <= 0.01:
         return []
     same = " (it equals TRL's clip_ratio/region_mean here: with num_iterations=1 every clipped token is a flip)" \
         if config.get("num_iterations") in (None, 1) else ""
-    return [_finding(config, "ratio/clip_flip_rate", flips,
+    return [_finding(config, keys.CLIP_FLIP_RATE, flips,
                      f"the choice of old log-probs changes the PPO-clip decision of more than 1% of tokens{same}: the "
                      "arm changes the update, so it may change the reward",
                      [(None, None, "grpo-ratio compare against bf16 with 3+ seeds before choosing the arm")], "note")]
 
 
 def _kept_sets(stats: dict, config: dict) -> list[Finding]:
-    added = _mean(stats, "ratio/kept_set_added_rate")
+    added = _mean(stats, keys.KEPT_SET_ADDED_RATE)
     if added is None or added <= 0.01:
         return []
     options = [("kept_set_source", "recorded", "the sampler's own sets: generate's recording, or vLLM colocate with "
                 "sampling masks")]
     if config.get("use_vllm"):
         options.append(("vllm_dtype", "float32", "trainer and sampler put the boundary in the same place"))
-    return [_finding(config, "ratio/kept_set_added_rate", added,
+    return [_finding(config, keys.KEPT_SET_ADDED_RATE, added,
                      "the kept sets recomputed from the trainer's logits often miss the token the sampler drew: the "
                      "trainer's logits and the sampler's disagree at the top_p/top_k boundary", options)]
 
 
 def _counts(stats: dict, config: dict) -> list[Finding]:
     out = []
-    fallback = stats.get("ratio/fp16_fallback_rows")
+    fallback = stats.get(keys.FP16_FALLBACK_ROWS)
     if fallback is not None and fallback["max"] > 0:
-        out.append(_finding(config, "ratio/fp16_fallback_rows", fallback["max"],
+        out.append(_finding(config, keys.FP16_FALLBACK_ROWS, fallback["max"],
                             "fp16 overflowed (activations past 65,504) and rows were re-scored in fp32",
                             [("old_logprob_mode", "fp32_clone", "if it happens often: each fallback costs an fp32 "
                               "pass")], "note"))
-    tokens = stats.get("ratio/new_old/num_tokens")
+    tokens = stats.get(keys.NEW_OLD.num_tokens)
     if tokens is not None and tokens["min"] == 0:
-        out.append(_finding(config, "ratio/new_old/num_tokens", 0.0,
+        out.append(_finding(config, keys.NEW_OLD.num_tokens, 0.0,
                             "some updates had no valid completion token (every completion masked, e.g. "
                             "mask_truncated_completions with completions that never end)",
                             [(None, None, "raise max_completion_length" + (
@@ -210,9 +212,9 @@ def _counts(stats: dict, config: dict) -> list[Finding]:
 
 def _by_design(stats: dict, config: dict, mode: str | None) -> list[Finding]:
     """Values that look remarkable but are what the arm does by construction."""
-    rate = _mean(stats, "ratio/old_sampler/oob_rate")
+    rate = _mean(stats, keys.OLD_SAMPLER.oob_rate)
     if mode == "sampler" and rate is not None and rate == 0:
-        return [Finding("ratio/old_sampler/oob_rate", 0.0, "expected for old_logprob_mode='sampler': the old "
+        return [Finding(keys.OLD_SAMPLER.oob_rate, 0.0, "expected for old_logprob_mode='sampler': the old "
                         "log-probs are the sampler's, so old/sampler is identically 1 by construction (logged as "
                         "exactly 1, not measured); the sampler-vs-trainer gap shows in new/old instead",
                         "nothing to change", "expected")]

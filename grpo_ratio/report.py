@@ -22,6 +22,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from . import metric_keys as keys
 from .advice import Finding, findings
 from .verdict import RunSeries, Verdict, compare_arms, needs_text, run_series
 
@@ -44,22 +45,22 @@ def run_config(args) -> dict:
 # metric key -> what it is, in a few words (the table's second column)
 SUMMARY_KEYS = {
     "reward": "reward",
-    "ratio/new_old/oob_rate": "new/old: share of tokens out of band (PPO clip reads this ratio)",
-    "ratio/new_old/mean_abs_log_ratio": "new/old: mean |log r| (nats)",
-    "ratio/new_old/p1": "new/old: 1st percentile of r",
-    "ratio/new_old/p99": "new/old: 99th percentile of r",
-    "ratio/old_sampler/oob_rate": "old/sampler, raw: share out of band (IS correction reads this ratio)",
-    "ratio/old_sampler/mean": "old/sampler, raw: mean r",
-    "ratio/old_sampler_corrected/oob_rate": "old/sampler after the truncation correction: share out of band",
-    "ratio/old_sampler_corrected/mean": "old/sampler after the truncation correction: mean r",
-    "ratio/kept_mass_mean": "mean kept mass of truncated sampling (1 = untruncated)",
-    "ratio/kept_set_added_rate": "recomputed kept sets: sampled tokens the filter dropped",
-    "ratio/clip_flip_rate": "PPO-clip decisions changed by the choice of old log-probs",
+    keys.NEW_OLD.oob_rate: "new/old: share of tokens out of band (PPO clip reads this ratio)",
+    keys.NEW_OLD.mean_abs_log_ratio: "new/old: mean |log r| (nats)",
+    keys.NEW_OLD.p1: "new/old: 1st percentile of r",
+    keys.NEW_OLD.p99: "new/old: 99th percentile of r",
+    keys.OLD_SAMPLER.oob_rate: "old/sampler, raw: share out of band (IS correction reads this ratio)",
+    keys.OLD_SAMPLER.mean: "old/sampler, raw: mean r",
+    keys.OLD_SAMPLER_CORRECTED.oob_rate: "old/sampler after the truncation correction: share out of band",
+    keys.OLD_SAMPLER_CORRECTED.mean: "old/sampler after the truncation correction: mean r",
+    keys.KEPT_MASS_MEAN: "mean kept mass of truncated sampling (1 = untruncated)",
+    keys.KEPT_SET_ADDED_RATE: "recomputed kept sets: sampled tokens the filter dropped",
+    keys.CLIP_FLIP_RATE: "PPO-clip decisions changed by the choice of old log-probs",
     "clip_ratio/region_mean": "TRL: share of tokens clipped",
-    "ratio/fp16_fallback_rows": "fp16_clone rows re-scored in fp32 (overflow)",
-    "ratio/importance_sampling_ratio/mean": "IS weights the loss uses (after lift_sampler)",
+    keys.FP16_FALLBACK_ROWS: "fp16_clone rows re-scored in fp32 (overflow)",
+    keys.IS_WEIGHTS_MEAN: "IS weights the loss uses (after lift_sampler)",
     "sampling/importance_sampling_ratio/mean": "TRL: vLLM IS weights (before any lift)",
-    "ratio/new_old/num_tokens": "valid tokens measured per update",
+    keys.NEW_OLD.num_tokens: "valid tokens measured per update",
 }
 
 
@@ -184,15 +185,15 @@ def render_comparison(summary: dict, series_: list[RunSeries] | None = None) -> 
 # per-arm ranges over committed runs (docs/reading.md)
 
 RANGE_KEYS = {  # key -> (column, as percent)
-    "ratio/new_old/oob_rate": ("new/old OOB", True),
-    "ratio/new_old/p1": ("new/old p1", False),
-    "ratio/new_old/p99": ("new/old p99", False),
-    "ratio/old_sampler/oob_rate": ("old/sampler OOB", True),
-    "ratio/old_sampler/mean": ("old/sampler mean", False),
-    "ratio/kept_mass_mean": ("kept mass", False),
-    "ratio/old_sampler_corrected/oob_rate": ("corrected old/sampler OOB", True),
-    "ratio/old_sampler_corrected/mean": ("corrected old/sampler mean", False),
-    "ratio/clip_flip_rate": ("clip flips", True),
+    keys.NEW_OLD.oob_rate: ("new/old OOB", True),
+    keys.NEW_OLD.p1: ("new/old p1", False),
+    keys.NEW_OLD.p99: ("new/old p99", False),
+    keys.OLD_SAMPLER.oob_rate: ("old/sampler OOB", True),
+    keys.OLD_SAMPLER.mean: ("old/sampler mean", False),
+    keys.KEPT_MASS_MEAN: ("kept mass", False),
+    keys.OLD_SAMPLER_CORRECTED.oob_rate: ("corrected old/sampler OOB", True),
+    keys.OLD_SAMPLER_CORRECTED.mean: ("corrected old/sampler mean", False),
+    keys.CLIP_FLIP_RATE: ("clip flips", True),
 }
 
 
