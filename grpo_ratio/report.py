@@ -275,6 +275,37 @@ def render_ranges(sources: list[Path]) -> str:
     return "\n".join(lines)
 
 
+LOSS_EFFECT = {  # old_logprob_mode -> what it does to TRL's loss at num_iterations=1 (by construction)
+    "bf16": "no: TRL's loss bit for bit (r = 1)",
+    "sampler": "yes: every token's gradient weighted by r = policy/sampler",
+}
+LOSS_EFFECT_OTHER = "yes: every token's gradient weighted by r = exp(new - old) != 1"
+
+
+def render_effect(folder: Path) -> str:
+    """Markdown: per arm of a comparison, whether it changes the loss (by construction), how many tokens its clip
+    zeroes (measured), from which step its rollouts differ from the baseline's, and the reward verdict: when an arm
+    changes training, and when its value is the diagnostics."""
+    summary = _comparison_summary(folder) or {}
+    base = summary.get("baseline", "bf16")
+    series_ = comparison_series(folder)
+    order = list(summary.get("arms", {})) or list(dict.fromkeys(r.arm for r in series_))
+    series_.sort(key=lambda r: (order.index(r.arm) if r.arm in order else len(order), r.seed))
+    verdicts = {v.arm: v for v in compare_arms(series_, base, summary.get("last_k", 10))}
+    runs = _comparison_runs(folder)
+    ranges = arm_ranges([(_arm_seed(n, p)[0], h) for n, h, _, p in runs])
+    modes = {_arm_seed(n, p)[0]: (c or {}).get("old_logprob_mode") for n, _, c, p in runs}
+    lines = [f"| arm | changes the loss? | tokens the clip zeroes (run mean, largest step) | rollouts differ from "
+             f"{base} at step | reward vs {base} |", "|---|---|---|---|---|"]
+    for arm in order:
+        flips = ranges.get(arm, {}).get("keys", {}).get(keys.CLIP_FLIP_RATE)
+        effect = LOSS_EFFECT.get(modes.get(arm) or arm, LOSS_EFFECT_OTHER)
+        v = verdicts.get(arm)
+        lines.append(f"| {arm} | {effect} | {_range_cell(flips, True)} | "
+                     f"{_divergence_cell(v.divergence) if v else '-'} | {v.verdict if v else '(baseline)'} |")
+    return "\n".join(lines) + "\n"
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # reading runs
 
@@ -382,11 +413,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="print only the per-arm ranges of comparison folders or benchmarks/ratio_smollm2.py "
                              "results (docs/reading.md)")
     parser.add_argument("--verdict", action="store_true", help="print only the comparison verdict")
+    parser.add_argument("--effect", action="store_true",
+                        help="print only, per arm of a comparison folder, whether it changes training (README)")
     args = parser.parse_args(argv)
     paths = [Path(p) for p in args.path]
     try:
         if args.ranges:
             print(render_ranges(paths), end="")
+            return 0
+        if args.effect:
+            print("".join(render_effect(p) for p in paths), end="")
             return 0
         runs = [run for p in paths for run in load_runs(p)]
     except (FileNotFoundError, ValueError) as err:  # json.JSONDecodeError is a ValueError

@@ -133,6 +133,11 @@ def test_report_reads_a_comparison_folder(tmp_path, capsys):
     assert "### bf16-s0" in out and "old_logprob_mode=fp32_clone" in out and "| `reward` |" in out
     assert "| fp32_clone | 1 | 2 | +0.000 | - | - | s0: none seen | not diverged yet |" in out
     assert main([str(tmp_path / "cmp"), "--verdict"]) == 0 and "### bf16-s0" not in capsys.readouterr().out
+    assert main([str(tmp_path / "cmp"), "--effect"]) == 0
+    out = capsys.readouterr().out
+    assert "| bf16 | no: TRL's loss bit for bit (r = 1) | - | - | (baseline) |" in out
+    assert "| fp32_clone | yes: every token's gradient weighted by r = exp(new - old) != 1 | - | s0: none seen | not " \
+           "diverged yet |" in out
     assert main([str(tmp_path / "missing")]) == 2
 
 
