@@ -4,11 +4,11 @@ Pure functions over logged reward series; `grpo-ratio compare` and `grpo-ratio r
 
 The estimand. For arm a, baseline b and seed s, the paired per-step difference is d_s[t] = reward_a,s[t] -
 reward_b,s[t] (same seed: same data order, same sampling RNG, identical step-1 rollouts). The estimate is the mean of
-d_s over the last k logged steps, averaged over the seeds.
+d_s over the last k logged steps, averaged over seeds.
 
 The interval (95%), chosen by what was run:
-- **2 or more seeds: a t-interval over the seeds' paired differences.** One number per seed, D_s = mean of d_s over
-  the last k steps; interval mean(D) +- t_{0.975, n-1} * sd(D) / sqrt(n). Assumes the seeds are independent and D is
+- **2 or more seeds: a t-interval over per-seed paired differences.** One number per seed, D_s = mean of d_s over
+  the last k steps; interval mean(D) +- t_{0.975, n-1} * sd(D) / sqrt(n). Assumes seeds are independent and D is
   roughly normal; it covers the seed-to-seed variation, which is what an arm decision needs. With 2 seeds
   t_{0.975, 1} = 12.7, so the interval is wide; 3 or more seeds give a usable one.
 - **1 seed: a block bootstrap over steps of d within that seed** (`block_bootstrap_interval`). The last k differences
@@ -57,7 +57,7 @@ ROLLOUT_KEYS = ("reward", "reward_std", "frac_reward_zero_std", "completions/mea
 
 def needs_text() -> str:
     """What the verdict needs, in one sentence (printed with every comparison and beside the README's command)."""
-    return (f"needs >= {MIN_SEEDS} seeds (t-interval over the seeds' paired differences; {GOOD_SEEDS}+ for a usable "
+    return (f"needs >= {MIN_SEEDS} seeds (t-interval over per-seed paired differences; {GOOD_SEEDS}+ for a usable "
             f"width), or 1 seed with >= {MIN_BOOTSTRAP_STEPS} logged steps in the last-k window (block bootstrap "
             f"over steps)")
 
