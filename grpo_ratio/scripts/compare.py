@@ -13,11 +13,15 @@ what tells the arms apart (e.g. `--old_logprob_mode` when the recipes differ in 
 
 Written under `OUTPUT_ROOT/NAME/`:
 - `<arm>-s<seed>/log_history.json`: TRL's log rows of the run; `first_rollouts.json`: step-1 prompts and completions;
+  `rollout_fingerprints.json`: a sha256 of every step's prompts and completions (the verdict's first divergence);
   `run.json`: the run's configuration and whether it finished;
-- `comparison.png`: reward and the ratio metrics per step, coloured by arm and styled by seed;
+- `comparison.png`: reward and the ratio metrics per step: per arm a colour, a marker and a small step offset (equal
+  lines stay visible), per seed a line style;
 - `summary.json`, also printed as a table: per arm and seed the last-k and whole-run mean reward, the difference to the
   baseline arm (`bf16`) at the same seed, the per-step reward noise and the run mean of each ratio metric; per arm the
-  mean over seeds and the seed-to-seed spread (max - min).
+  mean over seeds and the seed-to-seed spread (max - min), and the verdict against the baseline (`grpo_ratio.verdict`:
+  paired by seed, with its interval, "not diverged yet", or "unknown" with the reason). Printed as a rich table on a
+  terminal, as markdown (never cut to a width) in a log file.
 A comparison that was interrupted resumes where it stopped: a finished run (its `run.json` says so, with the same
 configuration) is read back, not trained again; a run of another configuration in the same folder is an error.
 With `report_to` naming wandb, every run is a W&B run (offline unless `WANDB_MODE` says otherwise) in group NAME,
