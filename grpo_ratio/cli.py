@@ -22,8 +22,6 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-
 
 PROBES = ("batch", "ladder", "layers", "calibrate", "controls", "greedy", "invariance", "routes")
 
@@ -53,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_probe(args) -> int:
+    import torch  # here, not at the top: `grpo-ratio report` and the config checks need no torch
+
     from .probes.common import ProbeError
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -74,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `grpo-ratio` console script; returns the exit status (2 on bad input)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     # train and compare parse their own flags (TrlParser: every TRL field is a flag), so hand them the rest
+    if argv[:1] in (["train"], ["compare"]):  # recipe keys and flags checked before the heavy imports (10-40 s)
+        from .precheck import run_or_exit
+
+        run_or_exit(argv[0], argv[1:])
     if argv[:1] == ["train"]:
         from .scripts.train import cli_main
 

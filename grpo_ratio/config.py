@@ -332,6 +332,8 @@ class RatioGRPOConfig(GRPOConfig):
         if self.kept_set_source not in KEPT_SET_SOURCES:
             raise ValueError(f"kept_set_source={self.kept_set_source!r} is not allowed; allowed: "
                              f"{', '.join(KEPT_SET_SOURCES)}")
+        if not 0.0 < self.top_p <= 1.0:  # TRL accepts any value; generate would silently keep one token at 0
+            raise ValueError(f"top_p={self.top_p!r} is not allowed; allowed: 0 < top_p <= 1 (1 = no truncation)")
         if self.vllm_dtype is not None and self.vllm_dtype not in VLLM_DTYPES:
             raise ValueError(f"vllm_dtype={self.vllm_dtype!r} is not allowed; allowed: {', '.join(VLLM_DTYPES)}")
         if self.vllm_dtype is not None and not (self.use_vllm and self.vllm_mode == "colocate"):
@@ -462,12 +464,17 @@ class RatioGRPOConfig(GRPOConfig):
                 transformers path); with vLLM, server mode (TRL calls vLLM's OpenAI `/v1/completions`, whose response
                 carries no sampling mask) or tensor parallelism > 1 (the captured outputs would hold other ranks'
                 rows).
-        Warns (UserWarning): vLLM with top_k = 0 (vLLM returns sampling masks only for requests with top_k > 0).
+        Warns (UserWarning): vLLM with top_k = 0 (vLLM returns sampling masks only for requests with top_k > 0); a
+            `kept_set_source` other than "auto" without a correction (it has no effect).
 
         Checks that need the sampling settings generation really uses (on the transformers path the model's own
         `generation_config` fills unset fields) run when the trainer is built (`grpo_ratio.lints`).
         """
         correction = self.truncation_correction
+        if correction == "none" and self.kept_set_source != "auto":
+            warnings.warn(f"kept_set_source={self.kept_set_source!r} has no effect with truncation_correction='none': "
+                          f"it chooses where a correction's kept sets come from; set truncation_correction="
+                          f"'renormalize' or 'lift_sampler', or leave kept_set_source='auto'", stacklevel=3)
         if correction == "none" or self.resolved_kept_set_source == "recompute":
             return  # recomputed kept sets need nothing from the engine
         if not self.use_vllm:

@@ -53,6 +53,27 @@ def check_sampling(args, sampling: SamplingSettings) -> None:
                   f"tokens leave [0.9, 1.1]). Set truncation_correction='renormalize' or 'lift_sampler'.", stacklevel=3)
 
 
+def check_train_dataset(dataset) -> None:
+    """Refuse a training set TRL would mishandle: an empty one (TRL trains 0 steps and exits 0) and one without a
+    `prompt` column (TRL fails with a KeyError deep inside a step). Streamed datasets whose columns are unknown, and
+    anything without `column_names`/`len` (TRL's own errors apply), pass.
+
+    Raises:
+        ValueError: no rows, or no `prompt` column (naming the columns the dataset has).
+    """
+    columns = getattr(dataset, "column_names", None)
+    if isinstance(columns, list) and "prompt" not in columns:
+        raise ValueError(f"train_dataset has no 'prompt' column (GRPO reads the prompts from it); its columns are: "
+                         f"{', '.join(map(repr, columns)) or 'none'}. Rename one, e.g. dataset.rename_column("
+                         f"'question', 'prompt'), or map your rows to {{'prompt': ...}}")
+    try:
+        rows = len(dataset)
+    except TypeError:  # a streamed dataset: its length is not known
+        return
+    if rows == 0:
+        raise ValueError("train_dataset is empty (0 rows): there is nothing to train on")
+
+
 def active_dropout(model: nn.Module) -> list[str]:
     """Names of the dropouts with p > 0 in `model`: `nn.Dropout` modules (e.g. PEFT's `lora_dropout`) and config
     fields applied inside the forward (e.g. `attention_dropout`), as `name=p` strings."""

@@ -156,6 +156,28 @@ def resolve_model_path(model_id_or_path: str = DEFAULT_MODEL, revision: str | No
     raise OSError(_missing_model_message(name, reasons))
 
 
+def trainer_model_source(model_id_or_path: str, revision: str | None = None) -> str:
+    """What `RatioGRPOTrainer` hands TRL for a model given by name, resolved as the command line resolves it.
+
+    A local directory, or an id the hub or its cache provides, is returned unchanged, so TRL loads it exactly as
+    stock TRL would (drop-in: the same checkpoint and the same `config.name_or_path`). Only when neither has it is
+    the default model's converted GGUF directory returned (see `resolve_model_path`), so that the README's snippet
+    runs offline once the command line (or `resolve_model_path`) has converted SmolLM2.
+
+    Raises:
+        FileNotFoundError, OSError: as `resolve_model_path` (the message names what was tried and how to get it).
+    """
+    name = str(model_id_or_path)
+    path = Path(name).expanduser()
+    if path.is_dir() or path.exists() or _looks_like_path(name):
+        return name if path.is_dir() else resolve_model_path(name, revision)  # a bad path: its error
+    try:
+        _from_hub(name, revision)
+        return name
+    except (OSError, ValueError):
+        return resolve_model_path(name, revision)  # the GGUF fallback, or the error that names every way tried
+
+
 def check_tokenizer(tokenizer: PreTrainedTokenizerBase, require_chat_template: bool = True) -> PreTrainedTokenizerBase:
     """Make `tokenizer` fit for GRPO: a pad token (the EOS token when none is set, as TRL does) and, for
     conversational prompts, a chat template.

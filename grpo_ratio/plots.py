@@ -6,7 +6,10 @@ What every plot does, so that a picture never says more or less than the log:
   must be visible);
 - the ratio band drawn on the quantile panel; rates on an axis from 0 (a change from 0.034 to 0.029 is not drawn
   full height);
-- in comparisons, one colour per arm and one line style per seed, so equal runs do not hide each other.
+- in comparisons, one colour and one hollow marker shape per arm, one line style per seed, and each arm's points
+  shifted a little along the step axis, so arms whose values equal the baseline's (rollouts not yet diverged) stay
+  visible beside it instead of under it;
+- legends outside the panels, never over the data.
 """
 
 from __future__ import annotations
@@ -59,19 +62,33 @@ def _finish_axis(ax, kind: str, values: list[float], band: tuple[float, float]) 
 
 
 def plot_runs(histories: dict[str, list[dict]], path: str | Path, title: str,
-              styles: dict[str, dict] | None = None, band: tuple[float, float] = (0.9, 1.1)) -> list[str]:
+              styles: dict[str, dict] | None = None, band: tuple[float, float] = (0.9, 1.1),
+              offsets: dict[str, float] | None = None) -> list[str]:
     """Draw one PNG with a panel per quantity in `PANELS` that any history logged, one line per (run, series).
 
     Args:
         histories: run label -> `trainer.state.log_history` (rows with "step" and metric keys).
         path: the PNG to write.
         title: the figure title (model, arm, correction, steps).
-        styles: run label -> matplotlib line keywords (colour per arm, line style per seed); default: one colour each.
+        styles: run label -> matplotlib line keywords (colour and marker per arm, line style per seed); default: one
+            colour each.
         band: the ratio band drawn on the quantile panel (`ratio_band_low`, `ratio_band_high`).
+        offsets: run label -> shift along the step axis (in steps), so that equal lines stay apart.
 
     Returns:
         The logged keys drawn (empty, and no file written, when none was logged).
     """
+    fig, drawn = draw_runs(histories, title, styles, band, offsets)
+    if fig is None:
+        return []
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # "tight": the legends outside the panels are kept
+    _pyplot().close(fig)
+    return drawn
+
+
+def draw_runs(histories: dict[str, list[dict]], title: str, styles: dict[str, dict] | None = None,
+              band: tuple[float, float] = (0.9, 1.1), offsets: dict[str, float] | None = None):
+    """The figure of `plot_runs`, not saved: (matplotlib Figure or None when nothing was logged, keys drawn)."""
     plt = _pyplot()
     from matplotlib.ticker import MaxNLocator
 
@@ -79,7 +96,7 @@ def plot_runs(histories: dict[str, list[dict]], path: str | Path, title: str,
               for name, series, kind in PANELS]
     panels = [p for p in panels if p[1]]
     if not panels:
-        return []
+        return None, []
     fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.5 * len(panels) + 0.6), sharex=True, squeeze=False)
     series_styles = ["-", "--", ":", "-."]
     drawn = []
@@ -90,27 +107,27 @@ def plot_runs(histories: dict[str, list[dict]], path: str | Path, title: str,
                 points = _points(rows, key)
                 if not points:
                     continue
-                style = dict((styles or {}).get(run, {}))
+                style = {"marker": ".", "ms": 3} | dict((styles or {}).get(run, {}))
                 if len(series) > 1 and styles is not None:
                     style["alpha"] = 1.0 if j % 2 == 0 else 0.55
                 elif len(series) > 1:
                     style["ls"] = series_styles[j % len(series_styles)]
+                shift = (offsets or {}).get(run, 0.0)
                 multi_run = len(histories) > 1
-                ax.plot(*zip(*points, strict=True), marker=".", ms=3, lw=1.2,
+                ax.plot([x + shift for x, _ in points], [v for _, v in points], lw=1.2,
                         label=f"{run}: {label}" if multi_run and len(series) > 1 else (run if multi_run else label),
                         **style)
                 values += [v for _, v in points]
             drawn.append(key)
         _finish_axis(ax, kind, values, band)
         ax.set_title(name, fontsize=9, loc="left")
-        ax.legend(fontsize=6, ncol=3 if len(histories) > 2 else 2, loc="best")
+        # outside, right of the panel: a legend never covers the lines it names
+        ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     axes[-1, 0].set_xlabel("optimizer step")
     axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return sorted(set(drawn), key=PLOT_KEYS.index)
+    return fig, sorted(set(drawn), key=PLOT_KEYS.index)
 
 
 def run_title(model: str, args, steps: int) -> str:
@@ -127,15 +144,27 @@ def plot_metrics(histories: dict[str, list[dict]], path: str | Path, title: str 
     return plot_runs(histories, path, title, band=band)
 
 
-def plot_comparison(runs, path: str | Path, title: str, band: tuple[float, float] = (0.9, 1.1)) -> list[str]:
-    """A comparison's runs (`RunResult`s with `.arm`, `.seed`, `.history`): colour by arm, line style by seed."""
-    colours = [f"C{i}" for i in range(10)]
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
+
+
+def comparison_styles(runs) -> tuple[dict[str, dict], dict[str, float]]:
+    """(styles, offsets) of a comparison's runs (`.arm`, `.seed`), keyed "<arm> s<seed>": per arm a colour, a hollow
+    marker shape and a shift along the step axis (arms spread over 0.3 of a step), per seed a line style."""
     arms = list(dict.fromkeys(r.arm for r in runs))
     seeds = list(dict.fromkeys(r.seed for r in runs))
-    styles, histories = {}, {}
+    width = 0.3 if len(arms) > 1 else 0.0
+    styles, offsets = {}, {}
     for r in runs:
         label = f"{r.arm} s{r.seed}"
-        histories[label] = r.history
-        styles[label] = {"color": colours[arms.index(r.arm) % len(colours)],
-                         "ls": ["-", "--", ":", "-."][seeds.index(r.seed) % 4]}
-    return plot_runs(histories, path, title, styles=styles, band=band)
+        i = arms.index(r.arm)
+        styles[label] = {"color": f"C{i % 10}", "ls": ["-", "--", ":", "-."][seeds.index(r.seed) % 4],
+                         "marker": MARKERS[i % len(MARKERS)], "ms": 4, "mfc": "none"}
+        offsets[label] = (i / (len(arms) - 1) - 0.5) * width if len(arms) > 1 else 0.0
+    return styles, offsets
+
+
+def plot_comparison(runs, path: str | Path, title: str, band: tuple[float, float] = (0.9, 1.1)) -> list[str]:
+    """A comparison's runs (`RunResult`s with `.arm`, `.seed`, `.history`): see `comparison_styles`."""
+    styles, offsets = comparison_styles(runs)
+    histories = {f"{r.arm} s{r.seed}": r.history for r in runs}
+    return plot_runs(histories, path, title, styles=styles, band=band, offsets=offsets)

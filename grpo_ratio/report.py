@@ -1,13 +1,16 @@
 """`grpo-ratio report RUN_DIR`: read a run's (or a comparison's) logged ratio metrics and say what they mean.
 
     grpo-ratio report runs/smollm2-135m/arithmetic/fp32_clone          # a run: its log_history.json
-    grpo-ratio report runs/compare/arith-arms                          # a comparison: summary.json and every run
+    grpo-ratio report runs/compare/arith-arms                          # a comparison: every run, and the verdict
     grpo-ratio report path/to/log_history.json --json                  # machine-readable
+    grpo-ratio report --ranges results/arms_smollm2_arithmetic         # per-arm ranges (docs/reading.md's table)
+    grpo-ratio report --verdict results/arms_smollm2_arithmetic        # the comparison verdict only
 
-It prints, as markdown to paste into an issue, the per-metric summary (mean, first, last, min, max over the logged
-steps) and a list of findings: what is out of the healthy range (docs/reading.md), its likely cause, and the config
-change that addresses it. The rules read only logged keys; where the run's configuration is known (`run.json` of a
-comparison or of `grpo-ratio train`) they use it too.
+It prints, as markdown to paste into an issue, the run's configuration, the per-metric summary (mean, first, last,
+min, max over the logged steps) and the findings (`grpo_ratio.advice`): what is out of the healthy range, what is
+expected for the run's arm, the likely cause and a config change the run does not already have. For a comparison it
+adds the verdict of each arm against the baseline (`grpo_ratio.verdict`: paired by seed, with an interval, and the
+first step at which the arm's rollouts differ from the baseline's).
 """
 
 from __future__ import annotations
@@ -16,15 +19,22 @@ import argparse
 import json
 import statistics
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from . import metric_keys as keys
+from .advice import Finding, findings, route_findings
+from .verdict import RunSeries, Verdict, compare_arms, needs_text, run_series
 
 
-# what a run was configured with, written next to its log history (`run.json`, by `grpo-ratio train` and `compare`)
-RUN_FIELDS = ("old_logprob_mode", "guided_fp32_layers", "truncation_correction", "top_p", "top_k", "min_p",
-              "temperature", "bf16", "learning_rate", "max_steps", "per_device_train_batch_size", "num_generations")
+__all__ = ["Finding", "findings", "main", "run_config", "summarize_history", "load_runs", "render_comparison"]
+
+# what a run was configured with, written next to its log history (`run.json`, by `grpo-ratio train` and `compare`),
+# printed by the report and read by the findings (`grpo_ratio.advice`)
+RUN_FIELDS = ("old_logprob_mode", "guided_fp32_layers", "truncation_correction", "kept_set_source", "top_p", "top_k",
+              "min_p", "temperature", "bf16", "fp16", "use_vllm", "vllm_dtype", "vllm_importance_sampling_correction",
+              "num_iterations", "disable_dropout", "mask_truncated_completions", "max_completion_length",
+              "ratio_diagnostics", "learning_rate", "max_steps", "per_device_train_batch_size", "num_generations")
 
 
 def run_config(args) -> dict:
@@ -65,18 +75,6 @@ ROUTE_SUMMARY_KEYS = {
 }
 SUMMARY_KEYS |= ROUTE_SUMMARY_KEYS
 RUN_FIELDS += tuple(f for f in ("routing_replay", "num_iterations") if f not in RUN_FIELDS)
-ROUTE_FLIP_LIMIT = 0.01  # share of tokens routed differently (any layer) above which a route finding is written
-
-
-@dataclass
-class Finding:
-    """One thing out of the healthy range: `metric`, its `value`, the likely `cause` and the config `fix`."""
-
-    metric: str
-    value: float
-    cause: str
-    fix: str
-    severity: str = "warning"  # "warning": worth a change before a long run; "note": worth knowing
 
 
 def series(history: list[dict], key: str) -> list[float]:
@@ -95,120 +93,6 @@ def summarize_history(history: list[dict]) -> dict[str, dict]:
     return out
 
 
-def _mean(stats: dict, key: str) -> float | None:
-    return stats[key]["mean"] if key in stats else None
-
-
-def findings(stats: dict, config: dict | None = None) -> list[Finding]:
-    """The rules of docs/reading.md applied to one run's summary (`summarize_history`). `config`: the run's
-    configuration when known (keys of `RatioGRPOConfig`), else the rules use the logged keys only."""
-    config = config or {}
-    mode = config.get("old_logprob_mode")
-    out = []
-    sampler_mean = _mean(stats, keys.OLD_SAMPLER.mean)
-    corrected = keys.OLD_SAMPLER_CORRECTED.oob_rate in stats
-    if sampler_mean is not None and sampler_mean < 0.97 and not corrected and mode != "sampler":
-        out.append(Finding(keys.OLD_SAMPLER.mean, sampler_mean,
-                           "old/sampler sits below 1 on average: the sampler's log-probs are renormalised over a kept "
-                           "set (top_p / top_k / min_p, possibly from the model's generation_config) while the "
-                           "trainer's are over the whole vocabulary; the ratio carries the kept mass",
-                           "truncation_correction='renormalize' (or 'lift_sampler')"))
-    corrected_oob = _mean(stats, keys.OLD_SAMPLER_CORRECTED.oob_rate)
-    if corrected_oob is not None and corrected_oob > 0.10:
-        out.append(Finding(keys.OLD_SAMPLER_CORRECTED.oob_rate, corrected_oob,
-                           "after the correction old/sampler is still often out of band: sampler and trainer compute "
-                           "different numbers (another dtype, e.g. vLLM in bf16 against an fp32 trainer, or the bf16 "
-                           "batch-shape gap)",
-                           "vllm_dtype matching the trainer; an fp32 old_logprob_mode; or accept and keep the IS "
-                           "correction on"))
-    raw_oob = _mean(stats, keys.OLD_SAMPLER.oob_rate)
-    if raw_oob is not None and raw_oob > 0.10 and not corrected and (sampler_mean is None or sampler_mean >= 0.97):
-        out.append(Finding(keys.OLD_SAMPLER.oob_rate, raw_oob,
-                           "old/sampler is often out of band without a systematic shift: sampler and trainer "
-                           "disagree numerically (precision, batch shape, another engine or dtype)",
-                           "match the sampler's dtype (vllm_dtype); score old log-probs in fp32 (old_logprob_mode="
-                           "'fp32_clone' or 'fp32_head'); or old_logprob_mode='sampler' to anchor the ratio on the "
-                           "sampler itself"))
-    new_old_oob = _mean(stats, keys.NEW_OLD.oob_rate)
-    if new_old_oob is not None and mode == "bf16" and new_old_oob > 0:
-        out.append(Finding(keys.NEW_OLD.oob_rate, new_old_oob,
-                           "with old_logprob_mode='bf16' new/old is 1 at the first inner step when TRL reuses the "
-                           "training forward; tokens out of band mean TRL ran its own old pass and it differs: dropout "
-                           "(disable_dropout=False), or another batch shape in bf16",
-                           "disable_dropout=True; or an fp32 old_logprob_mode to see the precision gap explicitly"))
-    elif new_old_oob is not None and new_old_oob > 0.05:
-        out.append(Finding(keys.NEW_OLD.oob_rate, new_old_oob,
-                           "the old log-probs and the training forward disagree before any update: the training "
-                           "forward runs at training precision (bf16 autocast) while the old log-probs do not, or "
-                           "dropout is on; PPO's clip treats this gap as policy change",
-                           "expected for fp32/fp16 arms under bf16 training: read ratio/clip_flip_rate to see whether "
-                           "it changes clip decisions; disable_dropout=True if dropout is on", "note"))
-    flips = _mean(stats, keys.CLIP_FLIP_RATE)
-    if flips is not None and flips > 0.01:
-        out.append(Finding(keys.CLIP_FLIP_RATE, flips,
-                           "the choice of old log-probs changes the PPO-clip decision of more than 1% of tokens: the "
-                           "arm matters for the update, compare rewards over seeds before choosing",
-                           "grpo-ratio compare with 2+ seeds", "note"))
-    added = _mean(stats, keys.KEPT_SET_ADDED_RATE)
-    if added is not None and added > 0.01:
-        out.append(Finding(keys.KEPT_SET_ADDED_RATE, added,
-                           "the kept sets recomputed from the trainer's logits often miss the token the sampler drew: "
-                           "the trainer's logits and the sampler's disagree at the top_p/top_k boundary",
-                           "kept_set_source='recorded' where the engine provides masks; match vllm_dtype"))
-    fallback = stats.get(keys.FP16_FALLBACK_ROWS)
-    if fallback is not None and fallback["max"] > 0:
-        out.append(Finding(keys.FP16_FALLBACK_ROWS, fallback["max"],
-                           "fp16 overflowed (activations past 65,504) and rows were re-scored in fp32",
-                           "old_logprob_mode='fp32_clone' if it happens often (each fallback costs an fp32 pass)",
-                           "note"))
-    tokens = stats.get(keys.NEW_OLD.num_tokens)
-    if tokens is not None and tokens["min"] == 0:
-        out.append(Finding(keys.NEW_OLD.num_tokens, 0.0,
-                           "some updates had no valid completion token (every completion masked, e.g. "
-                           "mask_truncated_completions with completions that never end)",
-                           "raise max_completion_length, or mask_truncated_completions=False"))
-    return out
-
-
-def route_findings(stats: dict, config: dict | None = None) -> list[Finding]:
-    """The route-agreement rules of docs/reading.md (MoE policies, `ratio/route/*`): a pair of passes that routes more
-    than `ROUTE_FLIP_LIMIT` of the tokens differently without replay gets the `routing_replay` that removes it (R3 for
-    sampler vs old, R2 or R3 for old vs new; R2 never with `old_logprob_mode="sampler"`, volcengine/verl#7805); a
-    replayed pair that is not exactly 0 is reported as a fault. Never suggests the run's own `routing_replay`.
-    `config`: the run's configuration when known (`RUN_FIELDS`), else the rules read the logged keys only."""
-    config = config or {}
-    replay, out = config.get("routing_replay"), []
-    sampler_old = _mean(stats, keys.route_key("sampler_old", "any_layer"))
-    old_new = _mean(stats, keys.route_key("old_new", "any_layer"))
-    replayed = {"R3": ("sampler_old", "old_new"), "R2": ("old_new",)}.get(replay, ())
-    for pair, value in (("sampler_old", sampler_old), ("old_new", old_new)):
-        if pair in replayed and value is not None and value > 0:
-            out.append(Finding(keys.route_key(pair, "any_layer"), value,
-                               f"routing_replay={replay!r} replays these routes, so the share must be exactly 0: some "
-                               "forward ran outside the replay session (a forward of your own, or a bug)",
-                               "nothing to change in the config; file an issue with the run's log history"))
-    if sampler_old is not None and sampler_old > ROUTE_FLIP_LIMIT and "sampler_old" not in replayed:
-        out.append(Finding(keys.route_key("sampler_old", "any_layer"), sampler_old,
-                           "the sampler and the trainer's old pass route this share of tokens to another top-k set "
-                           "of experts at one MoE layer at least (decode with a KV cache vs one batched pass, another "
-                           "precision or kernel): a flipped expert moves the token's log-prob by a jump no precision "
-                           "mode removes, and old/sampler carries it",
-                           "routing_replay='R3' (the sampler's routes in the old pass and every update; int16 routes "
-                           "of every layer x top_k per token, docs/moe.md)"))
-    if old_new is not None and old_new > ROUTE_FLIP_LIMIT and not replayed:
-        iterations = config.get("num_iterations")
-        why = ("the updates after the first move the routers (num_iterations > 1)" if iterations and iterations > 1
-               else "the training forward runs in another precision or batch shape than the old pass, or the "
-                    "routers moved between updates")
-        options = ["routing_replay='R2' (the old pass's routes in every update)"]
-        options = options if config.get("old_logprob_mode") != "sampler" else []
-        options.append("routing_replay='R3' (the sampler's routes everywhere: also removes sampler vs old)")
-        out.append(Finding(keys.route_key("old_new", "any_layer"), old_new,
-                           f"the old pass and the update forwards route this share of tokens to other experts: {why}; "
-                           "PPO's clip counts every route flip as policy change", "; or ".join(options)))
-    return out
-
-
 def _fmt(x: float) -> str:
     return f"{x:.4g}"
 
@@ -218,6 +102,9 @@ def render_run(name: str, stats: dict, found: list[Finding], config: dict | None
     lines = [f"### {name}", ""]
     if config:
         lines += [", ".join(f"{k}={v}" for k, v in config.items() if v is not None), ""]
+    else:
+        lines += ["Configuration unknown (no run.json): the findings read the logged keys only and cannot say what "
+                  "is expected for the run's arm.", ""]
     lines += ["| metric | what | mean | first | last | min | max |", "|---|---|---|---|---|---|---|"]
     for key, s in stats.items():
         lines.append(f"| `{key}` | {SUMMARY_KEYS[key]} | {_fmt(s['mean'])} | {_fmt(s['first'])} | {_fmt(s['last'])} "
@@ -226,40 +113,78 @@ def render_run(name: str, stats: dict, found: list[Finding], config: dict | None
     lines += ["", f"{steps} logged steps. " + ("Findings:" if found else "Nothing out of the healthy range "
                                                                           "(docs/reading.md).")]
     for f in found:
-        lines.append(f"- **{f.severity}** `{f.metric}` = {_fmt(f.value)}: {f.cause}. Try: {f.fix}.")
+        lead = "" if f.fix.startswith("nothing") else "Try: "
+        lines.append(f"- **{f.severity}** `{f.metric}` = {_fmt(f.value)}: {f.cause}. {lead}{f.fix[0].upper()}"
+                     f"{f.fix[1:]}.")
     return "\n".join(lines) + "\n"
 
 
-def separation(diff: float | None, k: int, noise: list[float | None], spread: list[float | None]) -> str:
-    """Whether an arm's last-k reward difference to the baseline exceeds the noise: "beyond noise", "within noise" or
-    "unknown". Noise floor: 2 sigma of a difference of two last-k means of independent steps, 2 * sqrt(2 / k) *
-    step noise (the larger of the two arms'), and the larger seed-to-seed spread where one was measured."""
-    known = [x for x in noise if x is not None]
-    if diff is None or not known:
-        return "unknown"
-    floor = max([2 * (2 / k) ** 0.5 * max(known), *(x for x in spread if x is not None)])
-    return "beyond noise" if abs(diff) > floor else "within noise"
+# ---------------------------------------------------------------------------------------------------------------------
+# the comparison verdict
 
 
-def render_comparison(summary: dict) -> str:
-    """Markdown: per arm its last-k reward difference to the baseline against the noise, and what a reader must
-    know before deciding (one seed, unmatched step-1 rollouts)."""
-    k, base, arms = summary["last_k_used"], summary["baseline"], summary["arms"]
-    lines = [f"### Comparison: reward over the last {k} logged steps, each arm against `{base}`", "",
-             "| arm | seeds | - " + base + " | step noise | seed spread | verdict |", "|---|---|---|---|---|---|"]
-    ref = arms.get(base, {})
-    for arm, stats in arms.items():
-        if arm == base:
-            continue
-        verdict = separation(stats["mean_diff_vs_baseline"], k, [stats["reward_step_noise"],
-                             ref.get("reward_step_noise")], [stats["spread"], ref.get("spread")])
-        cells = [stats["mean_diff_vs_baseline"], stats["reward_step_noise"], stats["spread"]]
-        lines.append(f"| {arm} | {stats['num_seeds']} | " + " | ".join("-" if x is None else _fmt(x) for x in cells)
-                     + f" | {verdict} |")
-    lines += ["", "Verdict: beyond noise when |difference| > 2 sqrt(2/k) x step noise and > the seed spread "
-                  "(docs/reading.md, Reading a comparison)."]
-    if min((a["num_seeds"] for a in arms.values()), default=0) < 2:
-        lines.append("- **note** one seed: the seed-to-seed spread is not measured; add seeds (--seeds 0 1) before "
+def _divergence_cell(divergence: dict) -> str:
+    cells = []
+    for seed, d in sorted(divergence.items(), key=lambda kv: int(kv[0])):
+        if d["step"] is None:
+            cells.append(f"s{seed}: none seen")
+        else:
+            cells.append(f"s{seed}: {'' if d['exact'] else '<= '}{d['step']}")
+    return ", ".join(cells) or "-"
+
+
+def _signed(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.3f}"
+
+
+def render_verdicts(verdicts: list, baseline: str, last_k: int) -> str:
+    """Markdown: per arm the mean paired last-k reward difference to `baseline`, its 95% interval and how it was
+    made, the first step of rollout divergence per seed, and the verdict; then why each verdict is what it is.
+
+    `verdicts`: `grpo_ratio.verdict.Verdict`s or their dicts (as stored in summary.json).
+    """
+    rows = [v if isinstance(v, dict) else asdict(v) for v in verdicts]
+    lines = [f"### Verdict: each arm against `{baseline}`, paired by seed (reward, last {last_k} logged steps)", "",
+             f"| arm | seeds | steps in window | - {baseline} | 95% interval | interval from | rollouts differ from "
+             f"{baseline} at step | verdict |", "|---|---|---|---|---|---|---|---|"]
+    for v in rows:
+        interval = "-" if v["interval"] is None else f"[{v['interval'][0]:+.3f}, {v['interval'][1]:+.3f}]"
+        lines.append(f"| {v['arm']} | {len(v['seeds'])} | {v['window']} | {_signed(v['estimate'])} | {interval} | "
+                     f"{v['method'] or '-'} | {_divergence_cell(v['divergence'])} | {v['verdict']} |")
+    lines.append("")
+    reasons: dict[tuple, list[str]] = {}  # one line per distinct (verdict, reason): six arms, one sentence
+    for v in rows:
+        if v["reason"]:
+            reasons.setdefault((v["verdict"], v["reason"]), []).append(v["arm"])
+    for (verdict, reason), arms in reasons.items():
+        lines.append(f"- **{', '.join(arms)}** ({verdict}): {reason}.")
+    exact = all(d["exact"] for v in rows for d in v["divergence"].values())
+    lines += ["", f"Paired: each difference is taken between runs of the same seed (same data order and sampling "
+                  f"RNG). The verdict {needs_text()}; 'not diverged yet' = every paired difference is exactly 0, "
+                  f"so there is no effect to measure yet (not the same as 'no effect'). Method and assumptions: "
+                  f"docs/reading.md, Reading a comparison."]
+    if not exact:
+        lines.append("Rollout divergence '<= N': these runs stored no per-step rollout fingerprints, so the step is "
+                     "the first at which a statistic of the rollouts (reward, completion lengths, token count) "
+                     "differs; the rollouts differ there or earlier.")
+    return "\n".join(lines) + "\n"
+
+
+def render_comparison(summary: dict, series_: list[RunSeries] | None = None) -> str:
+    """Markdown: the verdict (from `series_`, the runs' histories, when given; else the verdicts stored in
+    `summary`), and what a reader must know before deciding (one seed, unmatched step-1 rollouts)."""
+    k, base = summary["last_k_used"], summary["baseline"]
+    if series_:
+        order = list(summary.get("arms", {}))  # the comparison's arm order, not the folders' alphabetical one
+        series_ = sorted(series_, key=lambda r: (order.index(r.arm) if r.arm in order else len(order), r.seed))
+        verdicts = compare_arms(series_, base, summary.get("last_k", k))
+    else:
+        verdicts = summary.get("verdicts") or [
+            Verdict(arm, "unknown", [], 0, reason="summary.json without verdicts and no run histories beside it")
+            for arm in summary.get("arms", {}) if arm != base]
+    lines = [render_verdicts(verdicts, base, k)]
+    if min((a["num_seeds"] for a in summary.get("arms", {}).values()), default=0) < 2:
+        lines.append("- **note** one seed: the seed-to-seed spread is not measured; add seeds (--seeds 0 1 2) before "
                      "deciding on an arm.")
     unmatched = [s for s, ok in summary.get("matched_first_rollouts", {}).items() if not ok]
     if unmatched:
@@ -267,6 +192,135 @@ def render_comparison(summary: dict) -> str:
                      f"sample differently (top_p / top_k / min_p / temperature), so reward differences are not the "
                      f"scoring arm's alone.")
     return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# per-arm ranges over committed runs (docs/reading.md)
+
+RANGE_KEYS = {  # key -> (column, as percent)
+    keys.NEW_OLD.oob_rate: ("new/old OOB", True),
+    keys.NEW_OLD.p1: ("new/old p1", False),
+    keys.NEW_OLD.p99: ("new/old p99", False),
+    keys.OLD_SAMPLER.oob_rate: ("old/sampler OOB", True),
+    keys.OLD_SAMPLER.mean: ("old/sampler mean", False),
+    keys.KEPT_MASS_MEAN: ("kept mass", False),
+    keys.OLD_SAMPLER_CORRECTED.oob_rate: ("corrected old/sampler OOB", True),
+    keys.OLD_SAMPLER_CORRECTED.mean: ("corrected old/sampler mean", False),
+    keys.CLIP_FLIP_RATE: ("clip flips", True),
+}
+
+
+def arm_ranges(runs: list[tuple[str, list[dict]]]) -> dict[str, dict]:
+    """Per arm, over all its runs (seeds) and logged steps, for each `RANGE_KEYS` key: the mean of the run means and
+    the smallest and largest per-step value. `runs`: (arm, log history) pairs."""
+    out: dict[str, dict] = {}
+    for arm, history in runs:
+        entry = out.setdefault(arm, {"runs": 0, "steps": 0, "keys": {}})
+        entry["runs"] += 1
+        entry["steps"] += len(series(history, "reward"))
+        for key in RANGE_KEYS:
+            values = series(history, key)
+            if values:
+                acc = entry["keys"].setdefault(key, {"run_means": [], "min": values[0], "max": values[0]})
+                acc["run_means"].append(statistics.fmean(values))
+                acc["min"], acc["max"] = min(acc["min"], *values), max(acc["max"], *values)
+    for entry in out.values():
+        for acc in entry["keys"].values():
+            acc["mean"] = statistics.fmean(acc.pop("run_means"))
+    return out
+
+
+def _range_cell(acc: dict | None, percent: bool) -> str:
+    if acc is None:
+        return "-"
+    f = (lambda x: f"{100 * x:.1f}%") if percent else (lambda x: f"{x:.3f}")
+    if f(acc["min"]) == f(acc["max"]):  # one step, or a constant: one number
+        return f(acc["mean"])
+    return f"{f(acc['mean'])} ({f(acc['min'])}–{f(acc['max'])})"
+
+
+def _setting_label(setting: dict) -> str:
+    """`bf16`, or `bf16, top_p=0.8, renormalize`: a benchmark run's arm and sampling (results/ratio_*.json)."""
+    parts = [setting.get("old_logprob_mode", "bf16")]
+    if "name" in setting:
+        parts.append(setting["name"])
+    if setting.get("truncation_correction", "none") != "none":
+        parts.append(setting["truncation_correction"])
+    return ", ".join(parts)
+
+
+def range_runs(source: Path) -> tuple[list[tuple[str, list[dict]]], str]:
+    """(label, log history) pairs of a committed result and how it was measured: a comparison folder
+    (`<arm>-s<seed>/`, label = arm) or a benchmark JSON of `benchmarks/ratio_smollm2.py` (label = arm and sampling).
+
+    Raises:
+        FileNotFoundError: neither.
+    """
+    if source.is_dir():
+        runs = [(_arm_seed(name, path)[0], history) for name, history, _, path in _comparison_runs(source)]
+        summary = _comparison_summary(source) or {}
+        order = list(summary.get("arms", {}))  # the comparison's arm order
+        runs.sort(key=lambda r: order.index(r[0]) if r[0] in order else len(order))
+        if runs:
+            return runs, summary.get("command", "")
+    elif source.is_file():
+        data = json.loads(source.read_text())
+        if isinstance(data, dict) and isinstance(data.get("runs"), list):
+            return [(_setting_label(r["setting"]), r["rows"]) for r in data["runs"]], data.get("config", "")
+    raise FileNotFoundError(f"{source}: neither a comparison folder nor a benchmarks/ratio_smollm2.py result")
+
+
+def render_ranges(sources: list[Path]) -> str:
+    """Markdown: per arm (and sampling) of each committed result, each `RANGE_KEYS` metric it logged, as the mean
+    of its run means and, in brackets, the smallest and largest logged step."""
+    lines = []
+    for source in sources:
+        runs, how = range_runs(source)
+        ranges = arm_ranges(runs)
+        keys = [k for k in RANGE_KEYS if any(k in e["keys"] for e in ranges.values())]
+        lines += [f"`{source}`" + (f" ({how})" if how else "") + ": run mean (smallest–largest logged step).", "",
+                  "| arm | runs | steps | " + " | ".join(RANGE_KEYS[k][0] for k in keys) + " |",
+                  "|---" * (3 + len(keys)) + "|"]
+        for arm, entry in ranges.items():
+            cells = [_range_cell(entry["keys"].get(k), RANGE_KEYS[k][1]) for k in keys]
+            lines.append(f"| {arm} | {entry['runs']} | {entry['steps']} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+LOSS_EFFECT = {  # old_logprob_mode -> what it does to TRL's loss at num_iterations=1 (by construction)
+    "bf16": "no: TRL's loss bit for bit (r = 1)",
+    "sampler": "yes: every token's gradient weighted by r = policy/sampler",
+}
+LOSS_EFFECT_OTHER = "yes: every token's gradient weighted by r = exp(new - old) != 1"
+
+
+def render_effect(folder: Path) -> str:
+    """Markdown: per arm of a comparison, whether it changes the loss (by construction), how many tokens its clip
+    zeroes (measured), from which step its rollouts differ from the baseline's, and the reward verdict: when an arm
+    changes training, and when its value is the diagnostics."""
+    summary = _comparison_summary(folder) or {}
+    base = summary.get("baseline", "bf16")
+    series_ = comparison_series(folder)
+    order = list(summary.get("arms", {})) or list(dict.fromkeys(r.arm for r in series_))
+    series_.sort(key=lambda r: (order.index(r.arm) if r.arm in order else len(order), r.seed))
+    verdicts = {v.arm: v for v in compare_arms(series_, base, summary.get("last_k", 10))}
+    runs = _comparison_runs(folder)
+    ranges = arm_ranges([(_arm_seed(n, p)[0], h) for n, h, _, p in runs])
+    modes = {_arm_seed(n, p)[0]: (c or {}).get("old_logprob_mode") for n, _, c, p in runs}
+    lines = [f"| arm | changes the loss? | tokens the clip zeroes (run mean, largest step) | rollouts differ from "
+             f"{base} at step | reward vs {base} |", "|---|---|---|---|---|"]
+    for arm in order:
+        flips = ranges.get(arm, {}).get("keys", {}).get(keys.CLIP_FLIP_RATE)
+        effect = LOSS_EFFECT.get(modes.get(arm) or arm, LOSS_EFFECT_OTHER)
+        v = verdicts.get(arm)
+        lines.append(f"| {arm} | {effect} | {_range_cell(flips, True)} | "
+                     f"{_divergence_cell(v.divergence) if v else '-'} | {v.verdict if v else '(baseline)'} |")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# reading runs
 
 
 def _versions() -> str:
@@ -298,6 +352,11 @@ def _last_checkpoint_state(path: Path) -> Path | None:
     return max(states, key=lambda p: int(p.parent.name.rsplit("-", 1)[-1]), default=None)
 
 
+def _run_meta(path: Path) -> dict:
+    meta = path / "run.json"
+    return json.loads(meta.read_text()) if meta.is_file() else {}
+
+
 def load_runs(path: Path) -> list[tuple[str, list[dict], dict | None]]:
     """(name, log history, config or None) of: a run folder (`log_history.json`, else TRL's `trainer_state.json`
     in it or in its newest `checkpoint-N`), one of those files, or a comparison folder/its summary.json.
@@ -315,12 +374,8 @@ def load_runs(path: Path) -> list[tuple[str, list[dict], dict | None]]:
     history = next((p for p in (path / "log_history.json", path / "trainer_state.json") if p.is_file()), None)
     history = history or _last_checkpoint_state(path)
     if history is not None:
-        meta = path / "run.json"
-        config = json.loads(meta.read_text()).get("config") if meta.is_file() else None
-        return [(path.name, _read_history(history), config)]
-    runs = []
-    for sub in sorted(p for p in path.iterdir() if p.is_dir()):
-        runs += load_runs(sub) if (sub / "log_history.json").is_file() else []
+        return [(path.name, _read_history(history), _run_meta(path).get("config"))]
+    runs = [(name, h, c) for name, h, c, _ in _comparison_runs(path)]
     if not runs:
         raise FileNotFoundError(
             f"{path}: no log_history.json or trainer_state.json (a run's output_dir or one of its checkpoint-N "
@@ -329,18 +384,72 @@ def load_runs(path: Path) -> list[tuple[str, list[dict], dict | None]]:
     return runs
 
 
+def _comparison_runs(path: Path) -> list[tuple[str, list[dict], dict | None, Path]]:
+    """(name, history, config, folder) of every `<arm>-s<seed>/log_history.json` under a comparison folder."""
+    subs = sorted(p for p in path.iterdir() if (p / "log_history.json").is_file()) if path.is_dir() else []
+    return [(p.name, _read_history(p / "log_history.json"), _run_meta(p).get("config"), p) for p in subs]
+
+
+def _arm_seed(name: str, folder: Path) -> tuple[str, int]:
+    """(arm, seed) of a comparison run: from its run.json, else from its folder name `<arm>-s<seed>`."""
+    meta = _run_meta(folder)
+    if "arm" in meta and "seed" in meta:
+        return meta["arm"], int(meta["seed"])
+    arm, _, seed = name.rpartition("-s")
+    return (arm, int(seed)) if arm and seed.isdigit() else (name, 0)
+
+
+def comparison_series(path: Path) -> list[RunSeries]:
+    """`RunSeries` of every run of a comparison folder, with its rollout fingerprints when stored."""
+    out = []
+    for name, history, _, folder in _comparison_runs(path):
+        arm, seed = _arm_seed(name, folder)
+        prints = folder / "rollout_fingerprints.json"
+        fingerprints = json.loads(prints.read_text())["fingerprints"] if prints.is_file() else None
+        out.append(run_series(arm, seed, history, fingerprints))
+    return out
+
+
+def _comparison_summary(path: Path) -> dict | None:
+    """The `summary.json` of a comparison folder (or that file itself); None for a single run."""
+    path = path if path.name == "summary.json" else path / "summary.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="grpo-ratio report", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("path", help="a run's output_dir, its log_history.json or TRL's trainer_state.json (also in "
-                                     "checkpoint-N), or a comparison folder/summary.json")
+    parser.add_argument("path", nargs="+", help="a run's output_dir, its log_history.json or TRL's trainer_state.json "
+                                                "(also in checkpoint-N), or a comparison folder/summary.json")
     parser.add_argument("--json", action="store_true", help="print the summary and findings as JSON")
+    parser.add_argument("--ranges", action="store_true",
+                        help="print only the per-arm ranges of comparison folders or benchmarks/ratio_smollm2.py "
+                             "results (docs/reading.md)")
+    parser.add_argument("--verdict", action="store_true", help="print only the comparison verdict")
+    parser.add_argument("--effect", action="store_true",
+                        help="print only, per arm of a comparison folder, whether it changes training (README)")
     args = parser.parse_args(argv)
+    paths = [Path(p) for p in args.path]
     try:
-        runs = load_runs(Path(args.path))
+        if args.ranges:
+            print(render_ranges(paths), end="")
+            return 0
+        if args.effect:
+            print("".join(render_effect(p) for p in paths), end="")
+            return 0
+        runs = [run for p in paths for run in load_runs(p)]
     except (FileNotFoundError, ValueError) as err:  # json.JSONDecodeError is a ValueError
         print(f"grpo-ratio report: error: {err}", file=sys.stderr)
         return 2
+    summaries = [(p, s) for p in paths if (s := _comparison_summary(p)) and s.get("arms")]
+    if args.verdict:
+        if not summaries:
+            print(f"grpo-ratio report: error: --verdict needs a comparison folder (with summary.json), got "
+                  f"{', '.join(map(str, paths))}", file=sys.stderr)
+            return 2
+        for p, s in summaries:
+            print(render_comparison(s, comparison_series(p if p.is_dir() else p.parent)), end="")
+        return 0
     results = []
     for name, history, config in runs:
         stats = summarize_history(history)
@@ -349,16 +458,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps([{"run": n, "config": c, "summary": s, "findings": [asdict(f) for f in fs]}
                           for n, s, fs, c in results], indent=1))
         return 0
-    print(f"## grpo-ratio report: {args.path}\n\n{_versions()}\n")
+    print(f"## grpo-ratio report: {' '.join(args.path)}\n\n{_versions()}\n")
     for name, stats, found, config in results:
         print(render_run(name, stats, found, config))
-    summary = _comparison_summary(Path(args.path))
-    if summary and summary.get("arms"):
-        print(render_comparison(summary))
+    for p, s in summaries:
+        print(render_comparison(s, comparison_series(p if p.is_dir() else p.parent)))
     return 0
-
-
-def _comparison_summary(path: Path) -> dict | None:
-    """The `summary.json` of a comparison folder (or that file itself); None for a single run."""
-    path = path if path.name == "summary.json" else path / "summary.json"
-    return json.loads(path.read_text()) if path.is_file() else None

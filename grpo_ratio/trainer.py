@@ -42,7 +42,8 @@ from .corrections import capture_last_hidden, check_head_is_linear, kept_set_log
 from .diagnostics import RatioDiagnostics
 from .fused_head import capture_norm_inputs, fused_head_fallback, say_fused_head
 from .kept_logprobs import lift_sampler_logprobs
-from .lints import check_calibration, check_dropout, check_positions, check_sampling, check_vllm
+from .lints import check_calibration, check_dropout, check_positions, check_sampling, check_train_dataset, check_vllm
+from .models import trainer_model_source
 from .plan import CONTINUOUS_BATCHING, GENERATE, VLLM, VLLM_MASKS, RunPlan, kept_set_origin, trl_runs_old_pass
 from .processors import PROCESSORS, VLLM_PROCESSORS, RepetitionPenalty, check_processors
 from .ratios import importance_sampling_weights
@@ -78,7 +79,10 @@ class RatioGRPOTrainer(GRPOTrainer):
 
     Raises:
         TypeError: `args` is a plain `GRPOConfig` (use `RatioGRPOConfig`, which has every GRPOConfig field).
-        ValueError: `guided_fp32_layers` names a layer the model does not have.
+        ValueError: `guided_fp32_layers` names a layer the model does not have; an empty `train_dataset`, or one
+            without a `prompt` column (`grpo_ratio.lints.check_train_dataset`).
+        OSError: a model id that neither the hub, its cache nor (SmolLM2-135M-Instruct) the GGUF fallback provides
+            (`grpo_ratio.models.trainer_model_source`).
         NotImplementedError: a sharded combination a mode cannot be exact in (`grpo_ratio.sharding.check_sharded_mode`:
             FSDP1, PEFT or fp16 under FSDP2/ZeRO-3, parameter offload).
     """
@@ -94,6 +98,9 @@ class RatioGRPOTrainer(GRPOTrainer):
                 f"RatioGRPOTrainer needs args=RatioGRPOConfig(...), got {type(args).__name__}; RatioGRPOConfig accepts "
                 f"every GRPOConfig field plus old_logprob_mode, guided_fp32_layers, ..."
             )
+        if isinstance(model, str):  # resolved as the command line resolves it (offline: the converted SmolLM2)
+            model = trainer_model_source(model, (args.model_init_kwargs or {}).get("revision"))
+        check_train_dataset(kwargs["train_dataset"] if "train_dataset" in kwargs else (pargs[0] if pargs else None))
         # vLLM's sampling masks need an engine flag, so this one fact of the plan is needed before TRL builds the engine
         engine_kwargs = {"return_sampling_mask": True} if kept_set_origin(args) == VLLM_MASKS else {}
         if args.use_vllm and args.routing_replay == "R3":  # the engine returns each row's routes (vLLM #28284)

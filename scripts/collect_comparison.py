@@ -15,7 +15,8 @@ from pathlib import Path
 
 
 def collect(src: Path, dest: Path) -> list[Path]:
-    """Copy `summary.json`, `comparison.png` and `<run>/{log_history,first_rollouts}.json` plus the run's config.
+    """Copy `summary.json`, `comparison.png` and `<run>/{log_history,first_rollouts,rollout_fingerprints}.json` plus
+    the run's config.
 
     Raises:
         FileNotFoundError: `src` has no `summary.json` (the comparison did not finish).
@@ -31,9 +32,10 @@ def collect(src: Path, dest: Path) -> list[Path]:
     for run in sorted(p for p in src.iterdir() if (p / "log_history.json").is_file()):
         out = dest / run.name
         out.mkdir(exist_ok=True)
-        for name in ("log_history.json", "first_rollouts.json"):
-            shutil.copy2(run / name, out / name)
-            written.append(out / name)
+        for name in ("log_history.json", "first_rollouts.json", "rollout_fingerprints.json"):
+            if (run / name).is_file():  # fingerprints: absent in runs recorded before they were stored
+                shutil.copy2(run / name, out / name)
+                written.append(out / name)
         meta = json.loads((run / "run.json").read_text())
         meta.pop("fingerprint", None)  # the recipe text: in recipes/ already
         (out / "run.json").write_text(json.dumps(meta, indent=1) + "\n")

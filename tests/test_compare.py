@@ -59,6 +59,15 @@ def test_two_arms_match_step_one_and_summarize(compare, tmp_path):
     assert Path(result.plot_path).stat().st_size > 0
     assert json.loads(Path(result.summary_path).read_text())["matched_first_rollouts"] == {"0": True}
 
+    # per-step rollout fingerprints: one per optimizer step, equal at step 1, the verdict reads them
+    prints = json.loads((tmp_path / "cmp" / "fp32_clone-s0" / "rollout_fingerprints.json").read_text())["fingerprints"]
+    assert prints == fp32.fingerprints and len(prints) == 2 and prints[0] == bf16.fingerprints[0]
+    assert prints[0] == compare.rollout_fingerprint(fp32.first_prompts, fp32.first_completions)
+    (verdict,) = result.summary["verdicts"]
+    assert verdict["arm"] == "fp32_clone" and verdict["divergence"][0]["exact"] is True
+    assert verdict["divergence"][0]["step"] == (None if prints == bf16.fingerprints else 2)
+    assert verdict["verdict"] in ("unknown", "not diverged yet") and verdict["reason"]
+
 
 def test_summarize_literal_histories(compare):
     def run(arm, seed, rewards):
@@ -187,3 +196,35 @@ def test_plots_show_the_correction_and_the_band(tmp_path):
     drawn = plot_metrics({"run": rows}, tmp_path / "m.png", "SmolLM2: renormalize, 3 steps")
     assert {"ratio/old_sampler_corrected/oob_rate", "ratio/kept_mass_mean", "ratio/new_old/p1"} <= set(drawn)
     assert (tmp_path / "m.png").stat().st_size > 0
+
+
+def test_summary_printed_to_a_log_file_is_never_cut(compare, tmp_path, capsys):
+    # the issue: the table was cut at the terminal width in a log file; off a terminal the markdown is printed whole
+    rows = [{"step": i + 1, "reward": 0.1 * i, "ratio/new_old/oob_rate": 0.0123456, "clip_ratio/region_mean": 0.0}
+            for i in range(3)]
+    runs = [compare.RunResult(arm, 0, rows, [], [], "") for arm in ("bf16", "a_rather_long_arm_label_for_a_column")]
+    summary = compare.summarize(runs, last_k=2)
+    with open(tmp_path / "log.txt", "w") as log:
+        compare.print_summary(summary, "cmp", stream=log)
+    text = (tmp_path / "log.txt").read_text()
+    assert "…" not in text and "a_rather_long_arm_label_for_a_column | 0 | 3 | 0.150 |" in text
+    assert "| TRL clip |" in text and "### Verdict" in text and "needs >= 2 seeds" in text
+    assert max(len(line) for line in text.splitlines()) > 140  # nothing was wrapped or cut to fit a width
+
+
+def test_comparison_plot_keeps_equal_arms_visible_and_legends_off_the_data(compare):
+    # the issue: arms whose lines equal the baseline's were hidden under it, and legends covered the data
+    from grpo_ratio.plots import comparison_styles, draw_runs
+
+    rows = [{"step": s, "reward": 0.1 * s, "ratio/new_old/oob_rate": 0.0} for s in (1, 2, 3)]
+    runs = [compare.RunResult(arm, 0, rows, [], [], "") for arm in ("bf16", "fp32_clone", "sampler")]
+    styles, offsets = comparison_styles(runs)
+    fig, drawn = draw_runs({f"{r.arm} s{r.seed}": r.history for r in runs}, "t", styles, offsets=offsets)
+    assert drawn == ["reward", "ratio/new_old/oob_rate"]
+    fig.canvas.draw()
+    for ax in fig.axes:
+        lines = ax.get_lines()
+        assert [ln.get_xdata()[0] for ln in lines] == pytest.approx([0.85, 1.0, 1.15])  # shifted apart
+        assert len({ln.get_marker() for ln in lines}) == 3 and {ln.get_markerfacecolor() for ln in lines} == {"none"}
+        legend, box = ax.get_legend().get_window_extent(), ax.get_window_extent()
+        assert legend.x0 >= box.x1  # right of the panel, not over it

@@ -35,6 +35,8 @@ def test_defaults_are_trl_behaviour(tmp_path):
      "resident, per_layer"),
     (dict(old_logprob_mode="fp32_head", copy_storage="per_layer"), "only used by old_logprob_mode in fp16_clone, "
      "fp32_clone"),
+    (dict(top_p=0.0), r"top_p=0.0 is not allowed; allowed: 0 < top_p <= 1"),  # TRL takes it; generate keeps 1 token
+    (dict(top_p=1.5), r"allowed: 0 < top_p <= 1"),
 ])
 def test_bad_values_fail_at_config_time(tmp_path, kw, match):
     with pytest.raises(ValueError, match=match):
@@ -121,6 +123,28 @@ def test_correction_without_truncation_warns(tmp_path):
 
     with pytest.warns(UserWarning, match="has no effect: sampling is not truncated"):
         tiny_trainer(tmp_path, "bf16", truncation_correction="renormalize")
+
+
+def test_kept_set_source_without_a_correction_warns(tmp_path, recwarn):
+    with pytest.warns(UserWarning, match="kept_set_source='recompute' has no effect with truncation_correction='none'"):
+        RatioGRPOConfig(output_dir=str(tmp_path), use_cpu=True, kept_set_source="recompute")
+    recwarn.clear()
+    RatioGRPOConfig(output_dir=str(tmp_path), use_cpu=True, kept_set_source="recompute", top_p=0.8,
+                    truncation_correction="renormalize")
+    RatioGRPOConfig(output_dir=str(tmp_path), use_cpu=True)  # auto: the default, silent
+    assert not [w for w in recwarn if "kept_set_source" in str(w.message)]
+
+
+def test_the_early_command_line_checks_agree_with_the_config(tmp_path):
+    # grpo_ratio/precheck.py refuses what RatioGRPOConfig refuses, before the heavy imports
+    from grpo_ratio.precheck import RANGES, ConfigError, check_flags
+
+    for name in RANGES:
+        for bad in (0.0, 1.5):
+            with pytest.raises(ConfigError):
+                check_flags([f"--{name}", str(bad)])
+            with pytest.raises(ValueError, match=name):
+                RatioGRPOConfig(output_dir=str(tmp_path), use_cpu=True, **{name: bad})
 
 
 @pytest.mark.parametrize("version", ["1.15.2", "1.17.0", "2.0.0"])

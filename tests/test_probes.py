@@ -77,7 +77,7 @@ def test_trl_layout_masks():
 @pytest.fixture(scope="module")
 def batch_result(tmp_path_factory):
     out = tmp_path_factory.mktemp("batch")
-    return _run(out, "batch", "--dtypes", "bf16,fp32"), out
+    return _run(out, "batch", "--dtypes", "bf16,fp32,autocast"), out
 
 
 def test_batch_probe_controls_on_tiny_model(batch_result):
@@ -85,8 +85,8 @@ def test_batch_probe_controls_on_tiny_model(batch_result):
     r = res["results"]
     n = res["info"]["num_tokens"]
     assert 0 < n <= 8 * 6  # 8 sequences of at most 6 valid completion tokens
-    assert list(r) == ["bf16", "fp32"]
-    for dtype in ("bf16", "fp32"):
+    assert list(r) == ["bf16", "fp32", "autocast"]
+    for dtype in ("bf16", "fp32", "autocast"):
         assert r[dtype]["b1_vs_b8"]["num_tokens"] == n  # every dtype scores the same valid tokens
     # the rerun control: the same batch shape twice is bit-identical (seed 004: 0 tokens moved)
     assert r["bf16"]["rerun"]["num_oob"] == 0 and r["bf16"]["rerun"]["max_abs_dlogp"] == 0.0
@@ -582,3 +582,114 @@ def test_invariance_hash_is_stable_across_runs_and_errors(tmp_path, capsys, inva
                            (["--co-batch-sizes", "a"], "comma-separated integers"), (["--modes", "fp8"], "subset")]:
         assert main(["probe", "invariance", *TINY, *extra, "--out", str(tmp_path)]) == 2
         assert message in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the recommendation each probe ends with, computed from its numbers (literal payloads)
+
+
+def _rate(k, n=1000, **extra):
+    from grpo_ratio.probes.common import wilson_interval
+
+    return {"num_tokens": n, "num_oob": k, "oob_rate": k / n, "oob_ci95": list(wilson_interval(k, n)),
+            "max_abs_dlogp": 0.0 if k == 0 else 0.2, **extra}
+
+
+def test_ladder_recommends_the_cheapest_mode_that_removes_the_gap():
+    from grpo_ratio.probes.ladder import recommendation
+
+    modes = {"bf16": (60, 1.0, 0.0), "fp32_clone": (0, 2.0, 0.0), "fp16_clone": (0, 3.0, 1.0),
+             "fp32_head": (15, 0.5, 0.0), "guided_fp32": (3, 1.3, 0.0)}
+    results = {m: _rate(k, time_vs_bf16=t, extra_vs_bf16_model=x) for m, (k, t, x) in modes.items()}
+    text = "\n".join(recommendation({"batch_size": 8, "repeats": 1, "results": results}))
+    assert ("On this model, `guided_fp32` removes 95% of the bf16 gap (out of band 6.00% -> 0.30%) at 1.30x bf16's "
+            "time on this CPU and no extra memory, the cheapest here") in text
+    assert "`fp32_head` 75% at 0.50x" in text and "`fp16_clone` 100% at 3.00x" in text
+    assert "does not carry over to a GPU" in text and "--repeats 5" in text
+    assert "fp32_head timed below bf16" in text  # a cost below bf16's is load, not a measurement
+    assert "moves the precision gap into new/old" in text
+    results["bf16"] = _rate(0, time_vs_bf16=1.0, extra_vs_bf16_model=0.0)
+    text = "\n".join(recommendation({"batch_size": 8, "repeats": 5, "results": results}))
+    assert "no mode has a gap to remove; keep old_logprob_mode='bf16'" in text and "--repeats" not in text
+
+
+def test_batch_recommendation_says_what_the_no_autocast_regime_means():
+    from grpo_ratio.probes.batch import recommendation
+
+    def regime(k):
+        return {"b1_vs_b8": _rate(k), "b1_padded_vs_b8": _rate(0), "seconds": 1.0}
+
+    payload = {"batch_sizes": [8], "results": {"bf16": {**regime(80), "rerun": _rate(0)}, "fp32": regime(0)}}
+    text = "\n".join(recommendation(payload))
+    assert "bf16 weights move 8.00% of tokens out of band between batch 1 and batch 8; fp32 removes 100% of it" in text
+    assert "not nondeterminism" in text and "the padding, not the number of rows" in text
+    assert "cast without autocast" in text and "--dtypes bf16,fp16,fp32,autocast" in text
+    payload["results"]["autocast"] = regime(50)
+    text = "\n".join(recommendation(payload))
+    assert "In TRL's regime (fp32 weights, bf16 autocast) the gap is 5.00%" in text
+    assert "cast without autocast" not in text and "fp32 removes 100%" in text  # autocast is no "dtype" of the list
+
+
+def test_batch_probe_autocast_regime_on_tiny_model(batch_result):
+    res, out = batch_result
+    r = res["results"]
+    assert list(r) == ["bf16", "fp32", "autocast"]
+    # fp32 weights under bf16 autocast: bf16 matmuls, so it moves like bf16 weights, far more than fp32 rounding
+    assert r["autocast"]["b1_vs_b8"]["max_abs_dlogp"] > 10 * r["fp32"]["b1_vs_b8"]["max_abs_dlogp"]
+    assert "In TRL's regime" in (out / "batch.md").read_text()
+
+
+def test_controls_recommendation_reads_the_intervals():
+    from grpo_ratio.probes.controls import recommendation
+
+    results = {"A_padded_ragged": _rate(100), "B_equal_length_no_pad": _rate(0), "C_same_sequence_x8": _rate(0),
+               "D_two_groupings": _rate(0)}
+    text = "\n".join(recommendation({"dtype": "bf16", "results": results}))
+    assert "padding is the cause" in text and "(B << A" in text and "enters old/sampler" in text
+    results["B_equal_length_no_pad"] = _rate(90)
+    text = "\n".join(recommendation({"dtype": "bf16", "results": results}))
+    assert "Padding is not the explanation" in text and "B ~ A" in text and "on the training GPU" in text
+
+
+def test_calibrate_recommendation_flags_a_target_met_only_by_the_estimate():
+    from grpo_ratio.probes.calibrate import recommendation
+
+    steps = [{"k": 0, "layers": [], **_rate(20, 500), "time_vs_bf16": 1.1},
+             {"k": 1, "layers": [29], **_rate(4, 500), "time_vs_bf16": 1.2}]
+    payload = {"result": {"bf16": _rate(30, 500), "steps": steps, "reached": True, "target": 0.01,
+                          "guided_fp32_layers": [29], "recommended_mode": "guided_fp32"}}
+    text = "\n".join(recommendation(payload))
+    assert ("`guided_fp32` with guided_fp32_layers='29' brings the out-of-band rate from 6.00% to 0.80%, 87% of the "
+            "bf16 gap removed, at 1.20x") in text
+    assert "interval of the chosen set reaches 2.04%, above the target" in text and "timed below" not in text
+
+
+def test_layers_recommendation_shares_of_the_increments():
+    from grpo_ratio.probes.layers import recommendation
+
+    result = {"increments": [0.5, 0.1, 0.3, -0.1], "guided_fp32_layers": [0, 2], "ranking": [0, 2, 1, 3], "top_k": 2}
+    text = "\n".join(recommendation({"result": result, "regime": "bf16"}))
+    assert "the top 2 layers (0,2) add 89% of the summed positive divergence increments; layer 0 alone adds 56%" in text
+    assert "guided_fp32_layers='0,2'" in text and "not TRL's default" in text
+
+
+def test_greedy_and_invariance_recommendations():
+    from grpo_ratio.probes.greedy import recommendation as greedy_rec
+    from grpo_ratio.probes.invariance import recommendation as invariance_rec
+
+    def pair(agree, n=8):
+        return {"num_agree": agree, "num_prompts": n}
+
+    result = {"batch_size": 8, "pairs": {"bf16_vs_fp32": pair(4), "bf16_b1_vs_b8": pair(5), "fp16_vs_fp32": pair(8)},
+              "gate": {"bf16": {"tau": 0.5, "fired_share": 0.16, "gated_vs_fp32": pair(7)}}}
+    text = "\n".join(greedy_rec({"info": {"prompt_indices": list(range(8))}, "result": result}))
+    assert "bf16 greedy decoding matches fp32 on 4 of 8 prompts; the margin-gated fp32 head at tau 0.5" in text
+    assert "makes it 7 of 8 prompts; inside left-padded batches it matches its own batch-1 decoding on 5 of 8" in text
+    assert "not greedy" in text
+    modes = {m: {"rerun": {"equal_rate": 1.0, "max_abs_dlogp": 0.0},
+                 "co_batch_2": {"equal_rate": 0.5, "max_abs_dlogp": d},
+                 "decode": {"supported": True, "equal_rate": 0.1, "max_abs_dlogp": d}}
+             for m, d in (("bf16", 0.2), ("fp32_clone", 2e-5))}
+    text = "\n".join(invariance_rec({"result": {"modes": {**modes, "guided_fp32": {"skipped": "no --layers"}}}}))
+    assert "Every mode reruns bit for bit. No mode is bitwise invariant" in text
+    assert "The smallest moves are `fp32_clone`'s (max abs dlogp 2e-05" in text

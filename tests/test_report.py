@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from grpo_ratio.report import findings, load_runs, main, render_comparison, separation, summarize_history
+from grpo_ratio.config import SCORING_MODES, TRUNCATION_CORRECTIONS
+from grpo_ratio.report import findings, load_runs, main, render_comparison, summarize_history
 
 
 def _history(**series):
@@ -61,22 +62,60 @@ def test_report_reads_trl_trainer_state_of_a_script_of_your_own(tmp_path, capsys
     assert "trainer_state.json" in capsys.readouterr().err
 
 
-def test_separation_against_step_noise_and_seed_spread():
-    # k=4: noise floor 2 * sqrt(2/4) * 0.05 = 0.0707
-    assert separation(0.10, 4, [0.05, 0.02], [None, None]) == "beyond noise"
-    assert separation(0.05, 4, [0.05, 0.02], [None, None]) == "within noise"
-    assert separation(0.10, 4, [0.05, 0.02], [0.12, None]) == "within noise"  # seeds disagree by more
-    assert separation(None, 4, [0.05], [None]) == "unknown"
+def test_comparison_section_says_why_unknown_one_seed_and_unmatched_rollouts():
+    # 2 logged steps (the issue: every arm "unknown" and nothing said why)
+    summary = {"last_k": 4, "last_k_used": 2, "baseline": "bf16", "matched_first_rollouts": {"0": False}, "arms": {
+        "bf16": {"num_seeds": 1}, "sampler": {"num_seeds": 1}}}
+    from grpo_ratio.verdict import run_series
 
-
-def test_comparison_section_says_one_seed_and_unmatched_rollouts():
-    summary = {"last_k_used": 4, "baseline": "bf16", "matched_first_rollouts": {"0": False}, "arms": {
-        "bf16": {"num_seeds": 1, "mean": 0.2, "mean_diff_vs_baseline": 0.0, "spread": None, "reward_step_noise": 0.05},
-        "sampler": {"num_seeds": 1, "mean": 0.3, "mean_diff_vs_baseline": 0.1, "spread": None,
-                    "reward_step_noise": 0.04}}}
-    text = render_comparison(summary)
-    assert "| sampler | 1 | 0.1 | 0.04 | - | beyond noise |" in text and "| bf16 |" not in text
+    series = [run_series("bf16", 0, _history(reward=[0.1, 0.2])), run_series("sampler", 0, _history(reward=[0.1, 0.4]))]
+    text = render_comparison(summary, series)
+    assert "| sampler | 1 | 2 | +0.100 | - | - | s0: <= 2 | unknown |" in text and "| bf16 |" not in text
+    assert "1 seed and 2 step(s) in the last-k window: too few" in text and "--seeds 0 1 2" in text
+    assert "needs >= 2 seeds" in text and ">= 10 logged steps" in text  # the minimum, in the output
     assert "one seed" in text and "differ across arms for seed(s) 0" in text
+
+
+def _fp32_clone_issue_run():
+    """The issue's fp32_clone run: old/sampler 11.9% out of band (by design), new/old 12% (by design)."""
+    return summarize_history(_history(ratio__old_sampler__oob_rate=[0.119], ratio__old_sampler__mean=[1.002],
+                                      ratio__new_old__oob_rate=[0.123], ratio__clip_flip_rate=[0.0156]))
+
+
+def test_fp32_clone_is_never_told_to_score_old_log_probs_in_fp32():
+    config = {"old_logprob_mode": "fp32_clone", "truncation_correction": "none", "bf16": True, "num_iterations": 1}
+    found = {f.metric: f for f in findings(_fp32_clone_issue_run(), config)}
+    sampler = found["ratio/old_sampler/oob_rate"]
+    assert sampler.severity == "expected" and "expected for old_logprob_mode='fp32_clone'" in sampler.cause
+    assert "fp32" not in sampler.fix and sampler.changes == {}
+    assert found["ratio/new_old/oob_rate"].severity == "expected"
+    assert "1.56% of tokens" in found["ratio/new_old/oob_rate"].fix  # the clip flips, read for the user
+    assert "equals TRL's clip_ratio/region_mean" in found["ratio/clip_flip_rate"].cause
+    # the same numbers in a bf16 run are a warning, and the fixes name other arms, never the run's own
+    found = {f.metric: f for f in findings(_fp32_clone_issue_run(), {**config, "old_logprob_mode": "bf16"})}
+    assert found["ratio/old_sampler/oob_rate"].severity == "warning"
+    assert found["ratio/old_sampler/oob_rate"].changes == {"old_logprob_mode": "sampler"}
+
+
+SYMPTOMS = dict(ratio__old_sampler__mean=[0.8], ratio__old_sampler__oob_rate=[0.5],
+                ratio__old_sampler_corrected__oob_rate=[0.3], ratio__new_old__oob_rate=[0.2],
+                ratio__clip_flip_rate=[0.03], ratio__kept_set_added_rate=[0.05], ratio__fp16_fallback_rows=[2.0],
+                ratio__new_old__num_tokens=[0.0])
+
+
+@pytest.mark.parametrize("mode", SCORING_MODES)
+@pytest.mark.parametrize("correction", TRUNCATION_CORRECTIONS)
+@pytest.mark.parametrize("use_vllm", [False, True])
+def test_no_finding_advises_what_the_run_already_does(mode, correction, use_vllm):
+    config = {"old_logprob_mode": mode, "truncation_correction": correction, "use_vllm": use_vllm,
+              "vllm_dtype": "float32" if use_vllm else None, "kept_set_source": "recorded", "disable_dropout": True,
+              "mask_truncated_completions": False, "ratio_diagnostics": True, "bf16": True}
+    for keys in ({k: v for k, v in SYMPTOMS.items() if "corrected" not in k}, SYMPTOMS):
+        for f in findings(summarize_history(_history(**keys)), config):
+            for key, value in f.changes.items():
+                assert config.get(key) != value, (f.metric, key, value)
+            for key, value in config.items():
+                assert f"{key}={value!r}" not in f.fix, (f.metric, f.fix)
 
 
 def test_report_reads_a_comparison_folder(tmp_path, capsys):
@@ -85,11 +124,20 @@ def test_report_reads_a_comparison_folder(tmp_path, capsys):
         run.mkdir(parents=True)
         (run / "log_history.json").write_text(json.dumps(_history(reward=[0.1, 0.2])))
         (run / "run.json").write_text(json.dumps({"config": {"old_logprob_mode": arm}}))
-    (tmp_path / "cmp" / "summary.json").write_text("{}")
+    (tmp_path / "cmp" / "summary.json").write_text(json.dumps({"last_k": 2, "last_k_used": 2, "baseline": "bf16",
+                                                               "arms": {"bf16": {"num_seeds": 1},
+                                                                        "fp32_clone": {"num_seeds": 1}}}))
     assert [name for name, _, _ in load_runs(tmp_path / "cmp" / "summary.json")] == ["bf16-s0", "fp32_clone-s0"]
     assert main([str(tmp_path / "cmp")]) == 0
     out = capsys.readouterr().out
     assert "### bf16-s0" in out and "old_logprob_mode=fp32_clone" in out and "| `reward` |" in out
+    assert "| fp32_clone | 1 | 2 | +0.000 | - | - | s0: none seen | not diverged yet |" in out
+    assert main([str(tmp_path / "cmp"), "--verdict"]) == 0 and "### bf16-s0" not in capsys.readouterr().out
+    assert main([str(tmp_path / "cmp"), "--effect"]) == 0
+    out = capsys.readouterr().out
+    assert "| bf16 | no: TRL's loss bit for bit (r = 1) | - | - | (baseline) |" in out
+    assert "| fp32_clone | yes: every token's gradient weighted by r = exp(new - old) != 1 | - | s0: none seen | not " \
+           "diverged yet |" in out
     assert main([str(tmp_path / "missing")]) == 2
 
 

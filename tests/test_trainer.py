@@ -112,3 +112,21 @@ def test_each_mode_trains(tmp_path, mode):
     assert "loss" in trainer.state.log_history[0]
     changed = sum(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
     assert changed > 0
+
+
+def test_an_empty_dataset_or_one_without_prompts_is_refused(tmp_path):
+    # the issue: an empty dataset "trained" 0 steps with exit 0; a dataset without `prompt` failed with a KeyError
+    from datasets import Dataset
+    from trainer_fixtures import tiny_grpo_args
+
+    from grpo_ratio import RatioGRPOTrainer
+    from grpo_ratio.testing import letter_reward, tiny_model, tiny_tokenizer
+
+    def build(dataset):
+        return RatioGRPOTrainer(model=tiny_model("qwen2"), reward_funcs=letter_reward,
+                                args=tiny_grpo_args(tmp_path), train_dataset=dataset, processing_class=tiny_tokenizer())
+
+    with pytest.raises(ValueError, match=r"train_dataset is empty \(0 rows\)"):
+        build(Dataset.from_dict({"prompt": []}))
+    with pytest.raises(ValueError, match="no 'prompt' column .* its columns are: 'question', 'answer'"):
+        build(Dataset.from_dict({"question": ["2+2?"], "answer": ["4"]}))

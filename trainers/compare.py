@@ -6,8 +6,13 @@
 The same as `grpo-ratio compare ...`; the logic lives in `grpo_ratio/scripts/compare.py` (`--help` for the flags).
 """
 
-from grpo_ratio.scripts.compare import main
+import sys
+
+from grpo_ratio.precheck import run_or_exit
 
 
 if __name__ == "__main__":
+    run_or_exit("compare", sys.argv[1:])  # recipe keys and flags, before the heavy imports
+    from grpo_ratio.scripts.compare import main
+
     main()

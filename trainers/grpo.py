@@ -7,8 +7,13 @@
 The same as `grpo-ratio train ...`; the logic lives in `grpo_ratio/scripts/train.py` (`--help` lists every flag).
 """
 
-from grpo_ratio.scripts.train import cli_main
+import sys
+
+from grpo_ratio.precheck import run_or_exit
 
 
 if __name__ == "__main__":
+    run_or_exit("train", sys.argv[1:])  # recipe keys and flags, before the heavy imports
+    from grpo_ratio.scripts.train import cli_main
+
     cli_main()

@@ -19,7 +19,20 @@ from tqdm.auto import tqdm
 
 from ..scoring import OldLogprobScorer
 from . import common
-from .common import Completions, compare, finish_oob_plot, pct, pct_ci, pyplot, rate_errors, score_alone
+from .common import (
+    CPU_TIMING,
+    Completions,
+    compare,
+    finish_oob_plot,
+    load_caveat,
+    pct,
+    pct_ci,
+    pyplot,
+    rate_errors,
+    recommendation_block,
+    score_alone,
+    share_removed,
+)
 
 
 def measure(model, data: Completions, mode: str, layers: list[int] | None, batch_size: int) -> dict:
@@ -98,7 +111,33 @@ def markdown(payload: dict) -> str:
                + (f", guided_fp32_layers='{','.join(map(str, r['guided_fp32_layers']))}'" if r["guided_fp32_layers"]
                   else "") if r["reached"] else "NOT reached with the layers tried")
     lines += ["", f"Target {verdict}. Layer order from {payload['ranking_source']}.", ""]
-    return "\n".join(lines)
+    return "\n".join(lines + recommendation(payload))
+
+
+def recommendation(payload: dict) -> list[str]:
+    """The conclusion: the chosen set, how much of the bf16 gap it removes and at what (CPU) time, and whether its
+    interval clears the target."""
+    r = payload["result"]
+    last, base = r["steps"][-1], r["bf16"]["oob_rate"]
+    layers = ",".join(map(str, r["guided_fp32_layers"]))
+    mode = f"`{r['recommended_mode']}`" + (f" with guided_fp32_layers='{layers}'" if layers else "")
+    removed = share_removed(last["oob_rate"], base)
+    gap = "" if removed is None else f", {removed:.0%} of the bf16 gap removed"
+    sentences = [f"On this model, {mode} brings the out-of-band rate from {pct(base)} to {pct(last['oob_rate'])}"
+                 f"{gap}, at {last['time_vs_bf16']:.2f}x bf16's time on this CPU (one timed pass)."]
+    if not r["reached"]:
+        sentences.append(f"It does not reach the target {pct(r['target'])}: raise --max-layers, or use "
+                         "`fp32_clone` (no batch-shape gap at all in `probe ladder`).")
+    caveats = []
+    hi = last["oob_ci95"][1]
+    if r["reached"] and hi > r["target"]:
+        caveats.append(f"The 95% interval of the chosen set reaches {pct(hi)}, above the target: on "
+                       f"{last['num_tokens']} held-out tokens the target is met by the estimate, not beyond doubt; "
+                       "more prompts (--num-prompts) decide.")
+    caveats += load_caveat({("+".join(map(str, st["layers"])) or "fp32_head"): st["time_vs_bf16"]
+                            for st in r["steps"]})
+    caveats.append(CPU_TIMING)
+    return recommendation_block(sentences, caveats)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

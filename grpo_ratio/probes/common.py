@@ -335,6 +335,37 @@ def pct_ci(c: dict) -> str:
     return f"{pct(c['oob_rate'])} [{100 * lo:.1f}, {100 * hi:.1f}]"
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# the recommendation each probe ends with
+
+# every probe runs its model on the CPU (`load_model` never moves it): say what its times mean
+CPU_TIMING = ("Times are CPU passes (the probes run on the CPU), where bf16 is emulated unless the CPU has native "
+              "bf16 and fp32 is the fast path: a ratio to bf16's time measured here does not carry over to a GPU, "
+              "where bf16 matmuls run on tensor cores and fp32 ones do not; time the mode on the training GPU "
+              "(`benchmarks/old_pass.py`, or the step time of a short run) before paying for it.")
+
+
+def load_caveat(times: dict[str, float]) -> list[str]:
+    """A caveat when a mode that does at least bf16's work timed well below bf16 (`times`: mode -> time / bf16's):
+    the machine's load changed between the passes, so those times are not costs."""
+    fast = [m for m, t in times.items() if t < 0.9]
+    if not fast:
+        return []
+    return [f"{', '.join(fast)} timed below bf16 although {'they do' if len(fast) > 1 else 'it does'} at least "
+            "bf16's work: the machine's load changed between the passes; read those times as unmeasured."]
+
+
+def share_removed(rate: float, base: float) -> float | None:
+    """(base - rate) / base: the share of a baseline out-of-band rate that a mode removes (None when base is 0:
+    nothing to remove)."""
+    return None if base == 0 else (base - rate) / base
+
+
+def recommendation_block(sentences: list[str], caveats: list[str]) -> list[str]:
+    """Markdown lines: `**Recommendation.**` and its sentences, then each caveat as a bullet."""
+    return [f"**Recommendation.** {' '.join(sentences)}", "", *[f"- {c}" for c in caveats], ""]
+
+
 def write_results(out: str | Path, name: str, payload: dict, markdown: str, plot=None) -> list[Path]:
     """Write `{out}/{name}.json`, `{out}/{name}.md` and, when the probe passes its `plot(payload, path) -> bool`
     (`plot_payload`) and it draws, `{out}/{name}.png`; returns the paths written."""

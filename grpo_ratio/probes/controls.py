@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from ..routing import RouteHooks, moe_layout
 from . import common
 from .batch import score_native, score_native_alone
-from .common import Completions, compare, pct_ci
+from .common import Completions, compare, pct, pct_ci, recommendation_block
 from .routes import flips, recorded, routes_alone
 
 
@@ -114,7 +114,35 @@ def markdown(payload: dict) -> str:
     lines += ["", ("Reading: B ~ A means padding is not the cause, B << A that it is; C > 0 means batch size alone "
                    "suffices; D > 0 means batch membership matters (the batch-logprob-gap report, on GPUs: B ~ A, "
                    "C > 0, D > 0 only under MoE routing)."), ""]
-    return "\n".join(lines)
+    return "\n".join(lines + recommendation(payload))
+
+
+def recommendation(payload: dict) -> list[str]:
+    """The reading of A-D computed from their counts and Wilson intervals, and what it means for a TRL run."""
+    r = payload["results"]
+    a, b, c, d = (r[k] for k in LABELS)
+    sentences = []
+    if a["num_oob"] == 0:
+        sentences.append(f"On this model ({payload['dtype']}) the padded batch moves no token: there is no "
+                         "batch-shape gap to explain.")
+    elif b["oob_ci95"][1] < a["oob_ci95"][0]:
+        sentences.append(f"On this model ({payload['dtype']}) padding is the cause: the padded ragged batch moves "
+                         f"{pct(a['oob_rate'])} of tokens, equal-length unpadded rows {pct(b['oob_rate'])} (B << A, "
+                         "the intervals apart).")
+    else:
+        sentences.append(f"Padding is not the explanation: equal-length unpadded rows move {pct(b['oob_rate'])} "
+                         f"against the padded batch's {pct(a['oob_rate'])} (B ~ A, the intervals overlap).")
+    sentences.append(f"The batch size alone {'moves' if c['num_oob'] else 'moves no token'}"
+                     + (f" {pct(c['oob_rate'])} of tokens" if c["num_oob"] else "") + " (C), and batch membership "
+                     + (f"moves {pct(d['oob_rate'])} (D)." if d["num_oob"] else "moves none (D)."))
+    if a["num_oob"] and b["oob_ci95"][1] < a["oob_ci95"][0] and not c["num_oob"]:
+        sentences.append("For a TRL run: the trainer's old pass and its training forward pad the same way, so the "
+                         "padding gap does not enter new/old; it enters old/sampler wherever the sampler scores "
+                         "sequences unpadded or token by token (vLLM, or generate's KV cache).")
+    caveats = ["Kernels differ between devices: on GPUs the batch-logprob-gap report found B ~ A and C > 0 (the row "
+               "count itself mattered); these probes run on the CPU, so repeat the reading on the training GPU's "
+               "kernels before relying on it there."]
+    return recommendation_block(sentences, caveats)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

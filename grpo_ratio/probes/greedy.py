@@ -32,7 +32,17 @@ from tqdm.auto import tqdm
 
 from ..scoring import logit_transforms
 from . import common
-from .common import DTYPES, ProbeError, eos_ids, format_prompt, pct, pyplot, save_png, wilson_interval
+from .common import (
+    DTYPES,
+    ProbeError,
+    eos_ids,
+    format_prompt,
+    pct,
+    pyplot,
+    recommendation_block,
+    save_png,
+    wilson_interval,
+)
 
 
 MARGIN_THRESHOLDS = (0.0, 0.1, 0.5, 1.0)  # margin-distribution table: share of steps with margin <= 0, < 0.1, ...
@@ -330,7 +340,43 @@ def markdown(payload: dict) -> str:
                "of the first decoding of the pair, fp32. `bN`: decoded inside left-padded batches of N. Gate (\"Greedy "
                "decoding has a precision clause\"): where the top-two margin is below tau, that step's head is "
                "recomputed in fp32 (hidden.float() @ W.float().T) and its argmax taken."), ""]
-    return "\n".join(lines)
+    return "\n".join(lines + recommendation(payload))
+
+
+def _of(p: dict) -> str:
+    return f"{p['num_agree']} of {p['num_prompts']} prompts"
+
+
+def recommendation(payload: dict) -> list[str]:
+    """The conclusion: how often each low precision's greedy decoding matches fp32, whether batching changes it, what
+    the margin gate buys, and why this matters for evaluation rather than GRPO's sampled rollouts."""
+    result = payload["result"]
+    pairs, gate = result["pairs"], result.get("gate", {})
+    sentences = []
+    for low in ("bf16", "fp16"):
+        p = pairs.get(f"{low}_vs_fp32")
+        if p is None:
+            continue
+        text = f"{low} greedy decoding matches fp32 on {_of(p)}"
+        if low in gate:
+            g = gate[low]
+            verb = "keeps it at" if g["gated_vs_fp32"]["num_agree"] == p["num_agree"] else "makes it"
+            text += (f"; the margin-gated fp32 head at tau {g['tau']:g} (recomputing the head on "
+                     f"{pct(g['fired_share'])} of steps) {verb} {_of(g['gated_vs_fp32'])}")
+        batched = pairs.get(f"{low}_b1_vs_b{result.get('batch_size')}")
+        if batched is not None:
+            text += f"; inside left-padded batches it matches its own batch-1 decoding on {_of(batched)}"
+        sentences.append(text + ".")
+    if sentences:
+        sentences.insert(0, "On this model:")
+        sentences.append("Where greedy outputs must match across precisions or batch shapes (evaluation, "
+                         "regression tests), decode in fp32 or fp16 or gate the head; bf16 flips at near-tied "
+                         "top-two logits.")
+    caveats = [f"{len(payload['info']['prompt_indices'])} prompts: wide intervals (the table's); read it as a "
+               "mechanism check, not a rate.",
+               "GRPO's rollouts are sampled (temperature 1), not greedy: this bears on evaluation and reproducible "
+               "decoding, not directly on the training ratio."]
+    return recommendation_block(sentences, caveats)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from .. import scoring
 from ..config import PRECISION_MODES
 from ..scoring import OldLogprobScorer
 from . import common
-from .common import Completions, compare, layout_trl, score_alone
+from .common import Completions, compare, layout_trl, recommendation_block, score_alone
 
 
 MODES = PRECISION_MODES
@@ -279,7 +279,31 @@ def markdown(payload: dict) -> str:
                    "prompt prefill + token-by-token decode with the KV cache, same precision context. "
                    f"guided_fp32 layers: {layers}. Chain hash: first 12 hex digits of the sha256 chain over the "
                    f"batch-1 log-probs (full value in the JSON); tokens sha256 `{r['tokens_sha256'][:12]}`."), ""]
-    return "\n".join(lines)
+    return "\n".join(lines + recommendation(payload))
+
+
+def recommendation(payload: dict) -> list[str]:
+    """The conclusion: which checks each mode passes bit for bit, and the mode whose moves stay smallest."""
+    r = payload["result"]
+    modes = {m: x for m, x in r["modes"].items() if "skipped" not in x}
+    if not modes:
+        return recommendation_block(["No mode was measured."], [])
+    checks = [k for k in next(iter(modes.values())) if k.startswith("co_batch_")] + ["decode"]
+    rerun = [m for m, x in modes.items() if x["rerun"]["equal_rate"] == 1.0]
+    invariant = [m for m, x in modes.items()
+                 if all(x[k].get("supported", True) and x[k]["equal_rate"] == 1.0 for k in checks)]
+    worst = {m: max(x[k]["max_abs_dlogp"] for k in checks if x[k].get("supported", True)) for m, x in modes.items()}
+    smallest = min(worst, key=worst.get)
+    sentences = [("Every mode reruns bit for bit." if len(rerun) == len(modes) else
+                  f"Rerun bit for bit: {', '.join(rerun) or 'no mode'}."),
+                 (f"Bitwise invariant to co-batching and decoding: {', '.join(invariant)}." if invariant else
+                  "No mode is bitwise invariant to co-batching or token-by-token decoding on this model."),
+                 f"The smallest moves are `{smallest}`'s (max abs dlogp {worst[smallest]:.2g} over those checks): "
+                 "for reproducible old log-probs score each sequence alone with one mode (the rerun), and for the "
+                 f"least batch-shape dependence use `{smallest}`."]
+    caveats = ["Bits depend on the kernels: these probes run on the CPU; compare chain hashes between machines only "
+               "when their tokens sha256 match."]
+    return recommendation_block(sentences, caveats)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -19,7 +19,20 @@ from tqdm.auto import tqdm
 from ..config import PRECISION_MODES
 from ..scoring import OldLogprobScorer
 from . import common
-from .common import Completions, compare, finish_oob_plot, pct_ci, pyplot, rate_errors, score_alone
+from .common import (
+    CPU_TIMING,
+    Completions,
+    compare,
+    finish_oob_plot,
+    load_caveat,
+    pct,
+    pct_ci,
+    pyplot,
+    rate_errors,
+    recommendation_block,
+    score_alone,
+    share_removed,
+)
 
 
 def run_ladder(model, data: Completions, batch_size: int = 8, layers: list[int] | None = None, repeats: int = 1,
@@ -92,7 +105,40 @@ def markdown(payload: dict) -> str:
     lines += ["", "Modes of `old_logprob_mode` on a model stored in fp32 (TRL's default: bf16 autocast). "
               + (f"guided_fp32 layers: {layers}. " if layers else "guided_fp32 not run (no --layers). ")
               + f"Time: median of {payload['repeats']} batch-{bs} pass(es), timed round-robin.", ""]
-    return "\n".join(lines)
+    return "\n".join(lines + recommendation(payload))
+
+
+ENOUGH = 0.9  # a mode "removes the gap" when it removes at least this share of bf16's out-of-band tokens
+
+
+def recommendation(payload: dict) -> list[str]:
+    """The conclusion from the ladder's numbers: which mode removes how much of the bf16 gap at what cost (the
+    cheapest, by this run's time, of the modes that remove >= 90% of it), with the caveats that apply."""
+    r, bs = payload["results"], payload["batch_size"]
+    caveats = [("The gap measured here is the old pass's batch-shape noise (batch 1 vs batch "
+                f"{bs}). In training the arm's old log-probs meet the bf16 training forward: a mode that removes "
+                "this gap moves the precision gap into new/old, by design. Whether that changes the reward is a "
+                "comparison's question: `grpo-ratio compare` with `bf16` and this mode (docs/reading.md)."),
+               CPU_TIMING, *load_caveat({m: x["time_vs_bf16"] for m, x in r.items() if m != "bf16"})]
+    if payload["repeats"] < 3:
+        caveats.append(f"{payload['repeats']} timed pass(es) per mode: noisy; --repeats 5 for a median worth reading.")
+    base = r.get("bf16", {}).get("oob_rate")
+    if not base:
+        return recommendation_block([f"On this model bf16 moves no token between batch 1 and batch {bs}: no mode "
+                                     "has a gap to remove; keep old_logprob_mode='bf16' (TRL's default)."], caveats)
+    removed = {m: share_removed(x["oob_rate"], base) for m, x in r.items() if m != "bf16"}
+    enough = [m for m in removed if removed[m] >= ENOUGH]
+    best = min(enough, key=lambda m: r[m]["time_vs_bf16"]) if enough else max(removed, key=removed.get)
+    x = r[best]
+    sentences = [f"On this model, `{best}` removes {removed[best]:.0%} of the bf16 gap (out of band {pct(base)} -> "
+                 f"{pct(x['oob_rate'])}) at {x['time_vs_bf16']:.2f}x bf16's time on this CPU and "
+                 + ("no extra memory" if not x["extra_vs_bf16_model"] else
+                    f"{x['extra_vs_bf16_model']:.2f}x the bf16 model's memory in copies")
+                 + (f", the cheapest here of the modes that remove >= {ENOUGH:.0%} of it." if enough else
+                    f"; no mode removes {ENOUGH:.0%} of it."),
+                 "All modes: " + "; ".join(f"`{m}` {removed[m]:.0%} at {r[m]['time_vs_bf16']:.2f}x"
+                                           for m in removed) + "."]
+    return recommendation_block(sentences, caveats)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ import torch
 
 from ..scoring import OldLogprobScorer, model_anatomy
 from . import common
-from .common import Completions
+from .common import Completions, recommendation_block
 
 
 REGIMES = ("autocast", "bf16")  # fp32 weights under bf16 autocast (TRL's default, scoring mode `bf16`) / bf16 weights
@@ -187,7 +187,29 @@ def markdown(payload: dict) -> str:
     lines += [f"| final norm | {r['norm_divergence']:.3e} | - | - |", "",
               ("div = mean over scored positions of ||h_b1 - h_bN|| / (||h_b1|| + 1e-6), captured at each decoder "
               "layer's output (the final norm separately)."), ""]
-    return "\n".join(lines)
+    return "\n".join(lines + recommendation(payload))
+
+
+def recommendation(payload: dict) -> list[str]:
+    """The conclusion: the share of the divergence the chosen layers add, the largest single layer, what to do with
+    the calibration file, and the caveats (selection split, regime, no timing)."""
+    r = payload["result"]
+    inc, chosen = r["increments"], r["guided_fp32_layers"]
+    positive = sum(x for x in inc if x > 0)
+    share = sum(inc[i] for i in chosen if inc[i] > 0) / positive if positive else 0.0
+    top = r["ranking"][0]
+    sentences = [f"On this model the top {r['top_k']} layers ({','.join(map(str, chosen))}) add {share:.0%} of the "
+                 f"summed positive divergence increments; layer {top} alone adds "
+                 f"{(inc[top] / positive if positive else 0.0):.0%}.",
+                 f"Use them as guided_fp32_layers='{','.join(map(str, chosen))}' (the calibration file), and check "
+                 "the set on held-out prompts with `probe calibrate` (the smallest set meeting a target, with its "
+                 "time) or `probe ladder --layers`."]
+    caveats = ["Chosen on the selection split (the last --num-prompts prompts); an increment is not an out-of-band "
+               "rate: only `calibrate`/`ladder` say how much of the gap a set removes, on other prompts."]
+    if payload["regime"] == "bf16":
+        caveats.append("Regime bf16: weights cast to bf16, not TRL's default (fp32 weights under bf16 autocast, "
+                       "--regime autocast); the layers where the divergence enters can differ between the two.")
+    return recommendation_block(sentences, caveats)
 
 
 def calibration_record(payload: dict) -> dict:

@@ -13,11 +13,15 @@ what tells the arms apart (e.g. `--old_logprob_mode` when the recipes differ in 
 
 Written under `OUTPUT_ROOT/NAME/`:
 - `<arm>-s<seed>/log_history.json`: TRL's log rows of the run; `first_rollouts.json`: step-1 prompts and completions;
+  `rollout_fingerprints.json`: a sha256 of every step's prompts and completions (the verdict's first divergence);
   `run.json`: the run's configuration and whether it finished;
-- `comparison.png`: reward and the ratio metrics per step, coloured by arm and styled by seed;
+- `comparison.png`: reward and the ratio metrics per step: per arm a colour, a marker and a small step offset (equal
+  lines stay visible), per seed a line style;
 - `summary.json`, also printed as a table: per arm and seed the last-k and whole-run mean reward, the difference to the
   baseline arm (`bf16`) at the same seed, the per-step reward noise and the run mean of each ratio metric; per arm the
-  mean over seeds and the seed-to-seed spread (max - min).
+  mean over seeds and the seed-to-seed spread (max - min), and the verdict against the baseline (`grpo_ratio.verdict`:
+  paired by seed, with its interval, "not diverged yet", or "unknown" with the reason). Printed as a rich table on a
+  terminal, as markdown (never cut to a width) in a log file.
 A comparison that was interrupted resumes where it stopped: a finished run (its `run.json` says so, with the same
 configuration) is read back, not trained again; a run of another configuration in the same folder is an error.
 With `report_to` naming wandb, every run is a W&B run (offline unless `WANDB_MODE` says otherwise) in group NAME,
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import math
 import os
@@ -35,7 +40,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import yaml
@@ -43,8 +48,9 @@ from transformers import TrainerCallback, set_seed
 
 from grpo_ratio import metric_keys as keys
 from grpo_ratio.plots import plot_comparison
-from grpo_ratio.report import run_config
+from grpo_ratio.report import render_verdicts, run_config
 from grpo_ratio.scripts.train import build_trainer, make_parser
+from grpo_ratio.verdict import compare_arms, run_series
 
 
 RATIO_COLUMNS = {  # summary column -> logged key (mean over the run's logged steps)
@@ -57,19 +63,29 @@ RATIO_COLUMNS = {  # summary column -> logged key (mean over the run's logged st
 }
 
 
-class FirstRolloutRecorder(TrainerCallback):
-    """Keeps the prompts and completions of the first generation batch of `trainer` (TRL's completion log, gathered
-    across processes and sized to one generation batch), read at the end of optimizer step 1."""
+def rollout_fingerprint(prompts: Sequence, completions: Sequence) -> str:
+    """sha256 (hex) of one step's prompts and completions (texts or chat messages) as canonical JSON: equal iff the
+    step drew the same rollouts."""
+    text = json.dumps([list(prompts), list(completions)], sort_keys=True, ensure_ascii=False, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class RolloutRecorder(TrainerCallback):
+    """Keeps the prompts and completions of the first generation batch of `trainer` and a fingerprint of every
+    optimizer step's (`rollout_fingerprint`), read at the end of each step from TRL's completion log (gathered across
+    processes and sized to one generation batch, so it holds the latest generation's rollouts)."""
 
     def __init__(self, trainer):
         self.trainer = trainer
         self.prompts = None
         self.completions = None
+        self.fingerprints: list[str] = []
 
     def on_step_end(self, args, state, control, **kwargs):
+        prompts, completions = list(self.trainer._logs["prompt"]), list(self.trainer._logs["completion"])
         if self.completions is None:
-            self.prompts = list(self.trainer._logs["prompt"])
-            self.completions = list(self.trainer._logs["completion"])
+            self.prompts, self.completions = prompts, completions
+        self.fingerprints.append(rollout_fingerprint(prompts, completions))
 
 
 class Progress(TrainerCallback):
@@ -114,6 +130,7 @@ class RunResult:
     first_completions: list
     run_dir: str
     config: dict = field(default_factory=dict)
+    fingerprints: list[str] | None = None  # per optimizer step, `rollout_fingerprint` (None: not stored)
 
 
 @dataclass
@@ -191,7 +208,10 @@ def summarize(runs: Sequence[RunResult], last_k: int = 10, baseline: str = "bf16
             "num_seeds": len(values),
         }
     steps = [row["steps"] for row in rows if row["steps"]]
-    return {"last_k": last_k, "last_k_used": min([last_k, *steps]), "baseline": baseline, "runs": rows, "arms": arms}
+    series = [run_series(r.arm, r.seed, r.history, r.fingerprints) for r in runs]
+    verdicts = [asdict(v) for v in compare_arms(series, baseline, last_k)]
+    return {"last_k": last_k, "last_k_used": min([last_k, *steps]), "baseline": baseline, "runs": rows, "arms": arms,
+            "verdicts": verdicts}
 
 
 SAMPLING_FIELDS = ("top_p", "top_k", "min_p", "temperature")
@@ -211,16 +231,26 @@ def _fmt(x, signed=False, digits=4):
     return "-" if x is None else (f"{x:+.{digits}f}" if signed else f"{x:.{digits}f}")
 
 
-def print_summary(summary: dict, name: str) -> None:
-    """Print `summary` as a rich table: one row per run, then one per arm (mean over seeds, spread)."""
+def print_summary(summary: dict, name: str, stream=None) -> None:
+    """Print `summary`: on a terminal a rich table (one row per run, then one per arm); otherwise (a log file, a pipe)
+    the markdown table of `render_markdown`, whose lines are never cut to a terminal width. Then the verdict."""
+    stream = stream or sys.stdout
+    if stream.isatty():
+        _print_rich(summary, name, stream)
+    else:
+        print(f"{name}:\n\n{render_markdown(summary)}", file=stream)
+    print(render_verdicts(summary.get("verdicts", []), summary["baseline"], summary["last_k_used"]), file=stream)
+
+
+def _print_rich(summary: dict, name: str, stream) -> None:
     from rich.console import Console
     from rich.table import Table
 
     k, base = summary["last_k_used"], summary["baseline"]
     table = Table(title=f"{name}: mean reward over the last {k} logged steps (ratio columns: mean over all steps)")
-    table.add_column("arm", no_wrap=True, min_width=11)
+    table.add_column("arm", overflow="fold", min_width=11)
     for col in ["seed", "reward", f"- {base}", "step noise", *RATIO_COLUMNS, "seed spread"]:
-        table.add_column(col, justify="right")
+        table.add_column(col, justify="right", overflow="fold")  # fold, never "…": a narrow window loses no digit
     for row in summary["runs"]:
         ratios = [_fmt(row[c]) for c in RATIO_COLUMNS]
         table.add_row(row["arm"], str(row["seed"]), _fmt(row["reward_last_k"]),
@@ -229,7 +259,7 @@ def print_summary(summary: dict, name: str) -> None:
     for arm, stats in summary["arms"].items():
         table.add_row(arm, f"{stats['num_seeds']} seed(s)", _fmt(stats["mean"]), _fmt(stats["mean_diff_vs_baseline"], True),
                       _fmt(stats["reward_step_noise"]), *[""] * len(RATIO_COLUMNS), _fmt(stats["spread"]))
-    Console(width=max(Console().width, 140)).print(table)  # not the 80 columns rich assumes without a terminal
+    Console(file=stream).print(table)
 
 
 def render_markdown(summary: dict, command: str | None = None) -> str:
@@ -285,7 +315,18 @@ def _finished_run(arm: str, seed: int, run_dir: Path, fingerprint) -> RunResult 
         return None  # started, never finished: train it again
     rollouts = json.loads((run_dir / "first_rollouts.json").read_text())
     history = json.loads((run_dir / "log_history.json").read_text())
-    return RunResult(arm, seed, history, rollouts["prompts"], rollouts["completions"], str(run_dir), meta["config"])
+    return RunResult(arm, seed, history, rollouts["prompts"], rollouts["completions"], str(run_dir), meta["config"],
+                     read_fingerprints(run_dir))
+
+
+FINGERPRINTS_FILE = "rollout_fingerprints.json"
+
+
+def read_fingerprints(run_dir: str | Path) -> list[str] | None:
+    """The per-step rollout fingerprints stored in `run_dir` (None for a run without them, e.g. recorded before
+    they were stored)."""
+    path = Path(run_dir) / FINGERPRINTS_FILE
+    return json.loads(path.read_text())["fingerprints"] if path.is_file() else None
 
 
 def _run_one(arm: str, seed: int, build: Callable, name: str, run_dir: Path, fingerprint, progress) -> RunResult:
@@ -296,7 +337,7 @@ def _run_one(arm: str, seed: int, build: Callable, name: str, run_dir: Path, fin
     meta = {"arm": arm, "seed": seed, "fingerprint": fingerprint, "config": run_config(trainer.args),
             "completed": False}
     (run_dir / "run.json").write_text(json.dumps(meta, indent=1))
-    recorder = FirstRolloutRecorder(trainer)
+    recorder = RolloutRecorder(trainer)
     trainer.add_callback(recorder)
     trainer.add_callback(progress)
     wandb_run = _start_wandb(name, arm, seed, run_dir) if "wandb" in trainer.args.report_to else None
@@ -307,11 +348,14 @@ def _run_one(arm: str, seed: int, build: Callable, name: str, run_dir: Path, fin
         if wandb_run is not None:
             wandb_run.finish()
     result = RunResult(arm, seed, list(trainer.state.log_history), recorder.prompts, recorder.completions,
-                       str(run_dir), meta["config"])
+                       str(run_dir), meta["config"], recorder.fingerprints)
     (run_dir / "log_history.json").write_text(json.dumps(result.history, indent=1))
     (run_dir / "first_rollouts.json").write_text(
         json.dumps({"prompts": result.first_prompts, "completions": result.first_completions}, indent=1)
     )
+    (run_dir / FINGERPRINTS_FILE).write_text(json.dumps(
+        {"what": "sha256 of each optimizer step's prompts and completions (index i = step i + 1)",
+         "fingerprints": result.fingerprints}, indent=1))
     (run_dir / "run.json").write_text(json.dumps({**meta, "completed": True}, indent=1))  # last: the run is whole
     del trainer, recorder
     gc.collect()  # one model at a time: free the last run's model and copies before the next

@@ -26,6 +26,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -194,20 +195,21 @@ def wandb_run_dir() -> str | None:
     return str(Path(wandb.run.dir).parent) if wandb.run is not None else None
 
 
-def main(script_args, training_args, model_args):
-    ################
-    # Run setup: never over a finished run, W&B offline by default, a readable run name, seed
-    ################
+def setup(script_args, training_args, model_args) -> RatioGRPOTrainer:
+    """Everything before training: never over a finished run, W&B offline by default, a readable run name, the
+    seed, then data, model and trainer (`build_trainer`). Raises what they raise (see `build_trainer`)."""
     check_output_dir(script_args, training_args)
     configure_reporting(training_args)
     if training_args.run_name is None:
         training_args.run_name = f"{training_args.old_logprob_mode}-s{training_args.seed}"
     set_seed(training_args.seed)
+    return build_trainer(script_args, training_args, model_args)
 
-    ################
-    # Data, model, trainer
-    ################
-    trainer = build_trainer(script_args, training_args, model_args)
+
+def main(script_args, training_args, model_args, trainer: RatioGRPOTrainer | None = None):
+    """Train one run (`setup` first unless `trainer` is the one it built) and save its log history, run.json and
+    plot."""
+    trainer = trainer or setup(script_args, training_args, model_args)
 
     ################
     # Train
@@ -250,7 +252,20 @@ def make_parser() -> TrlParser:
     return TrlParser((GRPOScriptArguments, RatioGRPOConfig, ModelConfig))
 
 
+# what a mistake in the recipe, the flags or the data raises before training starts: printed in one line
+SETUP_ERRORS = (ValueError, FileNotFoundError, FileExistsError, OSError, KeyError)
+
+
 def cli_main(argv: list[str] | None = None) -> None:
-    """Parse `argv` (a recipe via `--config` plus flags) and run `main`."""
-    script_args, training_args, model_args = make_parser().parse_args_and_config(argv)
-    main(script_args, training_args, model_args)
+    """Parse `argv` (a recipe via `--config` plus flags) and run `main`. A mistake found before training starts
+    (a bad value, a missing data path or model, a finished run in output_dir) is printed as one line
+    `grpo-ratio train: error: ...` with exit status 2, not a traceback (`GRPO_RATIO_TRACEBACK=1` shows it)."""
+    try:
+        script_args, training_args, model_args = make_parser().parse_args_and_config(argv)
+        trainer = setup(script_args, training_args, model_args)
+    except SETUP_ERRORS as err:
+        if os.environ.get("GRPO_RATIO_TRACEBACK") == "1":
+            raise
+        print(f"grpo-ratio train: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    main(script_args, training_args, model_args, trainer)
