@@ -94,7 +94,19 @@ def _advantages_2d(advantages: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return adv
 
 
-def _sorted_quantiles(sorted_log_ratios: torch.Tensor, qs: Sequence[float]) -> list[float]:
+def gather_finite_values(values: torch.Tensor, accelerator) -> torch.Tensor:
+    """Every process's finite values (N_p,), concatenated on every process: (sum_p N_p,), fp32.
+
+    Padded to one length with NaN (`accelerator.pad_across_processes`), gathered, and the padding dropped; the values
+    must be finite, so NaN cannot be a real value. A collective: every process must call it.
+    """
+    values = values.to(accelerator.device)  # (N_local,)
+    values = accelerator.pad_across_processes(values, dim=0, pad_index=math.nan)  # (N_max,)
+    values = accelerator.gather(values)  # (P * N_max,)
+    return values[~torch.isnan(values)]  # (N,)
+
+
+def sorted_quantiles(sorted_log_ratios: torch.Tensor, qs: Sequence[float]) -> list[float]:
     """Quantiles of r = exp(x) from N >= 1 sorted finite log-ratios x (N,).
 
     Linear interpolation at position q * (N - 1) as in `torch.quantile`, but done on log r and then exponentiated:
@@ -112,7 +124,7 @@ def _sorted_quantiles(sorted_log_ratios: torch.Tensor, qs: Sequence[float]) -> l
 
 
 @dataclass
-class _SumStats:
+class SumStats:
     """Base of the accumulators: the fields named in `_SUMS` are fp64 scalar tensors that add up."""
 
     _SUMS: ClassVar[tuple[str, ...]] = ()
@@ -125,7 +137,7 @@ class _SumStats:
         for name, part in zip(self._SUMS, parts, strict=True):
             setattr(self, name, getattr(self, name).to(part.device) + part.double())
 
-    def merge(self, other: _SumStats) -> _SumStats:
+    def merge(self, other: SumStats) -> SumStats:
         """Add `other`'s sums into this object, in place (e.g. a later micro-batch); returns `self`."""
         if type(other) is not type(self):
             raise ValueError(f"cannot merge {type(other).__name__} into {type(self).__name__}")
@@ -139,7 +151,7 @@ class _SumStats:
         totals = accelerator.reduce(stacked, reduction="sum")  # (S,)
         return dict(zip(self._SUMS, totals.unbind(0), strict=True))
 
-    def all_reduce(self, accelerator) -> _SumStats:
+    def all_reduce(self, accelerator) -> SumStats:
         """A new object holding the sums over all processes; `accelerator=None` (one process) returns a copy.
 
         Every process must call it, also those with no valid token: it is a collective operation.
@@ -150,7 +162,7 @@ class _SumStats:
 
 
 @dataclass
-class RatioStats(_SumStats):
+class RatioStats(SumStats):
     """Token-weighted statistics of an importance ratio r = exp(log_ratio), exact across micro-batches and processes.
 
     Fields (fp64 scalar tensors unless stated):
@@ -219,10 +231,7 @@ class RatioStats(_SumStats):
         """
         if accelerator is None:
             return replace(self)
-        values = self.finite_log_ratios.to(accelerator.device)  # (N_local,)
-        values = accelerator.pad_across_processes(values, dim=0, pad_index=math.nan)  # (N_max,)
-        values = accelerator.gather(values)  # (P * N_max,)
-        values = values[~torch.isnan(values)]  # (N,)
+        values = gather_finite_values(self.finite_log_ratios, accelerator)  # (N,)
         return replace(self, finite_log_ratios=values, **self._reduced_sums(accelerator))
 
     def as_metrics(self, prefix: str) -> dict[str, float]:
@@ -244,7 +253,7 @@ class RatioStats(_SumStats):
             return metrics
         metrics[f"{prefix}/mean_abs_log_ratio"] = (x.double().abs().sum() / x.numel()).item()
         metrics[f"{prefix}/mean"] = (x.double().exp().sum() / x.numel()).item()  # mean of r (batch-logprob-gap T11's)
-        for key, value in zip(QUANTILES, _sorted_quantiles(x, list(QUANTILES.values())), strict=True):
+        for key, value in zip(QUANTILES, sorted_quantiles(x, list(QUANTILES.values())), strict=True):
             metrics[f"{prefix}/{key}"] = value
         return metrics
 
@@ -295,7 +304,7 @@ def ppo_clip_active(
 
 
 @dataclass
-class FlipStats(_SumStats):
+class FlipStats(SumStats):
     """Token-weighted counts of PPO-clip decisions that differ between two choices of old log-probs.
 
     Fields (fp64 scalar tensors): `num_tokens` (valid tokens), `num_flips` (valid tokens whose decision differs),
@@ -443,7 +452,7 @@ def importance_sampling_affected(
 
 
 @dataclass
-class ISStats(_SumStats):
+class ISStats(SumStats):
     """Token- and sequence-weighted counts of TRL's vLLM importance-sampling truncation or masking.
 
     Fields (fp64 scalar tensors): `num_tokens`, `num_affected_tokens`, `num_seqs` (sequences with >= 1 valid token),
