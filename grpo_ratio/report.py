@@ -19,6 +19,8 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from . import gate
+
 
 # what a run was configured with, written next to its log history (`run.json`, by `grpo-ratio train` and `compare`)
 RUN_FIELDS = ("old_logprob_mode", "guided_fp32_layers", "truncation_correction", "top_p", "top_k", "min_p",
@@ -280,9 +282,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("path", help="a run's output_dir, its log_history.json or TRL's trainer_state.json (also in "
                                      "checkpoint-N), or a comparison folder/summary.json")
     parser.add_argument("--json", action="store_true", help="print the summary and findings as JSON")
+    parser.add_argument("--check", action="append", default=[], metavar="CHECK",
+                        help="tolerance gate: '[SCOPE:]KEY OP VALUE', e.g. 'ratio/new_old/oob_rate<=0.01' or "
+                             "'mean:ratio/old_sampler/kl_k3<1e-3' (quote it); repeatable; exit 1 when one fails "
+                             "(grpo_ratio/gate.py)")
+    parser.add_argument("--thresholds", metavar="FILE", help="checks from a YAML/JSON file (grpo_ratio/gate.py)")
     args = parser.parse_args(argv)
     try:
         runs = load_runs(Path(args.path))
+        checks = gate.collect_checks(args.check, args.thresholds)
     except (FileNotFoundError, ValueError) as err:  # json.JSONDecodeError is a ValueError
         print(f"grpo-ratio report: error: {err}", file=sys.stderr)
         return 2
@@ -293,14 +301,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps([{"run": n, "config": c, "summary": s, "findings": [asdict(f) for f in fs]}
                           for n, s, fs, c in results], indent=1))
-        return 0
+        return _gate(runs, checks, sys.stderr)
     print(f"## grpo-ratio report: {args.path}\n\n{_versions()}\n")
     for name, stats, found, config in results:
         print(render_run(name, stats, found, config))
     summary = _comparison_summary(Path(args.path))
     if summary and summary.get("arms"):
         print(render_comparison(summary))
-    return 0
+    return _gate(runs, checks, sys.stdout)
+
+
+def _gate(runs, checks, stream) -> int:
+    """The tolerance gate's section (to stderr under --json, keeping stdout JSON) and its exit code."""
+    if not checks:
+        return 0
+    results = gate.evaluate_runs(runs, checks)
+    print(gate.render(results), file=stream)
+    return gate.exit_code(results)
 
 
 def _comparison_summary(path: Path) -> dict | None:
