@@ -414,7 +414,7 @@ PRESETS: dict[str, Preset] = {
     "seq_logprob_error": Preset(
         ISCorrection("none", rejections=parse_rejections("seq_mean_prob_error<=1.5")),
         "NeMo-RL grpo.seq_logprob_error_threshold=1.5 (its docstring's example; the default is off): sequences "
-        "whose mean exp|log r| exceeds 1.5 are masked"),
+        "whose mean exp(abs(log r)) exceeds 1.5 are masked"),
 }
 
 
@@ -427,3 +427,21 @@ def preset(name: str) -> ISCorrection:
     if name not in PRESETS:
         raise ValueError(f"IS correction preset {name!r} is not allowed; allowed: {', '.join(PRESETS)}")
     return PRESETS[name].correction
+
+
+def presets_table() -> str:
+    """Markdown table of `PRESETS` (docs/corrections.md renders it: `python -m grpo_ratio.is_correction`)."""
+    lines = ["| preset | weight | bounds | rejection | source |", "| --- | --- | --- | --- | --- |"]
+    for name, entry in PRESETS.items():
+        c = entry.correction
+        if c.level == "none" or (c.low is None and c.high is None):
+            bounds = "-" if c.level == "none" else "none (raw weights)"
+        else:
+            bounds = f"{c.action} [{'' if c.low is None else c.low}, {'' if c.high is None else c.high}]"
+        rules = ", ".join(f"`{r}`" for r in c.rejections) + (f", veto {c.veto:g}" if c.veto is not None else "")
+        lines.append(f"| `{name}` | {c.level} | {bounds} | {rules or '-'} | {entry.source} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(presets_table())
