@@ -429,6 +429,38 @@ def preset(name: str) -> ISCorrection:
     return PRESETS[name].correction
 
 
+CUSTOM_FIELDS = ("is_correction_level", "is_correction_action", "is_correction_low", "is_correction_high",
+                 "is_correction_rejection", "is_correction_veto")
+
+
+def resolve_correction(name: str | None, level: str | None = None, action: str | None = None,
+                       low: float | None = None, high: float | None = None, rejection: str | None = None,
+                       veto: float | None = None) -> ISCorrection | None:
+    """The `ISCorrection` of `RatioGRPOConfig`'s `is_correction` and `is_correction_*` fields.
+
+    `name=None` (no correction of ours: TRL's behaviour) and a preset name take none of the other fields;
+    `"custom"` takes `level` (required), `action` (required unless level is `"none"`), `low`, `high`, `rejection`
+    (`parse_rejections`) and `veto`.
+
+    Raises:
+        ValueError: an unknown name (the presets and "custom" named), a field set that the name does not use, a
+            missing level or action, or an invalid correction (`ISCorrection`, `parse_rejection`).
+    """
+    given = [f for f, v in zip(CUSTOM_FIELDS, (level, action, low, high, rejection, veto)) if v is not None]
+    if name != "custom":
+        if name is not None and name not in PRESETS:
+            raise ValueError(f"is_correction={name!r} is not allowed; allowed: {', '.join(PRESETS)}, custom (or unset)")
+        if given:
+            raise ValueError(f"{', '.join(given)} only apply with is_correction='custom', but is_correction={name!r}")
+        return None if name is None else PRESETS[name].correction
+    if level is None:
+        raise ValueError(f"is_correction='custom' needs is_correction_level, one of {', '.join(LEVELS)}")
+    if action is None and level != "none":
+        raise ValueError(f"is_correction='custom' with is_correction_level={level!r} needs is_correction_action, "
+                         f"one of {', '.join(ACTIONS)}")
+    return ISCorrection(level, action or "mask", low, high, parse_rejections(rejection), veto)
+
+
 def presets_table() -> str:
     """Markdown table of `PRESETS` (docs/corrections.md renders it: `python -m grpo_ratio.is_correction`)."""
     lines = ["| preset | weight | bounds | rejection | source |", "| --- | --- | --- | --- | --- |"]

@@ -175,3 +175,21 @@ def test_correction_validation_names_the_allowed_values():
         ISCorrection.from_trl("token_clip", None, 2.0)
     with pytest.raises(ValueError, match="icepop"):
         preset("ice_pop")
+
+
+def test_resolve_correction_from_config_fields():
+    from grpo_ratio.is_correction import resolve_correction
+
+    assert resolve_correction(None) is None and resolve_correction("icepop") == preset("icepop")
+    custom = resolve_correction("custom", "sequence_geometric", "truncate", None, 2.0, "seq_max_k3<=0.5", 1e-4)
+    assert custom == ISCorrection("sequence_geometric", "truncate", None, 2.0, parse_rejections("seq_max_k3<=0.5"),
+                                  1e-4)
+    assert resolve_correction("custom", "none", rejection="seq_mean_k3<=0.01").level == "none"
+    with pytest.raises(ValueError, match="allowed: trl_sequence_mask, tis"):
+        resolve_correction("tiss")
+    with pytest.raises(ValueError, match="is_correction_high only apply with is_correction='custom'"):
+        resolve_correction("tis", high=3.0)
+    with pytest.raises(ValueError, match="needs is_correction_level"):
+        resolve_correction("custom")
+    with pytest.raises(ValueError, match="needs is_correction_action"):
+        resolve_correction("custom", "token")
