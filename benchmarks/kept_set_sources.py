@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from grpo_ratio.kept_sets import KeptSetFilter, is_top_prefix, kept_set_logprobs, recompute_kept_sets
+from grpo_ratio.kept_logprobs import is_top_prefix, kept_set_logprobs, recompute_kept_sets
 from grpo_ratio.ratios import RatioStats
-from grpo_ratio.rollouts import SamplerLogprobRecorder, recording_sampler
+from grpo_ratio.rollouts import SamplerLogprobRecorder, SamplingSettings, recording_sampler
 
 
 SETTINGS = {"top_p=0.8": dict(top_p=0.8), "top_k=20": dict(top_k=20), "min_p=0.1": dict(min_p=0.1),
@@ -81,9 +81,9 @@ def old_logits(model, input_ids, attention_mask, T: int, precision: str) -> torc
     return logits[:, :-1].float()
 
 
-def compare_sources(logits, tokens, record, mask, kept_filter: KeptSetFilter) -> dict:
+def compare_sources(logits, tokens, record, mask, sampling: SamplingSettings) -> dict:
     """Agreement of recomputed and recorded kept sets, and the corrected ratio over each."""
-    recomputed, added = recompute_kept_sets(logits, tokens, kept_filter, mask)
+    recomputed, added = recompute_kept_sets(logits, tokens, sampling, mask)
     recorded = record.kept
     valid = mask & (recorded.sizes > 0)  # (B, T)
     same = torch.tensor([torch.equal(recorded.cell_ids(b, t), recomputed.cell_ids(b, t))
@@ -108,11 +108,11 @@ def run(model_name: str, max_new_tokens: int, seed: int) -> dict:
     for label, setting in SETTINGS.items():
         ids, attention, T, record, mask = rollouts(model, tokenizer, prompts, setting, max_new_tokens, seed)
         tokens = ids[:, -T:]
-        kept_filter = KeptSetFilter(temperature=1.0, **setting)
+        sampling = SamplingSettings(temperature=1.0, **setting)
         for precision in ("bf16", "fp32"):
             logits = old_logits(model, ids, attention, T, precision)
             results.append({"setting": label, "old_pass": precision,
-                            **compare_sources(logits, tokens, record, mask, kept_filter)})
+                            **compare_sources(logits, tokens, record, mask, sampling)})
             print(json.dumps(results[-1]), file=sys.stderr)
     return {"model": model_name, "max_new_tokens": max_new_tokens, "seed": seed, "results": results}
 

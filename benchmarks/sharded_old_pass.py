@@ -29,10 +29,12 @@ from pathlib import Path
 
 import torch
 
+from grpo_ratio.config import PRECISION_MODES as MODES
+from grpo_ratio.config import SCORER_MODES
+
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = (("fsdp2", "bf16"), ("fsdp2", "fp32"), ("zero3", "bf16"), ("zero3", "fp32"))
-MODES = ("bf16", "fp32_clone", "fp16_clone", "fp32_head", "guided_fp32")
 MODEL = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4, vocab_size=4096)  # Llama-shaped, ~5M parameters: big enough to time on a CPU
 
@@ -53,13 +55,14 @@ def small_model():
 
 def wrapped_trainer(out_dir: str, engine: str, bf16: bool):
     """A bf16-mode trainer after one step: accelerate has wrapped (sharded) the model in place."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from trainer_fixtures import tiny_grpo_args
-
-    from grpo_ratio import RatioGRPOTrainer
+    from grpo_ratio import RatioGRPOConfig, RatioGRPOTrainer
     from grpo_ratio.testing import letter_reward, tiny_prompts, tiny_tokenizer
 
-    args = tiny_grpo_args(out_dir, use_cpu=engine == "fsdp2", bf16=bf16, max_steps=1)
+    # one short CPU step: 4 prompts x 4 generations, 8 tokens (the tests' tiny_grpo_args)
+    args = RatioGRPOConfig(output_dir=out_dir, use_cpu=engine == "fsdp2", bf16=bf16, per_device_train_batch_size=4,
+                           num_generations=4, max_completion_length=8, max_steps=1, logging_steps=1,
+                           learning_rate=1e-2, report_to="none", save_strategy="no", seed=0,
+                           gradient_checkpointing=False, disable_tqdm=True)
     trainer = RatioGRPOTrainer(model=small_model(), reward_funcs=letter_reward, args=args,
                                train_dataset=tiny_prompts(8), processing_class=tiny_tokenizer())
     trainer.train()
@@ -87,7 +90,7 @@ def scorers(trainer, layers):
     out = {"bf16": lambda ids, mask, T, bs: GRPOTrainer._get_per_token_logps_and_entropies(
         trainer, trainer.model, ids, mask, T, batch_size=bs)[0]}
     built = {}
-    for mode in MODES[1:]:
+    for mode in SCORER_MODES:
         scorer = OldLogprobScorer(policy, mode, layers=layers if mode == "guided_fp32" else None,
                                   policy_autocast=trainer.accelerator.autocast,
                                   sharded=sharded_policy(trainer.accelerator, policy))
@@ -99,7 +102,7 @@ def scorers(trainer, layers):
 def policy_bytes(policy, engine: str) -> tuple[int, int]:
     """(this rank's bytes of the policy's parameters, number of parameters)."""
     if engine == "fsdp2":
-        from grpo_ratio.sharding import reshard_all
+        from grpo_ratio.sharding_fsdp2 import reshard_all
 
         reshard_all(policy)
         local = [p.to_local() for p in policy.parameters()]
@@ -110,13 +113,13 @@ def policy_bytes(policy, engine: str) -> tuple[int, int]:
 
 def replica_gaps(trainer, engine, compute_dtype, layers, logps, ids, mask, T, bs) -> dict[str, float]:
     """max |mode - the same mode on an unsharded replica of the gathered weights| over valid tokens, per mode."""
-    from grpo_ratio.testing import full_fp32_weights, replica_scorer
+    from grpo_ratio.testing_sharded import full_fp32_weights, replica_scorer
 
     policy = trainer.accelerator.unwrap_model(trainer.model)
     weights = full_fp32_weights(policy, engine)  # collective
     valid = mask[:, -T:].bool()  # (B, T)
     gaps = {}
-    for mode in MODES[1:]:
+    for mode in SCORER_MODES:
         reference = replica_scorer(policy, weights, mode, compute_dtype, layers=layers if mode == "guided_fp32"
                                    else None, policy_autocast=trainer.accelerator.autocast)
         gaps[mode] = (logps[mode] - reference.score(ids, mask, T, batch_size=bs).logps)[valid].abs().max().item()
@@ -126,7 +129,7 @@ def replica_gaps(trainer, engine, compute_dtype, layers, logps, ids, mask, T, bs
 def worker(a) -> None:
     import torch.distributed as dist
 
-    from grpo_ratio.testing import patch_accelerate_for_cpu_sharding
+    from grpo_ratio.testing_sharded import patch_accelerate_for_cpu_sharding
 
     patch_accelerate_for_cpu_sharding()
     trainer = wrapped_trainer(a.out + ".run", a.engine, a.precision == "bf16")
@@ -161,7 +164,7 @@ def worker(a) -> None:
 
 
 def launch(engine: str, precision: str, a, tmp: Path) -> list[dict]:
-    from grpo_ratio.testing import cpu_launch_config
+    from grpo_ratio.testing_sharded import cpu_launch_config
 
     recipe = ROOT / "recipes" / "accelerate_configs" / f"{engine}.yaml"
     config = cpu_launch_config(str(recipe), tmp, bf16=precision == "bf16")
@@ -171,7 +174,7 @@ def launch(engine: str, precision: str, a, tmp: Path) -> list[dict]:
            str(a.prompt_len), "--tokens", str(a.tokens), "--batch-size", str(a.batch_size), "--repeats",
            str(a.repeats)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1",
-           "DS_ACCELERATOR": "cpu", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+           "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp)
     if proc.returncode != 0:
         raise RuntimeError(f"{engine} {precision} failed:\n{proc.stderr[-4000:]}")

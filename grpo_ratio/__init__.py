@@ -3,7 +3,8 @@
 - `RatioGRPOConfig`, `RatioGRPOTrainer`: drop-in replacements for `trl.GRPOConfig` / `trl.GRPOTrainer` whose old
   log-probs are computed by a selectable scoring mode (`old_logprob_mode`).
 - `grpo_ratio.scoring`: the scoring modes as functions usable outside any trainer (the probes use them).
-- `grpo_ratio.ratios`, `grpo_ratio.kept_sets`: pure tensor math (ratio diagnostics, kept sets, truncation corrections).
+- `grpo_ratio.ratios`, `grpo_ratio.kept_sets`, `grpo_ratio.kept_logprobs`: pure tensor math (ratio diagnostics, kept
+  sets, truncation corrections).
 
 Public names are imported lazily, so `import grpo_ratio.ratios` does not load the trainer.
 """

@@ -1,8 +1,12 @@
-"""Fail early, with a clear message, on a TRL release whose private methods we have not tested.
+"""Fail early, with a clear message, on a TRL release whose internals we have not tested; and the checklist of every
+TRL internal grpo_ratio reads, for the day TRL is upgraded.
 
-RatioGRPOTrainer wraps three private methods of `trl.GRPOTrainer`: `_generate_and_score_completions`,
-`_get_per_token_logps_and_entropies` and `_generate_single_turn` (see docs/trl_hooks.md). Their signatures and the
-order of the calls inside them change between TRL releases, so an untested release is refused at import.
+RatioGRPOTrainer wraps four private methods of `trl.GRPOTrainer` (`TRL_HOOKS`, docs/trl_hooks.md) and reads the
+private attributes, module globals and output-dict keys listed below. Their names, signatures and the order of the
+calls inside TRL change between releases, so an untested release is refused at import. To move to a new TRL release:
+go through `TRL_HOOKS`, `TRL_ATTRIBUTES`, `TRL_MODULE_GLOBALS`, `TRL_BATCH_KEYS` and `TRL_CONDITIONS` against its
+`grpo_trainer.py`, run the default suite (tests/test_trl_internals.py checks that every name below still exists), then
+widen `TESTED_TRL`.
 """
 
 import trl
@@ -10,6 +14,67 @@ from packaging.version import Version
 
 
 TESTED_TRL = (Version("1.16.0"), Version("1.17.0"))  # [low, high)
+
+# private methods of `GRPOTrainer` that `RatioGRPOTrainer` overrides, each calling `super()` (docs/trl_hooks.md)
+TRL_HOOKS = {
+    "_generate_and_score_completions": "one generation batch: the GenerationRecord, the mode's old pass where TRL "
+                                       "skips its own, kept_row_index, lift_sampler, per-batch metrics",
+    "_generate_single_turn": "(completion_ids, logprobs) per turn: the generate recording, vLLM's sampling masks",
+    "_get_per_token_logps_and_entropies": "every log-prob call: TRL's old pass is the first no-grad call on the "
+                                          "policy inside a generation batch (replaced or measured); the training "
+                                          "forward inside _compute_loss",
+    "_compute_loss": "one loss micro-batch (model, inputs): the MicroBatchRecord and the first-inner-step diagnostics",
+}
+
+# attributes of a built `GRPOTrainer` (set in its __init__) or of transformers' `Trainer` that grpo_ratio reads
+TRL_ATTRIBUTES = {
+    "use_vllm": "the generation backend (plan)",
+    "use_transformers_continuous_batching": "the generation backend (plan)",
+    "vllm_mode": "colocate vs server (the colocate engine's dtype)",
+    "vllm_generation": "`.llm`: the colocate engine (its generate is wrapped; `.llm_engine.model_config.dtype`)",
+    "vllm_importance_sampling_mode": "the IS weights recomputed after lift_sampler",
+    "vllm_importance_sampling_clip_min": "the IS weights recomputed after lift_sampler",
+    "vllm_importance_sampling_clip_max": "the IS weights recomputed after lift_sampler",
+    "generation_config": "the settings generate uses (with the model's own generation_config)",
+    "temperature": "the temperature TRL divides logits by (scoring modes, kept-set log-probs)",
+    "eos_token_ids": "the valid-token mask of the diagnostics",
+    "tools": "multi-turn generation (kept sets not stitched across turns)",
+    "environment_factories": "multi-turn generation (kept sets not stitched across turns)",
+    "num_iterations": "TRL's old-pass condition and the first inner step",
+    "_step": "the micro-step counter: which micro-batch is the first inner step",
+    "_metrics": "TRL's metric buffer `[mode][key]`, where ratio/* metrics are appended",
+    "_tokenizer": "the pad id to rebuild generate's sequences from TRL's completion lists",
+    "current_gradient_accumulation_steps": "transformers (set in train()): the last micro-step of an update (flush)",
+    "model_wrapped": "transformers: the model generate runs on (the recorder is attached to it, unwrapped)",
+}
+
+# the attributes above that exist only with vLLM (TRL builds `vllm_generation` for use_vllm=True)
+TRL_VLLM_ATTRIBUTES = ("vllm_generation",)
+
+# module-level names of TRL that grpo_ratio uses or patches: (module, name) -> why
+TRL_MODULE_GLOBALS = {
+    ("trl.generation.vllm_generation", "LLM"): "wrapped while TRL builds the colocate engine (return_sampling_mask)",
+    ("trl.models.utils", "disable_gradient_checkpointing"): "no activation checkpointing in the mode's no-grad pass",
+}
+
+# keys of the batch dict `_generate_and_score_completions` returns (and `_compute_loss` receives) that grpo_ratio reads;
+# True = always present, False = present in some configurations only
+TRL_BATCH_KEYS = {
+    "prompt_ids": True, "prompt_mask": True, "completion_ids": True, "completion_mask": True, "advantages": True,
+    "old_per_token_logps": False,  # when TRL runs its old pass (or ours adds it)
+    "sampling_per_token_logps": False,  # vLLM, or generate with logprobs (ours: the recording)
+    "importance_sampling_ratio": False,  # vLLM IS correction
+    "tool_mask": False,  # tools
+}
+
+# TRL 1.16 behaviour that grpo_ratio mirrors or relies on (checked at run time where possible)
+TRL_CONDITIONS = (
+    "the old pass runs iff gradient_accumulation_steps % (steps_per_generation * num_iterations) != 0 or (use_vllm "
+    "and vllm_importance_sampling_correction): grpo_ratio.plan.trl_runs_old_pass; the trainer raises when TRL did not",
+    "TRL's fused LM head patches the policy's `forward` on the instance (copies and scoring forwards bypass it)",
+    "_generate_single_turn returns per-row python lists; TRL pads sampling_per_token_logps and stitches tool turns",
+    "_compute_loss prefers sampling_per_token_logps over old_per_token_logps for its off-policy mask",
+)
 
 
 def check_trl_version(version: str = trl.__version__) -> None:
@@ -25,7 +90,7 @@ def check_trl_version(version: str = trl.__version__) -> None:
     if not (low <= Version(version) < high):
         raise ImportError(
             f"grpo_ratio is tested with trl>={low},<{high} but found trl=={version}. It wraps private GRPOTrainer "
-            f"methods (_generate_and_score_completions, _get_per_token_logps_and_entropies, _generate_single_turn) "
-            f"whose behaviour changes between releases. Install a tested release: pip install 'trl>={low},<{high}' "
+            f"methods ({', '.join(TRL_HOOKS)}) and reads TRL internals (grpo_ratio/_compat.py lists them) whose "
+            f"behaviour changes between releases. Install a tested release: pip install 'trl>={low},<{high}' "
             f"(or set GRPO_RATIO_SKIP_TRL_CHECK=1 to try anyway)."
         )

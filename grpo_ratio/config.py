@@ -11,10 +11,18 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 
-# modes whose old log-probs come from a forward pass of the policy at some precision (grpo_ratio.scoring)
-PRECISION_MODES = ("bf16", "fp32_clone", "fp16_clone", "fp32_head", "guided_fp32")
-# every value of `old_logprob_mode`: the precision modes, and the sampler's own log-probs (no old pass at all)
-SCORING_MODES = (*PRECISION_MODES, "sampler")
+# The groups of `old_logprob_mode` values (`grpo_ratio.plan.RunPlan` resolves what each means for a run):
+# TRL's own old pass: the policy at its training precision, TRL's numbers bit for bit
+TRL_MODE = "bf16"
+# the modes whose old log-probs an `OldLogprobScorer` computes in place of TRL's pass (grpo_ratio.scoring)
+SCORER_MODES = ("fp32_clone", "fp16_clone", "fp32_head", "guided_fp32")
+# the modes whose old log-probs come from a forward pass of the policy at some precision (OldLogprobScorer runs
+# every one of them, `bf16` as TRL's pass does: the probes and benchmarks compare them side by side)
+PRECISION_MODES = (TRL_MODE, *SCORER_MODES)
+# the sampler's own log-probs anchor the ratio: no old pass at all
+SAMPLER_MODE = "sampler"
+# every value of `old_logprob_mode`
+SCORING_MODES = (*PRECISION_MODES, SAMPLER_MODE)
 TRUNCATION_CORRECTIONS = ("none", "renormalize", "lift_sampler")
 KEPT_SET_SOURCES = ("auto", "recorded", "recompute")
 VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")

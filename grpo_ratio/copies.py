@@ -21,6 +21,8 @@ import copy as _copy
 import torch
 from torch import nn
 
+from .adapters import base_model
+
 
 def _adapter_layers(base: nn.Module) -> tuple[dict[str, nn.Module], dict[str, nn.Module]]:
     """The PEFT tuner layers (LoRA, DoRA, IA3, LoHa, LoKr, OFT, ...: `BaseTunerLayer` with a `base_layer`) and the
@@ -66,10 +68,9 @@ def merged_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     Raises:
         ValueError: a layer PEFT cannot merge (PEFT's own error, re-raised with the layer's name).
     """
-    get_base = getattr(module, "get_base_model", None)
-    if get_base is None:
+    base = base_model(module)
+    if base is module:
         return module.state_dict()
-    base = get_base()
     tuners, saved = _adapter_layers(base)
     state = {}
     for name, layer in tuners.items():
@@ -124,11 +125,12 @@ def _strip_instance_patches(module: nn.Module) -> None:
         m.__dict__.pop("_original_forward", None)
 
 
-def _empty_like_model(model: nn.Module) -> nn.Module:
-    """A new model of the same class and config with uninitialised weights (fast: no random init)."""
+def empty_model_like(model: nn.Module) -> nn.Module:
+    """A new model of the same class and config (a PEFT model's base model's) with uninitialised weights (fast: no
+    random init) and its head tied as the config says (a tied head stays one tensor with the embedding)."""
     from transformers.initialization import no_init_weights
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     with no_init_weights():
         fresh = type(base)(base.config)
     fresh.tie_weights()  # a tied head stays one tensor (else the copy holds the embedding twice)
@@ -180,7 +182,7 @@ class ModuleCopy(VersionedCopy):
         self.source = source
         self.dtype = dtype
         if whole_model:
-            module = _empty_like_model(source)
+            module = empty_model_like(source)
         else:
             module = _copy.deepcopy(source)
             _strip_instance_patches(module)

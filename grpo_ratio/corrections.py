@@ -1,6 +1,6 @@
 """Truncated-sampling correction inside the trainer: the kept-set log-probs of TRL's own forward, and the lift.
 
-The math is `grpo_ratio.kept_sets` (one implementation per correction, also what the tests call); this module
+The math is `grpo_ratio.kept_logprobs` (one implementation per correction, also what the tests call); this module
 feeds it from the trainer's forward passes. TRL's fused head never builds logits, so the kept-set log-probs come
 from the backbone's last hidden state (captured by a forward hook during TRL's own call) through the LM head: TRL's
 forward is neither copied nor repeated. This materialises the (b, T, V) logits of one forward chunk.
@@ -22,12 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kept_sets import KeptLogprobs, KeptSetFilter, KeptSets, logprobs_on_kept_sets
-
-
-# model-config fields of a logit transform applied after the LM head (softcapping, logit scaling)
-LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier",
-                    "lm_head_multiplier")
+from .adapters import base_model
+from .kept_logprobs import KeptLogprobs, logprobs_on_kept_sets
+from .kept_sets import KeptSets
+from .rollouts import SamplingSettings
+from .scoring import logit_transforms
 
 
 def check_head_is_linear(correction: str, model_config) -> None:
@@ -35,8 +34,7 @@ def check_head_is_linear(correction: str, model_config) -> None:
     (softcapping, logit scaling): there head(hidden) is not the logits the kept-set log-probs need."""
     if correction == "none":
         return
-    text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    transformed = [k for k in LOGIT_TRANSFORMS if getattr(text_config, k, None) not in (None, 1, 1.0)]
+    transformed = logit_transforms(model_config)
     if transformed:
         raise ValueError(f"truncation_correction={correction!r} does not support models whose logits "
                          f"are transformed after the LM head ({', '.join(transformed)})")
@@ -45,7 +43,7 @@ def check_head_is_linear(correction: str, model_config) -> None:
 @contextlib.contextmanager
 def capture_last_hidden(model: nn.Module):
     """Collect the decoder's last hidden state (b, P+T, H) of every forward within the block (one per chunk)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     captured: list[torch.Tensor] = []
 
     def hook(module, args, output):
@@ -59,7 +57,7 @@ def capture_last_hidden(model: nn.Module):
 
 
 def kept_set_logps_from_hidden(model: nn.Module, hidden: torch.Tensor, tokens: torch.Tensor,
-                               kept: KeptSets | KeptSetFilter, temperature: float, fp32_head: bool, autocast_ctx,
+                               kept: KeptSets | SamplingSettings, temperature: float, fp32_head: bool, autocast_ctx,
                                mask: torch.Tensor) -> KeptLogprobs:
     """Log-probs of `tokens` renormalised over their kept sets, from hidden states through the model's LM head.
 
@@ -67,7 +65,7 @@ def kept_set_logps_from_hidden(model: nn.Module, hidden: torch.Tensor, tokens: t
         model: the causal LM whose head (`get_output_embeddings()`) projects `hidden`.
         hidden: (B, T, H) hidden states at the positions predicting the T completion tokens (grad flows through).
         tokens: (B, T) completion ids.
-        kept: (B, T) kept sets (empty cells = padding, skipped), or a `KeptSetFilter` that recomputes them from
+        kept: (B, T) kept sets (empty cells = padding, skipped), or the sampler's `SamplingSettings` that recompute them from
             these logits (the "recompute" kept-set source).
         temperature: TRL's `temperature`.
         fp32_head: project in fp32 outside autocast (TRL's `cast_lm_head_to_fp32`), else under `autocast_ctx`.
@@ -78,8 +76,7 @@ def kept_set_logps_from_hidden(model: nn.Module, hidden: torch.Tensor, tokens: t
     Raises:
         ValueError: a sampled token outside its kept set ("inconsistent rollout", naming row and position).
     """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    head = base.get_output_embeddings()
+    head = base_model(model).get_output_embeddings()
     if fp32_head:
         with torch.autocast(hidden.device.type, enabled=False):
             logits = F.linear(hidden.float(), head.weight.float(), None if head.bias is None else head.bias.float())

@@ -20,7 +20,7 @@ generation, where new/old must be 1 (the batch-logprob-gap report: "it is the id
 - `ratio/importance_sampling_ratio/{min,mean,max}`: under `lift_sampler` with vLLM's IS correction, the IS weights
   the loss uses (TRL's `sampling/importance_sampling_ratio/*` is computed before the lift).
 
-Token-weighted over valid tokens (`ratios.valid_token_mask`) across micro-batches and processes. An update with no
+Every key is in `grpo_ratio.metric_keys` (the table the consumers read too). Token-weighted over valid tokens (`ratios.valid_token_mask`) across micro-batches and processes. An update with no
 valid token (every completion masked: `mask_truncated_completions`, tool masks) logs `ratio/new_old/num_tokens` = 0
 and nothing else, and warns once.
 """
@@ -31,6 +31,8 @@ import warnings
 
 import torch
 
+from . import metric_keys as keys
+from .plan import RunPlan
 from .ratios import RatioStats, clip_flips, importance_sampling_stats, valid_token_mask
 from .records import MicroBatchRecord
 
@@ -46,10 +48,12 @@ class RatioDiagnostics:
         args: the trainer's `RatioGRPOConfig` (band, clip_flip_every, epsilon(s), delta, loss_type, vLLM IS fields).
         accelerator: the trainer's `accelerate.Accelerator` (for the cross-process reduction).
         eos_token_ids: TRL's `eos_token_ids` (list of ints), for the valid-token mask.
+        plan: the trainer's `RunPlan` (default: resolved from `args` with the config's sampling settings).
     """
 
-    def __init__(self, args, accelerator, eos_token_ids):
+    def __init__(self, args, accelerator, eos_token_ids, plan: RunPlan | None = None):
         self.args = args
+        self.plan = plan if plan is not None else _plan_of_config(args)
         self.accelerator = accelerator
         self.eos_token_ids = list(eos_token_ids)
         self.band = (args.ratio_band_low, args.ratio_band_high)
@@ -79,10 +83,10 @@ class RatioDiagnostics:
     def generation_metrics(self, fallback_rows: int) -> dict[str, float]:
         """Metrics of one generation batch (every process must call it): `ratio/fp16_fallback_rows`, summed across
         processes, under `fp16_clone`; nothing otherwise."""
-        if self.args.old_logprob_mode != "fp16_clone":
+        if self.plan.scorer_mode != "fp16_clone":
             return {}
         rows = torch.tensor(float(fallback_rows), device=self.accelerator.device)
-        return {"ratio/fp16_fallback_rows": self.accelerator.reduce(rows, reduction="sum").item()}
+        return {keys.FP16_FALLBACK_ROWS: self.accelerator.reduce(rows, reduction="sum").item()}
 
     def importance_sampling_metrics(self, weights: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
         """`ratio/importance_sampling_ratio/{min,mean,max}` of the IS weights the loss really uses (after
@@ -97,9 +101,8 @@ class RatioDiagnostics:
         local = [flat.min() if flat.numel() else zero, flat.mean() if flat.numel() else zero,
                  flat.max() if flat.numel() else zero]
         gathered = [self.accelerator.gather(x.reshape(1)) for x in local]  # (P,) each
-        return {"ratio/importance_sampling_ratio/min": gathered[0].min().item(),
-                "ratio/importance_sampling_ratio/mean": gathered[1].nanmean().item(),
-                "ratio/importance_sampling_ratio/max": gathered[2].max().item()}
+        return {keys.IS_WEIGHTS_MIN: gathered[0].min().item(), keys.IS_WEIGHTS_MEAN: gathered[1].nanmean().item(),
+                keys.IS_WEIGHTS_MAX: gathered[2].max().item()}
 
     def update(self, micro_batch: MicroBatchRecord, mode_is_policy: bool) -> None:
         """Add one first-inner-step micro-batch.
@@ -107,33 +110,26 @@ class RatioDiagnostics:
         Args:
             micro_batch: the loss micro-batch: `inputs` as TRL's `_compute_loss` got them (completion_ids/mask
                 (B, T), advantages (B,), and optionally old_per_token_logps, sampling_per_token_logps,
-                old_log_kept_mass (B, T), importance_sampling_ratio), `train_logps` (B, T) fp32 of the training
-                forward, detached (over S under `renormalize`), and `train_log_kept_mass` (B, T) log M of the
-                training forward (used when no old pass ran).
+                importance_sampling_ratio), `train_logps` (B, T) fp32 of the training forward, detached (over S
+                under `renormalize`), `old_log_kept_mass` (B, T) log M_old and `kept_added` (B, T) bool.
             mode_is_policy: True when the old log-probs are the policy's own (`bf16` mode).
         """
-        inputs, train_logps = micro_batch.inputs, micro_batch.train_logps
-        train_log_kept_mass = micro_batch.train_log_kept_mass
+        inputs, train_logps, log_mass = micro_batch.inputs, micro_batch.train_logps, micro_batch.old_log_kept_mass
         mask = valid_token_mask(inputs["completion_ids"], inputs["completion_mask"], self.eos_token_ids)  # (B, T)
         if "tool_mask" in inputs:
             mask &= inputs["tool_mask"].bool()
         old = inputs.get("old_per_token_logps")
-        anchor_is_sampler = self.args.old_logprob_mode == "sampler"
-        # log M of the old policy: its own pass's, else (no old pass: on-policy, or the sampler arm) the training
-        # forward's, which at the first inner step runs the old policy's weights
-        no_old_pass = old is None or anchor_is_sampler
-        log_mass = inputs.get("old_log_kept_mass", train_log_kept_mass if no_old_pass else None)  # (B, T) | None
         old = train_logps if old is None else old  # TRL skipped the old pass: old := new.detach(), r == 1
         new_old = train_logps - old  # (B, T)
         self.new_old.update(new_old, mask)
         # the generate recording (ours, kept out of TRL's loss by default), else what TRL holds (vLLM, rollout_func)
         sampler = inputs.get("sampler_per_token_logps", inputs.get("sampling_per_token_logps"))
-        if sampler is not None and anchor_is_sampler:  # old IS the sampler: r == 1 exactly, measured as such
+        if sampler is not None and self.plan.anchor_is_sampler:  # old IS the sampler: r == 1 exactly, measured as such
             self.old_sampler.update(old - sampler, mask & ~torch.isnan(sampler))
             self._update_kept_mass(log_mass, mask & ~torch.isnan(sampler))
         elif sampler is not None:
             self._update_old_sampler(old, sampler, log_mass, mask, inputs)
-        added = inputs.get("kept_set_added", micro_batch.kept_added)  # (B, T) bool | None
+        added = micro_batch.kept_added  # (B, T) bool | None
         if added is not None:
             self.added_sum += (added.bool() & mask).sum().double().cpu()
             self.added_count += mask.sum().double().cpu()
@@ -148,12 +144,11 @@ class RatioDiagnostics:
     def _update_old_sampler(self, old, sampler, log_mass, mask, inputs):
         """old/sampler before correction (raw, full vocabulary vs the sampler's renormalised log-prob) and after."""
         has_sampler = mask & ~torch.isnan(sampler)  # vLLM gives NaN where it had no log-prob
-        correction = self.args.truncation_correction
-        if correction == "none" or log_mass is None:
+        if not self.plan.corrects or log_mass is None:
             raw = old - sampler  # (B, T)
         else:
-            old_full = old + log_mass if correction == "renormalize" else old  # (B, T)
-            sampler_raw = sampler - log_mass if correction == "lift_sampler" else sampler  # (B, T)
+            old_full = old + log_mass if self.plan.renormalizes else old  # (B, T)
+            sampler_raw = sampler - log_mass if self.plan.lifts_sampler else sampler  # (B, T)
             raw = old_full - sampler_raw  # (B, T)
             self.old_sampler_corrected.update(raw - log_mass, has_sampler)  # both corrections: p_old,S / q_S
             self._update_kept_mass(log_mass, has_sampler)
@@ -165,7 +160,7 @@ class RatioDiagnostics:
             self.is_stats = stats if self.is_stats is None else self.is_stats.merge(stats)
 
     def _update_kept_mass(self, log_mass, mask) -> None:
-        if log_mass is not None and self.args.truncation_correction != "none":
+        if log_mass is not None and self.plan.corrects:
             self.kept_mass_sum += (torch.exp(log_mass.double()) * mask).sum()
             self.kept_mass_count += mask.sum()
 
@@ -176,32 +171,40 @@ class RatioDiagnostics:
         acc = self.accelerator if self.accelerator.num_processes > 1 else None
         metrics = {}
         new_old = self.new_old.all_reduce(acc)
-        metrics.update(new_old.as_metrics("ratio/new_old"))
+        metrics.update(new_old.as_metrics(keys.NEW_OLD.prefix))
         if new_old.num_tokens.item() == 0:
-            metrics["ratio/new_old/num_tokens"] = 0.0
+            metrics[keys.NEW_OLD.num_tokens] = 0.0
             if not self.warned_no_tokens:
                 self.warned_no_tokens = True
                 warnings.warn("ratio diagnostics: an optimizer update had no valid completion token (every completion "
                               "masked, e.g. by mask_truncated_completions); ratio/new_old/num_tokens = 0 and no other "
                               "ratio/* metric for such updates", stacklevel=2)
-        metrics.update(self.old_sampler.all_reduce(acc).as_metrics("ratio/old_sampler"))
-        metrics.update(self.old_sampler_corrected.all_reduce(acc).as_metrics("ratio/old_sampler_corrected"))
-        if self.args.truncation_correction != "none":
+        metrics.update(self.old_sampler.all_reduce(acc).as_metrics(keys.OLD_SAMPLER.prefix))
+        metrics.update(self.old_sampler_corrected.all_reduce(acc).as_metrics(keys.OLD_SAMPLER_CORRECTED.prefix))
+        if self.plan.corrects:
             sums = torch.stack([self.kept_mass_sum, self.kept_mass_count]).to(self.accelerator.device)  # (2,)
             if acc is not None:
                 sums = acc.reduce(sums, reduction="sum")
             if sums[1] > 0:
-                metrics["ratio/kept_mass_mean"] = (sums[0] / sums[1]).item()
-        if self.args.truncation_correction != "none" and self.args.resolved_kept_set_source == "recompute":
+                metrics[keys.KEPT_MASS_MEAN] = (sums[0] / sums[1]).item()
+        if self.plan.recomputes_kept_sets:
             sums = torch.stack([self.added_sum, self.added_count]).to(self.accelerator.device)  # (2,)
             if acc is not None:
                 sums = acc.reduce(sums, reduction="sum")
             if sums[1] > 0:
-                metrics["ratio/kept_set_added_rate"] = (sums[0] / sums[1]).item()
+                metrics[keys.KEPT_SET_ADDED_RATE] = (sums[0] / sums[1]).item()
         if self.flips is not None:
-            metrics.update(self.flips.all_reduce(acc).as_metrics("ratio"))
+            metrics.update(self.flips.all_reduce(acc).as_metrics(keys.PREFIX))
         if self.is_stats is not None:
-            metrics.update(self.is_stats.all_reduce(acc).as_metrics("ratio"))
+            metrics.update(self.is_stats.all_reduce(acc).as_metrics(keys.PREFIX))
         self.num_updates += 1
         self._reset()
         return metrics
+
+
+def _plan_of_config(args) -> RunPlan:
+    """The plan of `args` alone (diagnostics built outside a trainer): the config's sampling settings and backend."""
+    from .plan import GENERATE, VLLM
+    from .rollouts import settings_from_config
+
+    return RunPlan.resolve(args, settings_from_config(args), VLLM if args.use_vllm else GENERATE)

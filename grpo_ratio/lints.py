@@ -28,17 +28,13 @@ def check_sampling(args, sampling: SamplingSettings) -> None:
     """Truncated sampling against `truncation_correction`, with the settings generation really uses (`sampling`:
     on the transformers path unset fields come from the model's `generation_config`, e.g. a shipped `min_p`).
 
-    Raises:
-        ValueError: a truncation correction with beam search or greedy decoding (no sampling distribution).
+    (Beam search or greedy decoding with a correction is refused where the plan is resolved, `grpo_ratio.plan`.)
+
     Warns (UserWarning): a correction where sampling is not truncated (it changes nothing); truncation that feeds
         the importance ratio (vLLM IS correction, `off_policy_mask_threshold` with `sampler_logprobs_in_loss`)
         uncorrected; truncation with no correction at all (the diagnostics will show the kept mass).
     """
     correction = args.truncation_correction
-    if correction != "none" and (sampling.num_beams > 1 or not sampling.do_sample):
-        raise ValueError(f"truncation_correction={correction!r} needs sampled rollouts, but generation uses "
-                         f"num_beams={sampling.num_beams}, do_sample={sampling.do_sample} (generation_kwargs); "
-                         f"set truncation_correction='none'")
     if correction != "none" and not sampling.truncated:
         warnings.warn(f"truncation_correction={correction!r} has no effect: sampling is not truncated "
                       f"(top_p=1, top_k=0, no min_p in the {sampling.source}); ratio/kept_mass_mean will be 1",

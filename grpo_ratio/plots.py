@@ -13,18 +13,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from . import metric_keys as keys
+
 
 # (panel title, [(logged key, label)], kind): "rate" panels start at 0; "ratio" panels get the band
 PANELS = (
     ("reward", [("reward", "reward")], "value"),
-    ("tokens out of band: new/old", [("ratio/new_old/oob_rate", "new/old")], "rate"),
-    ("tokens out of band: old/sampler", [("ratio/old_sampler/oob_rate", "raw"),
-                                          ("ratio/old_sampler_corrected/oob_rate", "corrected")], "rate"),
-    ("kept mass (truncated sampling)", [("ratio/kept_mass_mean", "mean kept mass")], "mass"),
-    ("ratio quantiles (p1, p99)", [("ratio/new_old/p1", "new/old p1"), ("ratio/new_old/p99", "new/old p99"),
-                                   ("ratio/old_sampler_corrected/p1", "old/sampler corrected p1"),
-                                   ("ratio/old_sampler_corrected/p99", "old/sampler corrected p99")], "ratio"),
-    ("PPO clip", [("ratio/clip_flip_rate", "clip flips (mode vs policy)"), ("clip_ratio/region_mean", "TRL clipped")],
+    ("tokens out of band: new/old", [(keys.NEW_OLD.oob_rate, "new/old")], "rate"),
+    ("tokens out of band: old/sampler", [(keys.OLD_SAMPLER.oob_rate, "raw"),
+                                          (keys.OLD_SAMPLER_CORRECTED.oob_rate, "corrected")], "rate"),
+    ("kept mass (truncated sampling)", [(keys.KEPT_MASS_MEAN, "mean kept mass")], "mass"),
+    ("ratio quantiles (p1, p99)", [(keys.NEW_OLD.p1, "new/old p1"), (keys.NEW_OLD.p99, "new/old p99"),
+                                   (keys.OLD_SAMPLER_CORRECTED.p1, "old/sampler corrected p1"),
+                                   (keys.OLD_SAMPLER_CORRECTED.p99, "old/sampler corrected p99")], "ratio"),
+    ("PPO clip", [(keys.CLIP_FLIP_RATE, "clip flips (mode vs policy)"), ("clip_ratio/region_mean", "TRL clipped")],
      "rate"),
 )
 PLOT_KEYS = tuple(key for _, series, _ in PANELS for key, _ in series)

@@ -1,18 +1,22 @@
 """The two records that carry state between TRL's hooks inside `RatioGRPOTrainer`, so that one training step can be
-followed without chasing trainer attributes.
+followed without chasing trainer attributes. Every field has one writer, and every value the diagnostics read comes
+to them by one route (the `MicroBatchRecord`).
 
 One GRPO step, and who writes and reads what (TRL 1.16's call order):
 
 ```
 _generate_and_score_completions          creates GenerationRecord (one per generation batch and mode)
-    _generate_single_turn                    writes .sampler (recorded log-probs, kept sets) or .kept (vLLM masks)
+    _generate_single_turn                    writes .recorded, and .kept when the sampler's sets are used
+                                             (the generate recording's first turn, or vLLM's masks)
     _get_per_token_logps_and_entropies       TRL's old pass: replaced by the scoring mode, or measured;
-                                             writes .old_log_kept_mass, .fallback_rows
-    (TRL: rewards, advantages, IS weights; the batch is shuffled and split into micro-batches)
+                                             `_keep_old_sets` writes .old_log_kept_mass, and recomputed .kept /
+                                             .kept_added; the scoring mode writes .fallback_rows
+    (TRL: rewards, advantages, IS weights; the batch is shuffled and split into micro-batches, with
+     old_log_kept_mass, kept_set_added and kept_row_index as batch keys)
 _compute_loss                            creates MicroBatchRecord (one per loss micro-batch), clears it on return
-    _get_per_token_logps_and_entropies       the training forward: reads GenerationRecord.kept for its rows,
-                                             writes .train_logps, .train_log_kept_mass
-    diagnostics                              read both records
+    _get_per_token_logps_and_entropies       the training forward: reads GenerationRecord.kept for its rows;
+                                             `_keep_training_forward` writes every MicroBatchRecord field
+    diagnostics                              read the MicroBatchRecord (and the batch keys TRL itself put there)
 ```
 
 A `GenerationRecord` lives until the next generation batch of the same mode (`"train"` / `"eval"`) replaces it: its
@@ -29,7 +33,6 @@ from dataclasses import dataclass
 import torch
 
 from .kept_sets import KeptSets
-from .rollouts import SamplerRecord
 
 
 @dataclass
@@ -40,10 +43,11 @@ class GenerationRecord:
         mode (`str`): `"train"` or `"eval"` (the model's mode when the batch was generated).
         old_pass_pending (`bool`): TRL will run its own old-logprob pass within this generation and has not yet:
             the next no-grad log-prob call on the policy is that pass.
-        sampler (`SamplerRecord | None`): what the `generate` recording saw on the first turn (sampler log-probs
-            (B, T) and kept sets), when `record_sampler_logprobs` is on.
+        recorded (`bool`): `generate` ran under the sampler recorder (`record_sampler_logprobs`): TRL's
+            `sampling_per_token_logps` are the recording's log-probs (NaN where a call was not recorded).
         kept (`KeptSets | None`, (B, T)): the kept set of every completion token, when a truncation correction
-            needs them (from the `generate` recording or vLLM's sampling masks).
+            needs them: the sampler's (the `generate` recording's first turn, or vLLM's sampling masks) or, with
+            `kept_set_source="recompute"`, those the old pass recomputed. Written by one of the two, as the plan says.
         kept_added (`torch.Tensor | None`, (B, T) bool): recomputed kept sets only: cells whose sampled token the
             recomputed filter dropped (added back).
         old_log_kept_mass (`torch.Tensor | None`, (B, T) fp32): log M_old, the old policy's log mass on the kept
@@ -53,7 +57,7 @@ class GenerationRecord:
 
     mode: str
     old_pass_pending: bool = False
-    sampler: SamplerRecord | None = None
+    recorded: bool = False
     kept: KeptSets | None = None
     kept_added: torch.Tensor | None = None
     old_log_kept_mass: torch.Tensor | None = None
@@ -62,20 +66,21 @@ class GenerationRecord:
 
 @dataclass
 class MicroBatchRecord:
-    """One loss micro-batch inside `_compute_loss`.
+    """One loss micro-batch inside `_compute_loss`: what the diagnostics read (all written by the trainer's
+    `_keep_training_forward`, from the training forward of these rows).
 
     Fields:
         inputs (`dict`): the micro-batch TRL passed to `_compute_loss` (rows cut from a shuffled generation batch).
-        kept (`KeptSets | None`, (b, T)): the kept sets of its rows (selected by `inputs["kept_row_index"]`).
         train_logps (`torch.Tensor | None`, (b, T) fp32): the training forward's log-probs, detached (over the kept
             sets under `renormalize`).
-        train_log_kept_mass (`torch.Tensor | None`, (b, T) fp32): log M of the training forward (kept sets only).
-        kept_added (`torch.Tensor | None`, (b, T) bool): when the training forward recomputed the kept sets (no old
-            pass ran), the cells whose sampled token the filter dropped.
+        old_log_kept_mass (`torch.Tensor | None`, (b, T) fp32): log M_old of these rows: the old pass's, or, where
+            no old pass ran (on-policy, the sampler arm), the training forward's (the old policy's weights at the
+            first inner step). Kept sets only.
+        kept_added (`torch.Tensor | None`, (b, T) bool): recomputed kept sets only: the cells whose sampled token the
+            filter dropped (added back), from the pass that recomputed the sets.
     """
 
     inputs: dict
-    kept: KeptSets | None = None
     train_logps: torch.Tensor | None = None
-    train_log_kept_mass: torch.Tensor | None = None
+    old_log_kept_mass: torch.Tensor | None = None
     kept_added: torch.Tensor | None = None

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import gate
+from . import metric_keys as keys
 
 
 # what a run was configured with, written next to its log history (`run.json`, by `grpo-ratio train` and `compare`)
@@ -35,22 +36,22 @@ def run_config(args) -> dict:
 # metric key -> what it is, in a few words (the table's second column)
 SUMMARY_KEYS = {
     "reward": "reward",
-    "ratio/new_old/oob_rate": "new/old: share of tokens out of band (PPO clip reads this ratio)",
-    "ratio/new_old/mean_abs_log_ratio": "new/old: mean |log r| (nats)",
-    "ratio/new_old/p1": "new/old: 1st percentile of r",
-    "ratio/new_old/p99": "new/old: 99th percentile of r",
-    "ratio/old_sampler/oob_rate": "old/sampler, raw: share out of band (IS correction reads this ratio)",
-    "ratio/old_sampler/mean": "old/sampler, raw: mean r",
-    "ratio/old_sampler_corrected/oob_rate": "old/sampler after the truncation correction: share out of band",
-    "ratio/old_sampler_corrected/mean": "old/sampler after the truncation correction: mean r",
-    "ratio/kept_mass_mean": "mean kept mass of truncated sampling (1 = untruncated)",
-    "ratio/kept_set_added_rate": "recomputed kept sets: sampled tokens the filter dropped",
-    "ratio/clip_flip_rate": "PPO-clip decisions changed by the choice of old log-probs",
+    keys.NEW_OLD.oob_rate: "new/old: share of tokens out of band (PPO clip reads this ratio)",
+    keys.NEW_OLD.mean_abs_log_ratio: "new/old: mean |log r| (nats)",
+    keys.NEW_OLD.p1: "new/old: 1st percentile of r",
+    keys.NEW_OLD.p99: "new/old: 99th percentile of r",
+    keys.OLD_SAMPLER.oob_rate: "old/sampler, raw: share out of band (IS correction reads this ratio)",
+    keys.OLD_SAMPLER.mean: "old/sampler, raw: mean r",
+    keys.OLD_SAMPLER_CORRECTED.oob_rate: "old/sampler after the truncation correction: share out of band",
+    keys.OLD_SAMPLER_CORRECTED.mean: "old/sampler after the truncation correction: mean r",
+    keys.KEPT_MASS_MEAN: "mean kept mass of truncated sampling (1 = untruncated)",
+    keys.KEPT_SET_ADDED_RATE: "recomputed kept sets: sampled tokens the filter dropped",
+    keys.CLIP_FLIP_RATE: "PPO-clip decisions changed by the choice of old log-probs",
     "clip_ratio/region_mean": "TRL: share of tokens clipped",
-    "ratio/fp16_fallback_rows": "fp16_clone rows re-scored in fp32 (overflow)",
-    "ratio/importance_sampling_ratio/mean": "IS weights the loss uses (after lift_sampler)",
+    keys.FP16_FALLBACK_ROWS: "fp16_clone rows re-scored in fp32 (overflow)",
+    keys.IS_WEIGHTS_MEAN: "IS weights the loss uses (after lift_sampler)",
     "sampling/importance_sampling_ratio/mean": "TRL: vLLM IS weights (before any lift)",
-    "ratio/new_old/num_tokens": "valid tokens measured per update",
+    keys.NEW_OLD.num_tokens: "valid tokens measured per update",
 }
 
 
@@ -91,65 +92,65 @@ def findings(stats: dict, config: dict | None = None) -> list[Finding]:
     config = config or {}
     mode = config.get("old_logprob_mode")
     out = []
-    sampler_mean = _mean(stats, "ratio/old_sampler/mean")
-    corrected = "ratio/old_sampler_corrected/oob_rate" in stats
+    sampler_mean = _mean(stats, keys.OLD_SAMPLER.mean)
+    corrected = keys.OLD_SAMPLER_CORRECTED.oob_rate in stats
     if sampler_mean is not None and sampler_mean < 0.97 and not corrected and mode != "sampler":
-        out.append(Finding("ratio/old_sampler/mean", sampler_mean,
+        out.append(Finding(keys.OLD_SAMPLER.mean, sampler_mean,
                            "old/sampler sits below 1 on average: the sampler's log-probs are renormalised over a kept "
                            "set (top_p / top_k / min_p, possibly from the model's generation_config) while the "
                            "trainer's are over the whole vocabulary; the ratio carries the kept mass",
                            "truncation_correction='renormalize' (or 'lift_sampler')"))
-    corrected_oob = _mean(stats, "ratio/old_sampler_corrected/oob_rate")
+    corrected_oob = _mean(stats, keys.OLD_SAMPLER_CORRECTED.oob_rate)
     if corrected_oob is not None and corrected_oob > 0.10:
-        out.append(Finding("ratio/old_sampler_corrected/oob_rate", corrected_oob,
+        out.append(Finding(keys.OLD_SAMPLER_CORRECTED.oob_rate, corrected_oob,
                            "after the correction old/sampler is still often out of band: sampler and trainer compute "
                            "different numbers (another dtype, e.g. vLLM in bf16 against an fp32 trainer, or the bf16 "
                            "batch-shape gap)",
                            "vllm_dtype matching the trainer; an fp32 old_logprob_mode; or accept and keep the IS "
                            "correction on"))
-    raw_oob = _mean(stats, "ratio/old_sampler/oob_rate")
+    raw_oob = _mean(stats, keys.OLD_SAMPLER.oob_rate)
     if raw_oob is not None and raw_oob > 0.10 and not corrected and (sampler_mean is None or sampler_mean >= 0.97):
-        out.append(Finding("ratio/old_sampler/oob_rate", raw_oob,
+        out.append(Finding(keys.OLD_SAMPLER.oob_rate, raw_oob,
                            "old/sampler is often out of band without a systematic shift: sampler and trainer "
                            "disagree numerically (precision, batch shape, another engine or dtype)",
                            "match the sampler's dtype (vllm_dtype); score old log-probs in fp32 (old_logprob_mode="
                            "'fp32_clone' or 'fp32_head'); or old_logprob_mode='sampler' to anchor the ratio on the "
                            "sampler itself"))
-    new_old_oob = _mean(stats, "ratio/new_old/oob_rate")
+    new_old_oob = _mean(stats, keys.NEW_OLD.oob_rate)
     if new_old_oob is not None and mode == "bf16" and new_old_oob > 0:
-        out.append(Finding("ratio/new_old/oob_rate", new_old_oob,
+        out.append(Finding(keys.NEW_OLD.oob_rate, new_old_oob,
                            "with old_logprob_mode='bf16' new/old is 1 at the first inner step when TRL reuses the "
                            "training forward; tokens out of band mean TRL ran its own old pass and it differs: dropout "
                            "(disable_dropout=False), or another batch shape in bf16",
                            "disable_dropout=True; or an fp32 old_logprob_mode to see the precision gap explicitly"))
     elif new_old_oob is not None and new_old_oob > 0.05:
-        out.append(Finding("ratio/new_old/oob_rate", new_old_oob,
+        out.append(Finding(keys.NEW_OLD.oob_rate, new_old_oob,
                            "the old log-probs and the training forward disagree before any update: the training "
                            "forward runs at training precision (bf16 autocast) while the old log-probs do not, or "
                            "dropout is on; PPO's clip treats this gap as policy change",
                            "expected for fp32/fp16 arms under bf16 training: read ratio/clip_flip_rate to see whether "
                            "it changes clip decisions; disable_dropout=True if dropout is on", "note"))
-    flips = _mean(stats, "ratio/clip_flip_rate")
+    flips = _mean(stats, keys.CLIP_FLIP_RATE)
     if flips is not None and flips > 0.01:
-        out.append(Finding("ratio/clip_flip_rate", flips,
+        out.append(Finding(keys.CLIP_FLIP_RATE, flips,
                            "the choice of old log-probs changes the PPO-clip decision of more than 1% of tokens: the "
                            "arm matters for the update, compare rewards over seeds before choosing",
                            "grpo-ratio compare with 2+ seeds", "note"))
-    added = _mean(stats, "ratio/kept_set_added_rate")
+    added = _mean(stats, keys.KEPT_SET_ADDED_RATE)
     if added is not None and added > 0.01:
-        out.append(Finding("ratio/kept_set_added_rate", added,
+        out.append(Finding(keys.KEPT_SET_ADDED_RATE, added,
                            "the kept sets recomputed from the trainer's logits often miss the token the sampler drew: "
                            "the trainer's logits and the sampler's disagree at the top_p/top_k boundary",
                            "kept_set_source='recorded' where the engine provides masks; match vllm_dtype"))
-    fallback = stats.get("ratio/fp16_fallback_rows")
+    fallback = stats.get(keys.FP16_FALLBACK_ROWS)
     if fallback is not None and fallback["max"] > 0:
-        out.append(Finding("ratio/fp16_fallback_rows", fallback["max"],
+        out.append(Finding(keys.FP16_FALLBACK_ROWS, fallback["max"],
                            "fp16 overflowed (activations past 65,504) and rows were re-scored in fp32",
                            "old_logprob_mode='fp32_clone' if it happens often (each fallback costs an fp32 pass)",
                            "note"))
-    tokens = stats.get("ratio/new_old/num_tokens")
+    tokens = stats.get(keys.NEW_OLD.num_tokens)
     if tokens is not None and tokens["min"] == 0:
-        out.append(Finding("ratio/new_old/num_tokens", 0.0,
+        out.append(Finding(keys.NEW_OLD.num_tokens, 0.0,
                            "some updates had no valid completion token (every completion masked, e.g. "
                            "mask_truncated_completions with completions that never end)",
                            "raise max_completion_length, or mask_truncated_completions=False"))

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from transformers import GenerationMixin, LogitsProcessor, LogitsProcessorList
 
+from .adapters import base_model
 from .kept_sets import KeptSets, _offsets_from_sizes, _range_index
 
 
@@ -227,11 +228,9 @@ class SamplerLogprobRecorder(LogitsProcessor):
 
 def _generation_model(model):
     """The GenerationMixin whose `generate` actually runs (PEFT forwards generate to its base model)."""
-    if isinstance(model, GenerationMixin):
-        return model
-    get_base = getattr(model, "get_base_model", None)  # peft.PeftModel
-    if get_base is not None and isinstance(get_base(), GenerationMixin):
-        return get_base()
+    target = base_model(model)
+    if isinstance(target, GenerationMixin):
+        return target
     raise ValueError(f"recording_sampler: {type(model).__name__} is not a transformers GenerationMixin (or a PEFT "
                      f"model around one)")
 
@@ -340,7 +339,8 @@ class VLLMOutputCapture:
 
 @dataclass(frozen=True)
 class SamplingSettings:
-    """The sampling settings of the rollouts, as the sampler applies them.
+    """The sampling settings of the rollouts, as the sampler applies them, and the sampler's truncation to re-apply
+    to the trainer's logits (`keep_mask`, the "recompute" kept-set source).
 
     Fields: `temperature` (> 0), `top_k` (0 = off), `top_p` (1.0 = off), `min_p` (0.0 = off), `num_beams`,
     `do_sample`, and `source` (where they were read: "generation config" or "config").
@@ -354,16 +354,47 @@ class SamplingSettings:
     do_sample: bool = True
     source: str = "config"
 
+    def truncating(self) -> dict[str, float]:
+        """The truncating settings in effect, in generate's order (`top_k` > 0, `top_p` < 1, `min_p` > 0): the one
+        rule for "is truncation on", used by `truncated`, `describe` and `keep_mask`."""
+        on = {"top_k": bool(self.top_k and self.top_k > 0), "top_p": self.top_p < 1.0, "min_p": self.min_p > 0.0}
+        return {name: getattr(self, name) for name, active in on.items() if active}
+
     @property
     def truncated(self) -> bool:
         """Whether top_k / top_p / min_p cut the distribution (the sampler draws from a kept set)."""
-        return bool(self.top_k and self.top_k > 0) or self.top_p < 1.0 or self.min_p > 0.0
+        return bool(self.truncating())
 
     def describe(self) -> str:
         """`top_p=0.8, top_k=50` (the truncating settings in effect), or `no truncation`."""
-        parts = [f"top_k={self.top_k}" if self.top_k and self.top_k > 0 else "",
-                 f"top_p={self.top_p}" if self.top_p < 1.0 else "", f"min_p={self.min_p}" if self.min_p > 0 else ""]
-        return ", ".join(p for p in parts if p) or "no truncation"
+        return ", ".join(f"{name}={value}" for name, value in self.truncating().items()) or "no truncation"
+
+    def keep_mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """(K, V) bool: the tokens each row's sampler keeps, from (K, V) raw logits (any float dtype): transformers'
+        own warpers (`TemperatureLogitsWarper`, then `TopKLogitsWarper`, `TopPLogitsWarper`, `MinPLogitsWarper`,
+        generate's order; `min_tokens_to_keep=1`).
+
+        The "recompute" kept-set source (NeMo-RL's approach) re-applies them to the old policy's logits: it works
+        with any engine (vLLM server mode, vLLM versions without sampling masks, CPU), at the price that the
+        recomputed set can differ from the sampler's at the boundary, where the trainer's and the sampler's logits
+        disagree. vLLM applies the same filters in its own order and tie rules; docs/truncation.md reports how often
+        the sets differ.
+        """
+        from transformers.generation.logits_process import (
+            MinPLogitsWarper,
+            TemperatureLogitsWarper,
+            TopKLogitsWarper,
+            TopPLogitsWarper,
+        )
+
+        warper_of = {"top_k": lambda v: TopKLogitsWarper(top_k=v), "top_p": lambda v: TopPLogitsWarper(top_p=v),
+                     "min_p": lambda v: MinPLogitsWarper(min_p=v)}
+        warpers = [TemperatureLogitsWarper(self.temperature)] if self.temperature != 1.0 else []
+        warpers += [warper_of[name](value) for name, value in self.truncating().items()]
+        scores = logits.float()  # (K, V)
+        for warper in warpers:
+            scores = warper(None, scores)
+        return scores != -math.inf
 
 
 def settings_from_config(args) -> SamplingSettings:

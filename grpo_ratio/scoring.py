@@ -32,9 +32,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .adapters import base_model
 from .config import PRECISION_MODES
 from .copies import ModuleCopy
-from .kept_sets import KeptSetFilter, KeptSets, concat_kept_sets, logprobs_on_kept_sets
+from .kept_logprobs import KeptLogprobs, logprobs_on_kept_sets
+from .kept_sets import KeptSets, concat_kept_sets
+from .rollouts import SamplingSettings
 from .sharding import ShardedPolicy
 
 
@@ -58,7 +61,7 @@ def model_anatomy(model: nn.Module) -> Anatomy:
     Raises:
         ValueError: the model does not expose them under a known name (`layers`/`h`, `norm`/`final_layer_norm`/`ln_f`).
     """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     decoder = base.get_decoder()
     layers = next((getattr(decoder, n) for n in ("layers", "h", "blocks") if hasattr(decoder, n)), None)
     norm = next((getattr(decoder, n) for n in ("norm", "final_layer_norm", "ln_f") if hasattr(decoder, n)), None)
@@ -69,6 +72,18 @@ def model_anatomy(model: nn.Module) -> Anatomy:
             f"support models with `layers` (or `h`) and `norm` (or `final_layer_norm`, `ln_f`)"
         )
     return Anatomy(layers=layers, norm=norm, head=head, rotary=getattr(decoder, "rotary_emb", None))
+
+
+# model-config fields of a logit transform applied after the LM head (softcapping, logit scaling)
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier",
+                    "lm_head_multiplier")
+
+
+def logit_transforms(model_config) -> list[str]:
+    """The `LOGIT_TRANSFORMS` fields a model's (text) config sets: where logits != head(hidden), so whoever applies
+    the LM head itself (the kept-set log-probs, the greedy probe) would mis-score them. Empty for a plain head."""
+    text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    return [k for k in LOGIT_TRANSFORMS if getattr(text_config, k, None) not in (None, 1, 1.0)]
 
 
 def check_layer_indices(layers: Iterable[int], num_layers: int) -> list[int]:
@@ -175,8 +190,7 @@ def generation_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def _accepts_position_ids(model: nn.Module) -> bool:
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "position_ids" in inspect.signature(type(base).forward).parameters
+    return "position_ids" in inspect.signature(type(base_model(model)).forward).parameters
 
 
 def forward_kwargs(model: nn.Module, input_ids, attention_mask, logits_to_keep: int,
@@ -222,18 +236,16 @@ class ScoreResult:
 
     Fields:
         logps (`torch.Tensor`, (B, T) fp32): full-vocabulary log-probs of the completion tokens.
-        kept_logps (`torch.Tensor | None`, (B, T) fp32): the same tokens' log-probs renormalised over their kept sets
-            (only when kept sets were given; 0.0 on cells without a set).
-        fallback_rows (`int`): `fp16_clone` rows with non-finite fp16 log-probs, re-scored in fp32 (0 otherwise).
-        kept (`KeptSets | None`, (B, T)): the kept sets used (recomputed ones under a `KeptSetFilter`).
-        kept_added (`torch.Tensor | None`, (B, T) bool): recomputed sets only: sampled tokens the filter dropped.
+        fallback_rows (`int`): `fp16_clone` rows with non-finite fp16 log-probs, re-scored in fp32 in this call (0
+            otherwise).
+        on_kept (`KeptLogprobs | None`): only when kept sets were given: the same tokens' (B, T) log-probs over their
+            kept sets (0.0 on cells without a set), the sets used (recomputed ones under `SamplingSettings`), the
+            recomputed additions, and log M = `logps` - those log-probs.
     """
 
     logps: torch.Tensor
-    kept_logps: torch.Tensor | None = None
     fallback_rows: int = 0
-    kept: KeptSets | None = None
-    kept_added: torch.Tensor | None = None
+    on_kept: KeptLogprobs | None = None
 
 
 class OldLogprobScorer:
@@ -285,7 +297,6 @@ class OldLogprobScorer:
             self.layers = check_layer_indices(layers, len(anatomy.layers))
             self._anatomy = anatomy
         self._copies: dict[int, ModuleCopy] = {}  # id(source module) -> copy
-        self.fallback_rows = 0  # fp16_clone rows re-scored in fp32, over this scorer's life
 
     # -- contexts --------------------------------------------------------------------------------------------------
 
@@ -366,7 +377,8 @@ class OldLogprobScorer:
 
     def _chunk_logprobs(self, input_ids, attention_mask, logits_to_keep, temperature, version, kept=None):
         """(b, T) fp32 log-probs of one chunk and the number of its rows re-scored in fp32; with `kept` (KeptSets
-        of the chunk's rows, or a KeptSetFilter to recompute them from these logits), also the `KeptLogprobs`."""
+        of the chunk's rows, or the sampler's SamplingSettings to recompute them from these logits), also the
+        `KeptLogprobs`."""
         logps, n_fallback, logits = self._chunk_full(input_ids, attention_mask, logits_to_keep, temperature, version)
         if kept is None:
             return logps, n_fallback, None
@@ -408,7 +420,7 @@ class OldLogprobScorer:
     @torch.no_grad()
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, *,
               temperature: float = 1.0, batch_size: int | None = None, version: int = 0,
-              kept: KeptSets | KeptSetFilter | None = None) -> ScoreResult:
+              kept: KeptSets | SamplingSettings | None = None) -> ScoreResult:
         """Old log-probs of the last `logits_to_keep` tokens of each row.
 
         Args:
@@ -418,12 +430,12 @@ class OldLogprobScorer:
             temperature: divides the logits before the log-softmax (TRL's `temperature`).
             batch_size: rows per forward chunk (TRL uses `per_device_train_batch_size`); None = all rows at once.
             version: the policy's optimizer-step count; copies synced at another version are refreshed first.
-            kept: optional `grpo_ratio.kept_sets.KeptSets` (B, T) of the sampler's kept sets, or a `KeptSetFilter`
-                to recompute them from this pass's logits; then the result also holds the (B, T) log-probs
+            kept: optional `grpo_ratio.kept_sets.KeptSets` (B, T) of the sampler's kept sets, or the sampler's
+                `SamplingSettings` to recompute them from this pass's logits; then the result also holds the (B, T) log-probs
                 renormalised over them (truncation correction) and the sets used.
         Returns:
             `ScoreResult`: (B, T) fp32 full-vocabulary log-probs (values at padded positions are whatever the forward
-            gives), the kept-set log-probs when `kept` is given, and the rows re-scored in fp32.
+            gives), the rows re-scored in fp32, and the kept-set log-probs (`KeptLogprobs`) when `kept` is given.
         """
         batch_size = batch_size or input_ids.size(0)
         chunks, kept_chunks, fallback = [], [], 0
@@ -432,21 +444,22 @@ class OldLogprobScorer:
         with deterministic, sharding:
             for start in range(0, input_ids.size(0), batch_size):
                 sl = slice(start, start + batch_size)
-                rows = kept if kept is None or isinstance(kept, KeptSetFilter) else kept.select_rows(
+                rows = kept if not isinstance(kept, KeptSets) else kept.select_rows(
                     range(sl.start, min(sl.stop, input_ids.size(0))))
                 logps, n, kept_logps = self._chunk_logprobs(input_ids[sl], attention_mask[sl], logits_to_keep,
                                                             temperature, version, rows)
                 chunks.append(logps)
                 kept_chunks.append(kept_logps)
                 fallback += n
-        self.fallback_rows += fallback
         logps = torch.cat(chunks, dim=0)  # (B, T)
         if kept is None:
             return ScoreResult(logps=logps, fallback_rows=fallback)
         added = [k.added for k in kept_chunks]
-        return ScoreResult(logps=logps, kept_logps=torch.cat([k.logps for k in kept_chunks], dim=0),
-                           fallback_rows=fallback, kept=concat_kept_sets([k.kept for k in kept_chunks]),
-                           kept_added=None if added[0] is None else torch.cat(added, dim=0))
+        kept_logps = torch.cat([k.logps for k in kept_chunks], dim=0)  # (B, T)
+        on_kept = KeptLogprobs(kept_logps, concat_kept_sets([k.kept for k in kept_chunks]),
+                               added=None if added[0] is None else torch.cat(added, dim=0),
+                               log_mass=logps - kept_logps)  # log M = log p_full(g) - log p_S(g)
+        return ScoreResult(logps=logps, fallback_rows=fallback, on_kept=on_kept)
 
 
 def score_completion_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,

@@ -30,12 +30,13 @@ import torch
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 
-from .config import PRECISION_MODES, RatioGRPOConfig
+from .config import RatioGRPOConfig
 from .copies import WeightsVersion
 from .corrections import capture_last_hidden, check_head_is_linear, kept_set_logps_from_hidden
 from .diagnostics import RatioDiagnostics
-from .kept_sets import KeptSetFilter, lift_sampler_logprobs
+from .kept_logprobs import lift_sampler_logprobs
 from .lints import check_calibration, check_dropout, check_positions, check_sampling, check_vllm
+from .plan import CONTINUOUS_BATCHING, GENERATE, VLLM, VLLM_MASKS, RunPlan, kept_set_origin
 from .ratios import importance_sampling_weights
 from .records import GenerationRecord, MicroBatchRecord
 from .rollouts import (
@@ -49,7 +50,8 @@ from .rollouts import (
     vllm_engine_kwargs,
 )
 from .scoring import OldLogprobScorer
-from .sharding import check_sharded_mode, engine_of, fp32_logprob_output, sharded_policy
+from .sharding import check_sharded_mode, engine_of, sharded_policy
+from .sharding_fsdp2 import fp32_logprob_output
 
 
 class RatioGRPOTrainer(GRPOTrainer):
@@ -83,29 +85,27 @@ class RatioGRPOTrainer(GRPOTrainer):
                 f"RatioGRPOTrainer needs args=RatioGRPOConfig(...), got {type(args).__name__}; RatioGRPOConfig accepts "
                 f"every GRPOConfig field plus old_logprob_mode, guided_fp32_layers, ..."
             )
-        vllm_masks = args.use_vllm and args.truncation_correction != "none" and (
-            args.resolved_kept_set_source == "recorded")
-        engine_kwargs = {"return_sampling_mask": True} if vllm_masks else {}
+        # vLLM's sampling masks need an engine flag, so this one fact of the plan is needed before TRL builds the engine
+        engine_kwargs = {"return_sampling_mask": True} if kept_set_origin(args) == VLLM_MASKS else {}
         if args.vllm_dtype is not None:
             engine_kwargs["dtype"] = args.vllm_dtype  # TRL passes none to its colocate engine
         with vllm_engine_kwargs(**engine_kwargs) if engine_kwargs else contextlib.nullcontext():
             super().__init__(model, reward_funcs, args, *pargs, **kwargs)
-        self._vllm_capture = VLLMOutputCapture(self.vllm_generation.llm) if vllm_masks else None
         policy = self.accelerator.unwrap_model(self.model)
-        self.sampling = self._sampling_settings(policy)
-        self._record_generate = self._can_record_generate()
-        # the sampler's truncation, re-applied to the old policy's logits by the "recompute" kept-set source
-        self._kept_filter = KeptSetFilter(self.sampling.temperature, self.sampling.top_k, self.sampling.top_p,
-                                          self.sampling.min_p)
+        multi_turn = bool(self.tools) or self.environment_factories is not None
+        # what this run does (which old pass, where old log-probs and kept sets come from, which correction):
+        # resolved once; the hooks below ask it instead of comparing config strings
+        self.plan = RunPlan.resolve(args, self._sampling_settings(policy), self._backend(), multi_turn)
+        self._vllm_capture = VLLMOutputCapture(self.vllm_generation.llm) if self.plan.vllm_masks else None
         self._lint(policy)
         # copies are refreshed whenever the policy's weights may have changed (copies.WeightsVersion)
         self.weights_version = WeightsVersion()
         self.add_callback(_WeightsVersionCallback(self.weights_version))
-        self.diagnostics = RatioDiagnostics(args, self.accelerator, self.eos_token_ids) if args.ratio_diagnostics else None
+        self.diagnostics = RatioDiagnostics(args, self.accelerator, self.eos_token_ids,
+                                            plan=self.plan) if args.ratio_diagnostics else None
         check_sharded_mode(self.accelerator, self.model, args)  # FSDP2/ZeRO-3 combinations that cannot be exact
-        if args.old_logprob_mode in PRECISION_MODES[1:]:  # layer indices and model anatomy fail here, not at step 1
-            OldLogprobScorer(self.accelerator.unwrap_model(self.model), args.old_logprob_mode,
-                             layers=args.guided_fp32_layer_ids)
+        if self.plan.scorer_mode is not None:  # layer indices and model anatomy fail here, not at step 1
+            OldLogprobScorer(policy, self.plan.scorer_mode, layers=args.guided_fp32_layer_ids)
         self._scorer = None  # built on first use (`scorer`): accelerate wraps FSDP2/ZeRO-3 models inside train()
         # The two records between TRL's hooks (grpo_ratio/records.py): one per generation batch and mode, one per
         # loss micro-batch. No other attribute is written in one hook and read in another.
@@ -120,12 +120,23 @@ class RatioGRPOTrainer(GRPOTrainer):
     def scorer(self) -> OldLogprobScorer | None:
         """The scoring mode's `OldLogprobScorer` (None for `bf16` and `sampler`), built on first use, after accelerate wrapped the
         model: under FSDP2/ZeRO-3 its shadows and compute dtype come from the wrapped model (`grpo_ratio.sharding`)."""
-        if self._scorer is None and self.args.old_logprob_mode in PRECISION_MODES[1:]:
+        if self._scorer is None and self.plan.scorer_mode is not None:
             policy = self.accelerator.unwrap_model(self.model)
-            self._scorer = OldLogprobScorer(policy, self.args.old_logprob_mode, layers=self.args.guided_fp32_layer_ids,
+            self._scorer = OldLogprobScorer(policy, self.plan.scorer_mode, layers=self.args.guided_fp32_layer_ids,
                                             policy_autocast=self.accelerator.autocast,
                                             sharded=sharded_policy(self.accelerator, policy))
         return self._scorer
+
+    @property
+    def sampling(self):
+        """The `SamplingSettings` the rollouts really use (`self.plan.sampling`)."""
+        return self.plan.sampling
+
+    def _backend(self) -> str:
+        """TRL's generation backend: vLLM, transformers continuous batching, or `generate`."""
+        if self.use_vllm:
+            return VLLM
+        return CONTINUOUS_BATCHING if self.use_transformers_continuous_batching else GENERATE
 
     def _sampling_settings(self, policy):
         """The sampling settings the rollouts really use: on the transformers path, TRL's generation config with the
@@ -133,28 +144,6 @@ class RatioGRPOTrainer(GRPOTrainer):
         if self.use_vllm or self.use_transformers_continuous_batching:
             return settings_from_config(self.args)
         return settings_from_generation_config(policy, self.generation_config)
-
-    def _can_record_generate(self) -> bool:
-        """Whether `generate` rollouts are recorded: asked for, on the transformers path, and sampled (beam search
-        and greedy decoding have no per-token sampling distribution to record)."""
-        if self.use_transformers_continuous_batching and self.args.old_logprob_mode == "sampler":
-            raise ValueError("old_logprob_mode='sampler' needs the sampler's log-probs, which transformers continuous "
-                             "batching does not return; use generate (use_transformers_continuous_batching=False) "
-                             "or vLLM")
-        if self.use_vllm or self.use_transformers_continuous_batching or not self.args.record_sampler_logprobs:
-            return False
-        if self.sampling.num_beams > 1 or not self.sampling.do_sample:
-            needs = self.args.truncation_correction != "none" or self.args.sampler_logprobs_in_loss
-            if needs or self.args.old_logprob_mode == "sampler":
-                raise ValueError(f"truncation_correction / sampler_logprobs_in_loss / old_logprob_mode='sampler' "
-                                 f"need sampled rollouts, but "
-                                 f"generation uses num_beams={self.sampling.num_beams}, do_sample="
-                                 f"{self.sampling.do_sample} (generation_kwargs)")
-            warnings.warn(f"record_sampler_logprobs: not recording (num_beams={self.sampling.num_beams}, do_sample="
-                          f"{self.sampling.do_sample}): beam search and greedy decoding have no per-token sampling "
-                          f"distribution; ratio/old_sampler/* will be absent", stacklevel=3)
-            return False
-        return True
 
     def _lint(self, policy) -> None:
         """Start-up checks that need the model (grpo_ratio/lints.py; config-only ones ran in the config)."""
@@ -164,17 +153,11 @@ class RatioGRPOTrainer(GRPOTrainer):
         check_positions(self.args, policy)
         check_calibration(self.args, policy)  # a guided_fp32_layers calibration file made for another model
         check_vllm(self.args, self._vllm_engine_dtype(), self._trainer_dtype(policy))
-        if engine_of(self.accelerator) == "fsdp2" and self.args.bf16 and self.args.old_logprob_mode == "bf16":
+        if engine_of(self.accelerator) == "fsdp2" and self.args.bf16 and self.plan.anchor_is_policy:
             warnings.warn("FSDP2 with a bf16 mixed-precision policy returns TRL's per-token log-probs rounded to bf16 "
                           "(up to 1.5e-2 nats, on both sides of every ratio). old_logprob_mode='bf16' keeps TRL's numbers "
                           "bit for bit, rounding included; every other mode returns the training forward's log-probs in "
                           "fp32 (docs/distributed.md)", stacklevel=3)
-        multi_turn = bool(self.tools) or self.environment_factories is not None
-        recorded = self.args.resolved_kept_set_source == "recorded"
-        if multi_turn and self.args.truncation_correction != "none" and not self.use_vllm and recorded:
-            raise ValueError("truncation_correction with tools or environment_factory is not supported on the "
-                             "transformers generate path: each tool turn is a separate generate call and the kept sets "
-                             "of the turns are not stitched together; set kept_set_source='recompute'")
 
     def _vllm_engine_dtype(self):
         """The colocate engine's dtype (vLLM's resolved `model_config.dtype`); None without one (server: unknown)."""
@@ -190,13 +173,6 @@ class RatioGRPOTrainer(GRPOTrainer):
             return torch.float16
         return next(policy.parameters()).dtype
 
-    def _trl_runs_old_pass(self) -> bool:
-        """TRL 1.16's own condition for computing old log-probs (grpo_trainer.py, `_generate_and_score_completions`)."""
-        generate_every = self.args.steps_per_generation * self.num_iterations
-        return self.args.gradient_accumulation_steps % generate_every != 0 or (
-            self.use_vllm and self.vllm_importance_sampling_correction
-        )
-
     def _mode(self) -> str:
         return "train" if self.model.training else "eval"
 
@@ -204,9 +180,9 @@ class RatioGRPOTrainer(GRPOTrainer):
     # one generation batch: generation, old pass, correction
 
     def _generate_and_score_completions(self, inputs):
-        if self.args.old_logprob_mode != "bf16":  # bf16 keeps TRL's numbers, bf16 rounding included (warned at init)
+        if not self.plan.anchor_is_policy:  # bf16 keeps TRL's numbers, bf16 rounding included (warned at init)
             fp32_logprob_output(self.accelerator.unwrap_model(self.model))  # FSDP2: no bf16 rounding of log-probs
-        generation = GenerationRecord(mode=self._mode(), old_pass_pending=self._trl_runs_old_pass())
+        generation = GenerationRecord(mode=self._mode(), old_pass_pending=self.plan.trl_old_pass)
         self._generations[generation.mode] = generation  # replaces the previous batch's record of this mode
         try:
             output = super()._generate_and_score_completions(inputs)
@@ -214,19 +190,19 @@ class RatioGRPOTrainer(GRPOTrainer):
             missed, generation.old_pass_pending = generation.old_pass_pending, False
         if missed:
             raise RuntimeError("grpo_ratio: TRL did not run its old-logprob pass where 1.16 does; untested TRL?")
-        if generation.sampler is not None and not self.args.sampler_logprobs_in_loss:
+        if generation.recorded and not self.plan.sampler_in_loss:
             # ours, for the diagnostics only: TRL's loss reads `sampling_per_token_logps` (off_policy_mask_threshold)
             output["sampler_per_token_logps"] = output.pop("sampling_per_token_logps")
-        if self.args.truncation_correction != "none":
+        if self.plan.corrects:
             # a row index that TRL shuffles and splits with the batch: micro-batches find their rows' kept sets
             output["kept_row_index"] = torch.arange(output["completion_ids"].size(0), device=self.accelerator.device)
-        if self.args.old_logprob_mode == "sampler":
+        if self.plan.anchor_is_sampler:
             output["old_per_token_logps"] = self._sampler_anchor(output)
         if self.scorer is not None and "old_per_token_logps" not in output:
             # TRL skipped the old pass (on-policy default): the mode still provides the anchor of the ratio
             input_ids, attention_mask, T, batch_size = self._scoring_inputs(output, generation.mode)
             output["old_per_token_logps"] = self._score_old(generation, input_ids, attention_mask, T, batch_size)
-        if self.args.truncation_correction == "lift_sampler":
+        if self.plan.lifts_sampler:
             self._lift_sampler(output, generation)
         if generation.old_log_kept_mass is not None:
             output["old_log_kept_mass"] = generation.old_log_kept_mass  # (B, T), for the diagnostics
@@ -266,17 +242,17 @@ class RatioGRPOTrainer(GRPOTrainer):
                                                                      num_generations, has_tool_images)
             generation.kept = self._vllm_capture.kept_sets(len(completion_ids))
             return completion_ids, logprobs
-        if not self._record_generate:
+        if not self.plan.record_generate:
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
                                                  has_tool_images)
-        keep_sets = self.args.truncation_correction != "none" and self.args.resolved_kept_set_source == "recorded"
+        keep_sets = self.plan.records_kept_sets
         recorder = SamplerLogprobRecorder(support_size_only=not keep_sets)
         with recording_sampler(self.accelerator.unwrap_model(self.model_wrapped), recorder):
             completion_ids, _ = super()._generate_single_turn(prompt_ids, images, multimodal_fields,
                                                               num_generations, has_tool_images)
         record = self._finish_recording(recorder, completion_ids)
-        if generation.sampler is None:  # the first turn; later tool turns only extend the log-probs TRL stitches
-            generation.sampler = record
+        if not generation.recorded:  # the first turn; later tool turns only extend the log-probs TRL stitches
+            generation.recorded = True
             generation.kept = record.kept if keep_sets else None
         # TRL pads these into `sampling_per_token_logps` (B, T) and stitches tool turns; NaN = not recorded
         return completion_ids, [record.logprobs[i, : len(ids)].tolist() for i, ids in enumerate(completion_ids)]
@@ -290,7 +266,7 @@ class RatioGRPOTrainer(GRPOTrainer):
                 return finalize_from_completions(recorder, completion_ids, self._tokenizer.pad_token_id)
             except ValueError:  # other rows or fewer steps than tokens returned: not the generate we recorded
                 pass
-        if self.args.truncation_correction != "none" and self.args.resolved_kept_set_source == "recorded":
+        if self.plan.records_kept_sets:
             raise RuntimeError("truncation_correction needs the kept sets recorded during generate, but this generate "
                                "call did not run transformers' logits processors as recorded (a replaced generate?)")
         if not self._warned_unrecorded:
@@ -320,9 +296,8 @@ class RatioGRPOTrainer(GRPOTrainer):
         generation.fallback_rows += result.fallback_rows
         if kept is None:
             return result.logps
-        generation.kept, generation.kept_added = result.kept, result.kept_added  # recomputed sets: kept for the loss
-        generation.old_log_kept_mass = result.logps - result.kept_logps  # log M = log p_full(g) - log p_S(g)
-        return result.kept_logps if self.args.truncation_correction == "renormalize" else result.logps
+        self._keep_old_sets(generation, result.on_kept)
+        return self.plan.corrected_logps(result.logps, result.on_kept.logps)
 
     def _lift_sampler(self, output, generation) -> None:
         """`lift_sampler`: sampler log-probs + log M_old, M_old = the old policy's mass on the kept set."""
@@ -357,7 +332,7 @@ class RatioGRPOTrainer(GRPOTrainer):
                        and model is self.model and not torch.is_grad_enabled())
         if is_old_pass:  # TRL's old pass is the first no-grad call on the policy inside a generation
             generation.old_pass_pending = False
-        if is_old_pass and self.args.old_logprob_mode == "sampler":  # no old pass: the sampler's log-probs anchor it
+        if is_old_pass and self.plan.anchor_is_sampler:  # no old pass: the sampler's log-probs anchor it
             return torch.zeros(input_ids.size(0), logits_to_keep, device=input_ids.device), None, None  # replaced
         if is_old_pass and self.scorer is not None:
             if any(v is not None for v in args) or any(v is not None for v in kwargs.values()
@@ -369,20 +344,30 @@ class RatioGRPOTrainer(GRPOTrainer):
                                                              batch_size, kept, *args, **kwargs)
         if is_old_pass:
             self._keep_old_sets(generation, on_kept)
-        if micro_batch is not None:  # keep the training forward's log-probs for the diagnostics
-            micro_batch.train_logps = logps.detach()
-            if on_kept is not None:
-                micro_batch.train_log_kept_mass, micro_batch.kept_added = on_kept.log_mass, on_kept.added
+        if micro_batch is not None:
+            self._keep_training_forward(micro_batch, logps, on_kept)
         return logps, entropies, aux
 
     @staticmethod
     def _keep_old_sets(generation, on_kept) -> None:
-        """The old pass's log M_old and, when it recomputed them, its kept sets (the loss uses the same sets)."""
+        """The old pass's log M_old and, when it recomputed them, its kept sets (the loss uses the same sets): the
+        one writer of these fields, for TRL's pass, the scoring mode's and the `lift_sampler` measuring pass."""
         if on_kept is None:
             return
         generation.old_log_kept_mass = on_kept.log_mass
         if on_kept.added is not None:
             generation.kept, generation.kept_added = on_kept.kept, on_kept.added
+
+    def _keep_training_forward(self, micro_batch, logps, on_kept) -> None:
+        """What the diagnostics read of a micro-batch, each value from one place: the training forward's log-probs;
+        log M_old and the recomputed additions from the old pass (in the batch TRL split), or, where no old pass ran
+        (on-policy, the sampler arm), from this forward, which at the first inner step runs the old policy's weights."""
+        inputs = micro_batch.inputs
+        micro_batch.train_logps = logps.detach()
+        train_mass, train_added = (None, None) if on_kept is None else (on_kept.log_mass, on_kept.added)
+        no_old_pass = "old_per_token_logps" not in inputs or self.plan.anchor_is_sampler
+        micro_batch.old_log_kept_mass = inputs.get("old_log_kept_mass", train_mass if no_old_pass else None)
+        micro_batch.kept_added = inputs.get("kept_set_added", train_added)
 
     def _policy_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size, kept, *args, **kwargs):
         """TRL's own call; with kept sets (or a filter that recomputes them), plus the log-probs over them from the
@@ -404,18 +389,16 @@ class RatioGRPOTrainer(GRPOTrainer):
             unwrapped, hidden, input_ids[:, -logits_to_keep:], kept, self.temperature,
             self.args.cast_lm_head_to_fp32, self.accelerator.autocast, attention_mask[:, -logits_to_keep:].bool())
         on_kept.log_mass = (logps - on_kept.logps).detach()  # (B, T) log M = log p_full(g) - log p_S(g)
-        if self.args.truncation_correction == "renormalize":
-            return on_kept.logps, entropies, aux, on_kept
-        return logps, entropies, aux, on_kept
+        return self.plan.corrected_logps(logps, on_kept.logps), entropies, aux, on_kept
 
     def _kept_rows(self, generation, micro_batch, num_rows: int, logits_to_keep: int):
         """KeptSets (num_rows, T) of the rows a log-prob call scores, or None when no correction is active: the
         whole generation batch, or a micro-batch's rows (TRL shuffled and split them; `kept_row_index` follows).
-        With the "recompute" source and no sets yet, the `KeptSetFilter` that recomputes them in this pass."""
-        if self.args.truncation_correction == "none" or generation is None:
+        With the "recompute" source and no sets yet, the sampler's `SamplingSettings`: this pass recomputes them."""
+        if not self.plan.corrects or generation is None:
             return None
         if generation.kept is None:  # not recorded and not yet recomputed: this pass recomputes them from its logits
-            return self._kept_filter if self.args.resolved_kept_set_source == "recompute" else None
+            return self.plan.sampling if self.plan.recomputes_kept_sets else None
         kept = generation.kept
         if micro_batch is not None:
             kept = kept.select_rows(micro_batch.inputs["kept_row_index"].cpu())
@@ -450,7 +433,7 @@ class RatioGRPOTrainer(GRPOTrainer):
         micro_step = self._step % generate_every  # position in this generation's cycle (before the increment)
         first_inner = micro_step < min(self.args.gradient_accumulation_steps, self.args.steps_per_generation)
         if first_inner and micro_batch.train_logps is not None:
-            self.diagnostics.update(micro_batch, mode_is_policy=self.args.old_logprob_mode == "bf16")
+            self.diagnostics.update(micro_batch, mode_is_policy=self.plan.anchor_is_policy)
         if (self._step + 1) % self.current_gradient_accumulation_steps == 0:  # last micro-step of this update
             for key, value in self.diagnostics.flush().items():
                 self._metrics["train"][key].append(value)

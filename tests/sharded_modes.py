@@ -23,16 +23,13 @@ import torch.distributed as dist
 from trainer_fixtures import tiny_grpo_args
 
 from grpo_ratio import RatioGRPOTrainer
-from grpo_ratio.sharding import fp32_logprob_output, fsdp_state_owning
-from grpo_ratio.testing import (
+from grpo_ratio.sharding_fsdp2 import fp32_logprob_output, fsdp_state_owning
+from grpo_ratio.testing import letter_reward, tiny_model, tiny_prompts, tiny_tokenizer
+from grpo_ratio.testing_sharded import (
     full_fp32_weights,
-    letter_reward,
     patch_accelerate_for_cpu_sharding,
     replica_scorer,
     sharding_evidence,
-    tiny_model,
-    tiny_prompts,
-    tiny_tokenizer,
 )
 
 

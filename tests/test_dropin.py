@@ -236,20 +236,19 @@ def test_absolute_positions_are_warned(tmp_path):
 
 
 def test_public_functions_accept_empty_input():
-    from grpo_ratio import kept_sets as K
+    from grpo_ratio import kept_logprobs as K
     from grpo_ratio import ratios as R
+    from grpo_ratio.kept_sets import KeptSets
 
     logits = torch.randn(2, 3, 5)  # (B, T, V)
     tokens = torch.zeros(2, 3, dtype=torch.long)
     nothing = torch.zeros(2, 3, dtype=torch.bool)  # no valid cell
-    kept = K.KeptSets.from_mask(torch.ones(2, 3, 5, dtype=torch.bool))
+    kept = KeptSets.from_mask(torch.ones(2, 3, 5, dtype=torch.bool))
     zeros = torch.zeros(2, 3)
     for sets in (kept, kept.size_only()):
         assert torch.equal(K.kept_set_logprobs(logits, tokens, sets, mask=nothing), zeros)
-        assert torch.equal(K.log_kept_mass(logits, sets, mask=nothing), zeros)
-    assert torch.equal(K.log_kept_mass_top_prefix(logits, kept.sizes, mask=nothing), zeros)
     assert K.is_top_prefix(logits, kept, mask=nothing).all()
-    no_rows = K.KeptSets.from_lists([], 0)
+    no_rows = KeptSets.from_lists([], 0)
     assert K.kept_set_logprobs(torch.randn(0, 0, 5), torch.zeros(0, 0, dtype=torch.long), no_rows).shape == (0, 0)
     assert kept.select_rows([]).num_rows == 0 and no_rows.resize_steps(3).sizes.shape == (0, 3)
     assert R.RatioStats().update(zeros, nothing).as_metrics("ratio/new_old") == {}

@@ -12,20 +12,22 @@ import torch
 from fixtures_vllm import RequestOutput, completion
 from transformers import LogitsProcessorList
 
-from grpo_ratio.kept_sets import (
-    KeptSets,
-    is_top_prefix,
-    kept_set_logprobs,
-    lift_sampler_logprobs,
-    log_kept_mass,
-    log_kept_mass_top_prefix,
-)
+from grpo_ratio.kept_logprobs import DEFAULT_CHUNK_CELLS, is_top_prefix, kept_set_logprobs, lift_sampler_logprobs
+from grpo_ratio.kept_sets import KeptSets
 from grpo_ratio.rollouts import SamplerLogprobRecorder, kept_sets_from_vllm, recording_sampler
 from grpo_ratio.testing import tiny_model
 
 
 NEG = -math.inf
 LOGITS = [2.0, 1.0, 0.0, -1.0]
+
+
+def _log_kept_mass(logits, tokens, kept, temperature=1.0, mask=None, chunk_cells=DEFAULT_CHUNK_CELLS):
+    """log M_S as the trainer computes it (the one implementation): the sampled token's full-vocabulary log-prob
+    minus its kept-set log-prob (`kept_set_logprobs`); 0.0 outside `mask`."""
+    full = torch.log_softmax(logits.float() / temperature, -1).gather(-1, tokens[..., None]).squeeze(-1)  # (B, T)
+    mass = full - kept_set_logprobs(logits, tokens, kept, temperature, mask=mask, chunk_cells=chunk_cells)
+    return mass if mask is None else torch.where(mask, mass, 0.0)
 
 
 def _batch():
@@ -64,9 +66,9 @@ def test_kept_set_logprobs_temperature_and_neg_inf_logits():
     torch.testing.assert_close(got, torch.tensor([[-math.log(math.exp(0.5) + 1)]]), atol=1e-6, rtol=0)
 
 
-def test_log_kept_mass_hand_values_and_identity():
+def test_log_kept_mass_hand_values():
     logits, kept, tokens, mask = _batch()
-    got = log_kept_mass(logits, kept, temperature=1.0, mask=mask)
+    got = _log_kept_mass(logits, tokens, kept, temperature=1.0, mask=mask)
     expected = torch.tensor([
         # log(10.107338 / 11.475217) = log(0.880797) = -0.126928;  log(e^0 / 11.475217) = -2.440189
         [math.log(10.107338 / 11.475217), -math.log(11.475217)],
@@ -74,10 +76,6 @@ def test_log_kept_mass_hand_values_and_identity():
         [0.0, 0.0],
     ])
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
-    # renormalised log-prob = full-vocab log-prob - log kept mass, on every completion token
-    full = torch.log_softmax(logits, -1).gather(-1, tokens[..., None]).squeeze(-1)  # (2, 2)
-    renorm = kept_set_logprobs(logits, tokens, kept, mask=mask)
-    torch.testing.assert_close(torch.where(mask, full - got, 0.0), renorm, atol=1e-6, rtol=0)
 
 
 def test_lift_sampler_makes_on_policy_ratio_one():
@@ -86,7 +84,7 @@ def test_lift_sampler_makes_on_policy_ratio_one():
     logits, kept, tokens, mask = _batch()
     sampler = kept_set_logprobs(logits, tokens, kept, mask=mask)
     full = torch.where(mask, torch.log_softmax(logits, -1).gather(-1, tokens[..., None]).squeeze(-1), 0.0)
-    lifted = lift_sampler_logprobs(sampler, log_kept_mass(logits, kept, mask=mask))
+    lifted = lift_sampler_logprobs(sampler, _log_kept_mass(logits, tokens, kept, mask=mask))
     torch.testing.assert_close(torch.exp(full - lifted), torch.ones(2, 2), atol=1e-6, rtol=0)
     assert abs(math.exp(full[0, 0] - sampler[0, 0]) - 0.880797) < 1e-6
     with pytest.raises(ValueError, match="same"):
@@ -106,9 +104,9 @@ def test_masked_in_cell_without_set_and_bad_arguments():
     with pytest.raises(ValueError, match=r"no kept set at row 1, position 1"):
         kept_set_logprobs(logits, tokens, kept)  # no mask: the padding cell has size 0
     with pytest.raises(ValueError, match="temperature must be > 0"):
-        log_kept_mass(logits, kept, temperature=0.0)
+        kept_set_logprobs(logits, tokens, kept, temperature=0.0)
     with pytest.raises(ValueError, match="select_rows"):
-        log_kept_mass(logits[:1], kept)
+        kept_set_logprobs(logits[:1], tokens[:1], kept)
 
 
 def test_gradient_only_reaches_kept_logits():
@@ -128,8 +126,8 @@ def test_chunked_equals_whole_and_accepts_bf16():
     a = kept_set_logprobs(logits, tokens, kept, temperature=0.7, chunk_cells=1)
     b = kept_set_logprobs(logits.float(), tokens, kept, temperature=0.7, chunk_cells=1024)
     torch.testing.assert_close(a, b, atol=1e-6, rtol=0)  # same bf16-rounded values, upcast per chunk
-    torch.testing.assert_close(log_kept_mass(logits, kept, 0.7, chunk_cells=2),
-                               log_kept_mass(logits.float(), kept, 0.7), atol=1e-6, rtol=0)
+    torch.testing.assert_close(_log_kept_mass(logits, tokens, kept, 0.7, chunk_cells=2),
+                               _log_kept_mass(logits.float(), tokens, kept, 0.7), atol=1e-6, rtol=0)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -139,7 +137,8 @@ def test_chunked_equals_whole_and_accepts_bf16():
 
 def test_top_prefix_hand_value():
     # top-2 of [2, 1, 0, -1]: logcumsumexp([2, 1, 0, -1])[1] - logsumexp = log(10.107338 / 11.475217) = -0.126928
-    got = log_kept_mass_top_prefix(torch.tensor([[LOGITS]]), torch.tensor([[2]]))
+    sizes = KeptSets(torch.tensor([[2]], dtype=torch.int32), support_size_only=True)
+    got = _log_kept_mass(torch.tensor([[LOGITS]]), torch.tensor([[0]]), sizes)
     torch.testing.assert_close(got, torch.tensor([[math.log(10.107338 / 11.475217)]]), atol=1e-6, rtol=0)
 
 
@@ -150,10 +149,11 @@ def test_support_size_equals_explicit_sets_on_top_prefix():
     order = logits.argsort(-1, descending=True)
     kept = KeptSets.from_lists([[order[b, t, :sizes[b, t]].tolist() for t in range(6)] for b in range(2)])
     assert bool(is_top_prefix(logits, kept).all())
-    explicit = log_kept_mass(logits, kept, temperature=0.8)
-    torch.testing.assert_close(log_kept_mass_top_prefix(logits, kept.sizes, 0.8), explicit, atol=1e-6, rtol=0)
-    torch.testing.assert_close(log_kept_mass(logits, kept.size_only(), 0.8), explicit, atol=1e-6, rtol=0)
     tokens = order[..., 0]
+    explicit = _log_kept_mass(logits, tokens, kept, temperature=0.8)
+    sizes = KeptSets(kept.sizes, support_size_only=True)
+    torch.testing.assert_close(_log_kept_mass(logits, tokens, sizes, 0.8), explicit, atol=1e-6, rtol=0)
+    torch.testing.assert_close(_log_kept_mass(logits, tokens, kept.size_only(), 0.8), explicit, atol=1e-6, rtol=0)
     torch.testing.assert_close(kept_set_logprobs(logits, tokens, kept.size_only(), 0.8),
                                kept_set_logprobs(logits, tokens, kept, 0.8), atol=1e-6, rtol=0)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from trainer_fixtures import tiny_trainer
 
-from grpo_ratio.kept_sets import kept_set_logprobs
+from grpo_ratio.kept_logprobs import kept_set_logprobs
 from grpo_ratio.scoring import completion_logprobs_from_logits
 from grpo_ratio.testing import tiny_model
 
@@ -45,7 +45,7 @@ def test_renormalized_old_logprobs_equal_a_brute_force_over_the_kept_sets(tmp_pa
     T = out["completion_ids"].size(1)
     with torch.no_grad():
         logits = tiny_model("qwen2")(input_ids=ids, attention_mask=mask, logits_to_keep=T + 1).logits  # same weights
-    kept = trainer._generations["train"].sampler.kept.resize_steps(T)
+    kept = trainer._generations["train"].kept.resize_steps(T)  # the generate recording's kept sets
     valid = out["completion_mask"].bool()
     expected = kept_set_logprobs(logits[:, :-1], out["completion_ids"], kept, mask=valid)  # (B, T)
     assert (out["old_per_token_logps"] - expected)[valid].abs().max() <= 1e-5
@@ -56,12 +56,15 @@ def test_renormalized_old_logprobs_equal_a_brute_force_over_the_kept_sets(tmp_pa
 
 def test_lift_sampler_adds_the_log_kept_mass(tmp_path):
     trainer = tiny_trainer(tmp_path, "fp32_clone", bf16=False, top_k=5, truncation_correction="lift_sampler")
+    recordings = []
+    finish = trainer._finish_recording
+    trainer._finish_recording = lambda *args: recordings.append(finish(*args)) or recordings[-1]
     batch = next(iter(trainer.get_train_dataloader()))
     trainer.model.train()
     out = trainer._generate_and_score_completions(batch)
     valid = out["completion_mask"].bool()
     raw = torch.zeros_like(out["sampler_per_token_logps"])  # ours: kept out of TRL's loss by default
-    record = trainer._generations["train"].sampler.logprobs  # (B, T_gen) the sampler's own log q_S(g)
+    record = recordings[0].logprobs  # (B, T_gen) the sampler's own log q_S(g), as the generate recording saw it
     raw[:, : record.size(1)] = record
     lifted = out["sampler_per_token_logps"]
     assert torch.allclose(lifted[valid], (raw + out["old_log_kept_mass"])[valid], atol=1e-6)
@@ -173,19 +176,21 @@ def _probs(logits):
     (dict(temperature=2.0, top_p=0.8), [0, 1, 2]),  # T=2 flattens: 0.427, 0.259, 0.157 -> 0.843 >= 0.8
 ])
 def test_recomputed_kept_sets_on_literal_logits(kept_filter, expected):
-    from grpo_ratio.kept_sets import KeptSetFilter, recompute_kept_sets
+    from grpo_ratio.kept_logprobs import recompute_kept_sets
+    from grpo_ratio.rollouts import SamplingSettings
 
     assert _probs([2.0, 1.0, 0.0, -1.0, -2.0])[0] == pytest.approx(0.6364, abs=1e-4)
     logits = torch.tensor([[[2.0, 1.0, 0.0, -1.0, -2.0]]])  # (1, 1, 5)
-    kept, added = recompute_kept_sets(logits, torch.tensor([[0]]), KeptSetFilter(**kept_filter))
+    kept, added = recompute_kept_sets(logits, torch.tensor([[0]]), SamplingSettings(**kept_filter))
     assert kept.cell_ids(0, 0).tolist() == expected and not added.any()
 
 
 def test_a_sampled_token_outside_the_recomputed_set_is_added_and_reported():
-    from grpo_ratio.kept_sets import KeptSetFilter, recompute_kept_sets
+    from grpo_ratio.kept_logprobs import recompute_kept_sets
+    from grpo_ratio.rollouts import SamplingSettings
 
     logits = torch.tensor([[[2.0, 1.0, 0.0, -1.0, -2.0], [0.0, 0.0, 0.0, 0.0, 0.0]]])  # (1, 2, 5)
-    kept, added = recompute_kept_sets(logits, torch.tensor([[4, 3]]), KeptSetFilter(top_k=2))
+    kept, added = recompute_kept_sets(logits, torch.tensor([[4, 3]]), SamplingSettings(top_k=2))
     assert kept.cell_ids(0, 0).tolist() == [0, 1, 4]  # token 4 was sampled: it joins its set
     assert added.tolist() == [[True, False]]
     # equal logits at step 2: generate's top-k keeps every token tied with the k-th, so all 5 (token 3 included)

@@ -27,7 +27,7 @@ def main(out_dir: str, mode: str) -> None:
     if trainer.accelerator.is_main_process:
         with open(os.path.join(out_dir, "result.json"), "w") as f:
             json.dump({"world_size": trainer.accelerator.num_processes, "history": trainer.state.log_history,
-                       "checksums": checksums, "fallback_rows": trainer.scorer.fallback_rows}, f)
+                       "checksums": checksums}, f)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ import statistics
 import torch
 from tqdm.auto import tqdm
 
+from ..scoring import logit_transforms
 from . import common
 from .common import DTYPES, ProbeError, eos_ids, format_prompt, pct, pyplot, save_png, wilson_interval
 
@@ -67,9 +68,10 @@ def top2_margin(logits: torch.Tensor) -> torch.Tensor:
 
 def _check_head(model) -> None:
     """The loop applies lm_head itself; heads with a logit scale or softcap would be mis-scored."""
-    for name in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
-        if getattr(model.config, name, None) not in (None, 1, 1.0):
-            raise ProbeError(f"probe greedy: model config sets {name}; only a plain linear lm_head is supported")
+    transformed = logit_transforms(model.config)
+    if transformed:
+        raise ProbeError(f"probe greedy: model config sets {', '.join(transformed)}; only a plain linear lm_head is "
+                         f"supported")
 
 
 @torch.no_grad()

@@ -41,17 +41,18 @@ from pathlib import Path
 import yaml
 from transformers import TrainerCallback, set_seed
 
+from grpo_ratio import metric_keys as keys
 from grpo_ratio.plots import plot_comparison
 from grpo_ratio.report import run_config
 from grpo_ratio.scripts.train import build_trainer, make_parser
 
 
 RATIO_COLUMNS = {  # summary column -> logged key (mean over the run's logged steps)
-    "new/old OOB": "ratio/new_old/oob_rate",
-    "old/sampler OOB": "ratio/old_sampler/oob_rate",
-    "old/sampler OOB corrected": "ratio/old_sampler_corrected/oob_rate",
-    "kept mass": "ratio/kept_mass_mean",
-    "clip flips": "ratio/clip_flip_rate",
+    "new/old OOB": keys.NEW_OLD.oob_rate,
+    "old/sampler OOB": keys.OLD_SAMPLER.oob_rate,
+    "old/sampler OOB corrected": keys.OLD_SAMPLER_CORRECTED.oob_rate,
+    "kept mass": keys.KEPT_MASS_MEAN,
+    "clip flips": keys.CLIP_FLIP_RATE,
     "TRL clip": "clip_ratio/region_mean",
 }
 

@@ -121,7 +121,7 @@ def _kept_sets_from_processed_logprobs(outputs):
 def test_kept_sets_and_kept_mass_from_real_vllm_outputs(model, sampling, request, capsys):
     from transformers import AutoTokenizer
 
-    from grpo_ratio.kept_sets import is_top_prefix, log_kept_mass
+    from grpo_ratio.kept_logprobs import is_top_prefix, kept_set_logprobs
     from grpo_ratio.rollouts import kept_sets_from_vllm
 
     if model == "tiny_llama":
@@ -149,19 +149,22 @@ def test_kept_sets_and_kept_mass_from_real_vllm_outputs(model, sampling, request
     logits = torch.zeros(len(rows), kept.num_steps, vocab)  # (N, T, V) HF fp32 logits, 0 on padding
     sampler = torch.zeros(len(rows), kept.num_steps)  # (N, T) log q(g) from vLLM
     full = torch.zeros(len(rows), kept.num_steps)  # (N, T) HF full-vocabulary log p(g)
+    tokens = torch.zeros(len(rows), kept.num_steps, dtype=torch.long)  # (N, T) sampled ids, 0 on padding
     for n, (prompt, comp) in enumerate(zip(_row_prompts(prompts, outputs), rows, strict=True)):
         T = len(comp.token_ids)
         assert kept.sizes[n, T:].eq(0).all() and kept.sizes[n, :T].gt(0).all()
         for t, tok in enumerate(comp.token_ids):  # every sampled token is in its kept set
             assert tok in set(kept.cell_ids(n, t).tolist())
         logits[n, :T] = hf_logits(hf, prompt, list(comp.token_ids))
+        tokens[n, :T] = torch.tensor(comp.token_ids)
         sampler[n, :T] = torch.tensor(sampled_logprobs(comp))
         full[n, :T] = torch.log_softmax(logits[n, :T] / TEMPERATURE, -1).gather(
             1, torch.tensor(comp.token_ids)[:, None]).squeeze(1)
     mask = kept.sizes > 0  # (N, T)
     if "top_k" in sampling:
         assert kept.sizes[mask].eq(sampling["top_k"]).all()
-    log_mass = log_kept_mass(logits, kept, TEMPERATURE, mask=mask)  # (N, T) the package, on HF fp32 logits
+    # (N, T) the package's kept mass on HF fp32 logits: full-vocabulary minus kept-set log-prob, as the trainer does
+    log_mass = torch.where(mask, full - kept_set_logprobs(logits, tokens, kept, TEMPERATURE, mask=mask), 0.0)
     # q(g) = p(g) / M  =>  M = exp(log p_HF(g) - log q_vLLM(g)), token by token
     gap = (log_mass - (full - sampler))[mask].abs().max().item()
     mass = log_mass[mask].exp()

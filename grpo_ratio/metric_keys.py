@@ -1,0 +1,124 @@
+"""Every `ratio/*` key the diagnostics can log: one table, with when each key is present and what it means.
+
+`grpo_ratio.diagnostics` emits the keys through these names; `plots.py`, `report.py` and `scripts/compare.py` read
+them through the same names, so a renamed key cannot leave a consumer behind. docs/metrics.md has the formulas and
+renders this table (`python -m grpo_ratio.metric_keys`, a generated block); tests/test_metric_keys.py checks that a
+real training run emits only keys of this table and that the table and docs/metrics.md list the same keys.
+
+Three ratio families share one set of statistics (`ratios.RatioStats.as_metrics`): `NEW_OLD.oob_rate` is
+`"ratio/new_old/oob_rate"`. The other keys are module constants (`KEPT_MASS_MEAN`, ...). TRL's own keys
+(`clip_ratio/*`, `sampling/*`) are not in this table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+PREFIX = "ratio"
+
+# the statistics of every ratio family, in the order `RatioStats.as_metrics` emits them
+FAMILY_STATS = {
+    "num_tokens": "valid tokens scored (all processes)",
+    "oob_rate": "share of valid tokens whose ratio is out of band (non-finite included)",
+    "nonfinite_rate": "share of valid tokens with a NaN/inf log-ratio",
+    "mean_abs_log_ratio": "mean absolute log-ratio over the finite ones (nats)",
+    "mean": "mean r over the finite log-ratios",
+    "p1": "1st percentile of r",
+    "p50": "median of r",
+    "p99": "99th percentile of r",
+}
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    """One row of the table: `present` says when the key is logged, `meaning` what it measures (one line each)."""
+
+    present: str
+    meaning: str
+
+
+@dataclass(frozen=True)
+class RatioFamily:
+    """A ratio family `{prefix}/{stat}` for every stat of `FAMILY_STATS`; `present`/`meaning` as in `KeyInfo`."""
+
+    prefix: str
+    present: str
+    meaning: str
+
+    def key(self, stat: str) -> str:
+        """`{prefix}/{stat}`. Raises KeyError for a stat `RatioStats` does not emit."""
+        if stat not in FAMILY_STATS:
+            raise KeyError(f"{stat!r} is not a ratio-family statistic; allowed: {', '.join(FAMILY_STATS)}")
+        return f"{self.prefix}/{stat}"
+
+    def keys(self) -> dict[str, KeyInfo]:
+        return {self.key(s): KeyInfo(self.present, f"{self.meaning}: {m}") for s, m in FAMILY_STATS.items()}
+
+    num_tokens = property(lambda self: self.key("num_tokens"))
+    oob_rate = property(lambda self: self.key("oob_rate"))
+    nonfinite_rate = property(lambda self: self.key("nonfinite_rate"))
+    mean_abs_log_ratio = property(lambda self: self.key("mean_abs_log_ratio"))
+    mean = property(lambda self: self.key("mean"))
+    p1 = property(lambda self: self.key("p1"))
+    p50 = property(lambda self: self.key("p50"))
+    p99 = property(lambda self: self.key("p99"))
+
+
+NEW_OLD = RatioFamily(f"{PREFIX}/new_old", "ratio_diagnostics on (an update without a valid token: num_tokens = 0 alone)",
+                      "new/old at the first inner step (what the PPO clip reads)")
+OLD_SAMPLER = RatioFamily(f"{PREFIX}/old_sampler", "sampler log-probs exist (vLLM, or generate recorded)",
+                          "old/sampler, raw (what IS correction reads)")
+OLD_SAMPLER_CORRECTED = RatioFamily(f"{PREFIX}/old_sampler_corrected", "a truncation correction with kept sets",
+                                    "old/sampler after the truncation correction")
+FAMILIES = (NEW_OLD, OLD_SAMPLER, OLD_SAMPLER_CORRECTED)
+
+KEPT_MASS_MEAN = f"{PREFIX}/kept_mass_mean"
+KEPT_SET_ADDED_RATE = f"{PREFIX}/kept_set_added_rate"
+IS_WEIGHTS_MIN = f"{PREFIX}/importance_sampling_ratio/min"
+IS_WEIGHTS_MEAN = f"{PREFIX}/importance_sampling_ratio/mean"
+IS_WEIGHTS_MAX = f"{PREFIX}/importance_sampling_ratio/max"
+FP16_FALLBACK_ROWS = f"{PREFIX}/fp16_fallback_rows"
+CLIP_FLIP_RATE = f"{PREFIX}/clip_flip_rate"
+CLIP_FLIP_RATE_ADV_WEIGHTED = f"{PREFIX}/clip_flip_rate_adv_weighted"
+IS_TRUNCATED_TOKEN_FRAC = f"{PREFIX}/is_truncated_token_frac"
+IS_TRUNCATED_SEQ_FRAC = f"{PREFIX}/is_truncated_seq_frac"
+IS_MASKED_TOKEN_FRAC = f"{PREFIX}/is_masked_token_frac"
+IS_MASKED_SEQ_FRAC = f"{PREFIX}/is_masked_seq_frac"
+
+_IS_LOSS = "lift_sampler with vLLM's IS correction"
+_IS_TRUNCATE = "vLLM IS correction in a *_truncate mode"
+_IS_MASK = "vLLM IS correction in a *_mask mode"
+SINGLE_KEYS = {
+    KEPT_MASS_MEAN: KeyInfo("a truncation correction with kept sets", "mean kept mass under the old policy (1 = "
+                            "untruncated)"),
+    KEPT_SET_ADDED_RATE: KeyInfo('a correction with kept_set_source="recompute"', "share of sampled tokens the "
+                                 "recomputed filter dropped (added back)"),
+    IS_WEIGHTS_MIN: KeyInfo(_IS_LOSS, "smallest IS weight the loss uses (after the lift)"),
+    IS_WEIGHTS_MEAN: KeyInfo(_IS_LOSS, "mean IS weight the loss uses (after the lift)"),
+    IS_WEIGHTS_MAX: KeyInfo(_IS_LOSS, "largest IS weight the loss uses (after the lift)"),
+    FP16_FALLBACK_ROWS: KeyInfo('old_logprob_mode="fp16_clone"', "rows re-scored in fp32 after an fp16 overflow, "
+                                "summed over processes"),
+    CLIP_FLIP_RATE: KeyInfo("a PPO-clip loss, token-level IS, on a clip_flip_every update", "share of tokens whose "
+                            "PPO-clip decision changes with the choice of old log-probs"),
+    CLIP_FLIP_RATE_ADV_WEIGHTED: KeyInfo("as clip_flip_rate, and some valid token with A != 0", "the same, weighted "
+                                         "by the absolute advantage"),
+    IS_TRUNCATED_TOKEN_FRAC: KeyInfo(_IS_TRUNCATE, "share of tokens whose IS weight TRL clamped"),
+    IS_TRUNCATED_SEQ_FRAC: KeyInfo(_IS_TRUNCATE, "share of sequences touched by the clamp"),
+    IS_MASKED_TOKEN_FRAC: KeyInfo(_IS_MASK, "share of tokens TRL's IS correction removed from the loss"),
+    IS_MASKED_SEQ_FRAC: KeyInfo(_IS_MASK, "share of sequences (partly) removed"),
+}
+
+# every key the diagnostics can emit
+TABLE: dict[str, KeyInfo] = {k: v for family in FAMILIES for k, v in family.keys().items()} | SINGLE_KEYS
+
+
+def render() -> str:
+    """The table as markdown (docs/metrics.md, "Every key")."""
+    lines = ["| key | present when | meaning |", "| --- | --- | --- |"]
+    lines += [f"| `{key}` | {info.present} | {info.meaning} |" for key, info in TABLE.items()]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(render())

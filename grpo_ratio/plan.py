@@ -1,0 +1,182 @@
+"""`RunPlan`: what one `RatioGRPOTrainer` run does, resolved once when the trainer is built.
+
+The config names modes; the plan says what they mean for this run's generation backend (transformers `generate`,
+continuous batching, vLLM) and the sampling settings `generate` really uses, so the trainer's hooks ask the plan a
+question (`plan.corrects`, `plan.anchor_is_sampler`, ...) instead of comparing config strings.
+
+| field | values | resolved from |
+|---|---|---|
+| `old_logprobs` | `"trl"` (TRL's own pass, bf16, bit for bit), `"scorer"` (an `OldLogprobScorer`), `"sampler"` (no old pass) | `old_logprob_mode` |
+| `scorer_mode` | one of `config.SCORER_MODES`, or None | `old_logprob_mode` |
+| `trl_old_pass` | whether TRL 1.16 runs its own old-logprob pass (the hook replaces it, or measures it) | TRL's condition |
+| `correction` | `config.TRUNCATION_CORRECTIONS` | `truncation_correction` |
+| `kept_sets` | `"none"`, `"recorded"` (the `generate` recording), `"vllm_masks"`, `"recompute"` | `kept_set_source`, backend |
+| `record_generate` | whether `generate` rollouts run under the recorder | `record_sampler_logprobs`, backend, sampling |
+| `sampler_in_loss` | the recorded sampler log-probs reach TRL's loss as `sampling_per_token_logps` | `sampler_logprobs_in_loss` |
+| `sampling` | the `SamplingSettings` generation uses (also the filter the `"recompute"` source re-applies) | backend, model |
+
+To add a setting (routing replay, an IS correction): add a field with a default that means "off", resolve it in
+`RunPlan.resolve` (one line, or one `_resolve_*` function that also raises the start-up refusals of that setting),
+and read `self.plan.<field>` in the hooks.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import SAMPLER_MODE, SCORER_MODES
+from .rollouts import SamplingSettings
+
+
+# generation backends of TRL 1.16's GRPOTrainer
+GENERATE, CONTINUOUS_BATCHING, VLLM = "generate", "continuous_batching", "vllm"
+# where the kept sets of a truncation correction come from
+NO_KEPT_SETS, RECORDED, VLLM_MASKS, RECOMPUTE = "none", "recorded", "vllm_masks", "recompute"
+
+
+def kept_set_origin(args) -> str:
+    """Where the kept sets come from, from the config alone: `"none"` (no truncation correction), `"recompute"`,
+    `"vllm_masks"` (vLLM's sampling masks: needs the engine flag, hence known before TRL builds the engine) or
+    `"recorded"` (the transformers `generate` recording)."""
+    if args.truncation_correction == "none":
+        return NO_KEPT_SETS
+    if args.resolved_kept_set_source == "recompute":
+        return RECOMPUTE
+    return VLLM_MASKS if args.use_vllm else RECORDED
+
+
+def trl_runs_old_pass(args) -> bool:
+    """TRL 1.16's own condition for computing old log-probs (grpo_trainer.py, `_generate_and_score_completions`);
+    the trainer checks at run time that TRL really ran the pass where this says it does."""
+    generate_every = args.steps_per_generation * args.num_iterations
+    return args.gradient_accumulation_steps % generate_every != 0 or (
+        args.use_vllm and args.vllm_importance_sampling_correction)
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """The resolved plan of a run (module docstring: fields and where each comes from). Build with `resolve`."""
+
+    old_logprobs: str = "trl"
+    scorer_mode: str | None = None
+    trl_old_pass: bool = False
+    correction: str = "none"
+    kept_sets: str = NO_KEPT_SETS
+    record_generate: bool = False
+    sampler_in_loss: bool = False
+    sampling: SamplingSettings = field(default_factory=SamplingSettings)
+
+    @classmethod
+    def resolve(cls, args, sampling: SamplingSettings, backend: str = GENERATE, multi_turn: bool = False) -> RunPlan:
+        """The plan of a `RatioGRPOConfig` on a backend (`"generate"`, `"continuous_batching"`, `"vllm"`) with the
+        sampling settings generation really uses; `multi_turn`: tools or an environment factory.
+
+        Raises:
+            ValueError: `old_logprob_mode="sampler"` with continuous batching (no sampler log-probs); a truncation
+                correction, `sampler_logprobs_in_loss` or the sampler arm with beam search or greedy decoding (no
+                per-token sampling distribution); recorded kept sets with multi-turn `generate` (turns not stitched).
+        Warns (UserWarning): `record_sampler_logprobs` on with beam search or greedy decoding (nothing recorded).
+        """
+        mode = args.old_logprob_mode
+        kept_sets = kept_set_origin(args)
+        if multi_turn and kept_sets == RECORDED and backend == GENERATE:
+            raise ValueError("truncation_correction with tools or environment_factory is not supported on the "
+                             "transformers generate path: each tool turn is a separate generate call and the kept sets "
+                             "of the turns are not stitched together; set kept_set_source='recompute'")
+        return cls(
+            old_logprobs="sampler" if mode == SAMPLER_MODE else "scorer" if mode in SCORER_MODES else "trl",
+            scorer_mode=mode if mode in SCORER_MODES else None,
+            trl_old_pass=trl_runs_old_pass(args),
+            correction=args.truncation_correction,
+            kept_sets=kept_sets,
+            record_generate=_resolve_record_generate(args, sampling, backend),
+            sampler_in_loss=args.sampler_logprobs_in_loss,
+            sampling=sampling,
+        )
+
+    # -- questions the hooks ask ----------------------------------------------------------------------------------
+
+    @property
+    def anchor_is_policy(self) -> bool:
+        """The old log-probs are the policy's own pass at its training precision (`bf16`: TRL's numbers)."""
+        return self.old_logprobs == "trl"
+
+    @property
+    def anchor_is_sampler(self) -> bool:
+        """The old log-probs are the sampler's own (`old_logprob_mode="sampler"`): TRL's old pass is replaced."""
+        return self.old_logprobs == "sampler"
+
+    @property
+    def corrects(self) -> bool:
+        """A truncation correction is on (`renormalize` or `lift_sampler`)."""
+        return self.correction != "none"
+
+    @property
+    def renormalizes(self) -> bool:
+        """`renormalize`: the trainer's old and new log-probs are taken over the kept sets."""
+        return self.correction == "renormalize"
+
+    @property
+    def lifts_sampler(self) -> bool:
+        """`lift_sampler`: the sampler's log-probs get + log M_old."""
+        return self.correction == "lift_sampler"
+
+    @property
+    def records_kept_sets(self) -> bool:
+        """The correction's kept sets are the `generate` recording's (the recorder keeps the ids)."""
+        return self.kept_sets == RECORDED
+
+    @property
+    def recomputes_kept_sets(self) -> bool:
+        """The kept sets are recomputed from the old policy's logits by `sampling` (`SamplingSettings.keep_mask`)."""
+        return self.kept_sets == RECOMPUTE
+
+    @property
+    def vllm_masks(self) -> bool:
+        """The kept sets are vLLM's sampling masks of TRL's colocate engine (captured outputs)."""
+        return self.kept_sets == VLLM_MASKS
+
+    def corrected_logps(self, full: torch.Tensor, on_kept: torch.Tensor) -> torch.Tensor:
+        """The trainer's log-probs (B, T) as the correction wants them: over the kept sets (`on_kept`) under
+        `renormalize`, else the full-vocabulary ones (`full`)."""
+        return on_kept if self.renormalizes else full
+
+
+def _resolve_record_generate(args, sampling: SamplingSettings, backend: str) -> bool:
+    """Whether `generate` rollouts are recorded: asked for, on the transformers `generate` path, and sampled (beam
+    search and greedy decoding have no per-token sampling distribution to record). The one refusal of unsampled
+    rollouts (`_check_sampled`) runs here."""
+    if backend == CONTINUOUS_BATCHING and args.old_logprob_mode == SAMPLER_MODE:
+        raise ValueError("old_logprob_mode='sampler' needs the sampler's log-probs, which transformers continuous "
+                         "batching does not return; use generate (use_transformers_continuous_batching=False) "
+                         "or vLLM")
+    recording = backend == GENERATE and args.record_sampler_logprobs
+    _check_sampled(args, sampling, recording)
+    if not recording:
+        return False
+    if sampling.num_beams > 1 or not sampling.do_sample:
+        warnings.warn(f"record_sampler_logprobs: not recording (num_beams={sampling.num_beams}, do_sample="
+                      f"{sampling.do_sample}): beam search and greedy decoding have no per-token sampling "
+                      f"distribution; ratio/old_sampler/* will be absent", stacklevel=4)
+        return False
+    return True
+
+
+def _check_sampled(args, sampling: SamplingSettings, recording: bool) -> None:
+    """Refuse beam search and greedy decoding where a setting needs the per-token sampling distribution: a
+    truncation correction (any backend), and on a recorded `generate` path `sampler_logprobs_in_loss` or the sampler
+    arm."""
+    if sampling.num_beams == 1 and sampling.do_sample:
+        return
+    needs = [f"truncation_correction={args.truncation_correction!r}"] if args.truncation_correction != "none" else []
+    if recording and args.sampler_logprobs_in_loss:
+        needs.append("sampler_logprobs_in_loss")
+    if recording and args.old_logprob_mode == SAMPLER_MODE:
+        needs.append(f"old_logprob_mode={SAMPLER_MODE!r}")
+    if needs:
+        raise ValueError(f"{' / '.join(needs)} need sampled rollouts, but generation uses num_beams="
+                         f"{sampling.num_beams}, do_sample={sampling.do_sample} (generation_kwargs); set "
+                         f"truncation_correction='none' and old_logprob_mode to a precision mode, or sample")

@@ -1,0 +1,45 @@
+"""The metric-key table (`grpo_ratio.metric_keys`) against what a real run emits and what docs/metrics.md lists.
+
+Run: pytest tests/test_metric_keys.py
+"""
+
+import re
+from pathlib import Path
+
+from trainer_fixtures import tiny_trainer
+
+from grpo_ratio import metric_keys as keys
+
+
+METRICS_MD = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
+
+
+def _documented() -> tuple[set[str], set[str]]:
+    """(full keys, family prefixes) named in backticks on docs/metrics.md: `ratio/x/y`, and `ratio/x/*` for a family
+    (`ratio/*` is the whole namespace)."""
+    names = set(re.findall(r"`(ratio/[a-z0-9_/*]+)`", METRICS_MD.read_text())) - {"ratio/*"}
+    families = {n[: -len("/*")] for n in names if n.endswith("/*")}
+    return {n for n in names if "*" not in n}, families
+
+
+def test_a_real_run_emits_only_keys_of_the_table_and_of_the_docs(tmp_path):
+    # fp16_clone with renormalize over recomputed kept sets: the richest CPU run (every family, kept mass, added rate,
+    # fp16 fallback, clip flips); vLLM's IS keys need vLLM
+    trainer = tiny_trainer(tmp_path, "fp16_clone", max_steps=1, top_p=0.8, truncation_correction="renormalize",
+                           kept_set_source="recompute")
+    trainer.train()
+    emitted = {k for row in trainer.state.log_history for k in row if k.startswith(f"{keys.PREFIX}/")}
+    documented, _ = _documented()
+    assert emitted - set(keys.TABLE) == set()
+    assert emitted - documented == set()
+    expected = {*keys.NEW_OLD.keys(), *keys.OLD_SAMPLER.keys(), *keys.OLD_SAMPLER_CORRECTED.keys(),
+                keys.KEPT_MASS_MEAN, keys.KEPT_SET_ADDED_RATE, keys.FP16_FALLBACK_ROWS, keys.CLIP_FLIP_RATE}
+    assert expected <= emitted  # 28 keys: the check above ran on them
+
+
+def test_the_table_and_the_docs_list_the_same_keys():
+    documented, families = _documented()
+    assert set(keys.TABLE) - documented == set()
+    assert documented - set(keys.TABLE) == set()
+    assert families == {f.prefix for f in keys.FAMILIES}
+    assert len(keys.TABLE) == 3 * len(keys.FAMILY_STATS) + len(keys.SINGLE_KEYS) == 36

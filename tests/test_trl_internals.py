@@ -1,0 +1,39 @@
+"""Every TRL internal grpo_ratio reads (the checklist in `grpo_ratio._compat`) exists in the installed TRL.
+
+Run: pytest tests/test_trl_internals.py
+"""
+
+import importlib
+import inspect
+import re
+
+import torch
+from trainer_fixtures import tiny_trainer
+from trl import GRPOTrainer
+
+from grpo_ratio._compat import TRL_ATTRIBUTES, TRL_BATCH_KEYS, TRL_HOOKS, TRL_MODULE_GLOBALS, TRL_VLLM_ATTRIBUTES
+
+
+def test_every_wrapped_hook_is_a_grpo_trainer_method_we_override():
+    from grpo_ratio import RatioGRPOTrainer
+
+    assert len(TRL_HOOKS) == 4
+    for name in TRL_HOOKS:
+        assert callable(getattr(GRPOTrainer, name)), name
+        assert name in RatioGRPOTrainer.__dict__, name  # overridden, calling super()
+
+
+def test_every_listed_attribute_global_and_batch_key_exists(tmp_path):
+    trainer = tiny_trainer(tmp_path, "bf16", max_steps=1)
+    trainer.train()  # some attributes are set in train() (current_gradient_accumulation_steps)
+    missing = [name for name in TRL_ATTRIBUTES if not hasattr(trainer, name)]
+    assert missing == list(TRL_VLLM_ATTRIBUTES)  # no vLLM on this run
+    for module, name in TRL_MODULE_GLOBALS:
+        mod = importlib.import_module(module)
+        # vllm.LLM is imported there only when vLLM is installed: then its source must still call it by that name
+        assert hasattr(mod, name) or re.search(rf"\b{name}\(", inspect.getsource(mod)), (module, name)
+    trainer.model.train()
+    out = trainer._generate_and_score_completions(next(iter(trainer.get_train_dataloader())))
+    always = {key for key, present in TRL_BATCH_KEYS.items() if present}
+    assert always <= set(out)
+    assert out["completion_ids"].shape == out["completion_mask"].shape == (4, 8) and torch.is_tensor(out["advantages"])
