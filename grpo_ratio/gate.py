@@ -194,3 +194,23 @@ def render(results: list[tuple[str, CheckResult]]) -> str:
 def exit_code(results: list[tuple[str, CheckResult]]) -> int:
     """0 when every check passed, 1 otherwise."""
     return 0 if all(r.passed for _, r in results) else 1
+
+
+def training_checks(checks, patience: int, action: str) -> list[Check]:
+    """Validated settings of a gate during training (`RatioGateCallback`, the config's `ratio_gate*` fields): the
+    parsed checks.
+
+    Raises:
+        ValueError: a check that does not parse or has a scope other than `TRAINING_SCOPES` (the others need the whole
+            run), patience not an integer >= 1, or an action not in `GATE_ACTIONS`.
+    """
+    parsed = [c if isinstance(c, Check) else parse_check(c) for c in checks]
+    bad = [str(c) for c in parsed if c.scope not in TRAINING_SCOPES]
+    if bad:
+        raise ValueError(f"ratio_gate: {', '.join(bad)}: during training only the scopes {', '.join(TRAINING_SCOPES)} "
+                         f"can be judged (the others need the whole run; use `grpo-ratio report RUN --check` after it)")
+    if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
+        raise ValueError(f"ratio_gate_patience must be an integer >= 1, got {patience!r}")
+    if action not in GATE_ACTIONS:
+        raise ValueError(f"ratio_gate_action={action!r} is not allowed; allowed: {', '.join(GATE_ACTIONS)}")
+    return parsed

@@ -12,7 +12,7 @@ import warnings
 
 from transformers import TrainerCallback
 
-from .gate import GATE_ACTIONS, TRAINING_SCOPES, Check, parse_check
+from .gate import Check, training_checks
 
 
 logger = logging.getLogger(__name__)
@@ -38,16 +38,7 @@ class RatioGateCallback(TrainerCallback):
     """
 
     def __init__(self, checks, patience: int = 1, action: str = "warn"):
-        self.checks = [c if isinstance(c, Check) else parse_check(c) for c in checks]
-        bad = [str(c) for c in self.checks if c.scope not in TRAINING_SCOPES]
-        if bad:
-            raise ValueError(f"ratio_gate: {', '.join(bad)}: during training only the scopes "
-                             f"{', '.join(TRAINING_SCOPES)} can be judged (the others need the whole run; use "
-                             f"`grpo-ratio report RUN --check` after it)")
-        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
-            raise ValueError(f"ratio_gate_patience must be an integer >= 1, got {patience!r}")
-        if action not in GATE_ACTIONS:
-            raise ValueError(f"ratio_gate_action={action!r} is not allowed; allowed: {', '.join(GATE_ACTIONS)}")
+        self.checks = training_checks(checks, patience, action)
         self.patience, self.action = patience, action
         self.streaks = [0] * len(self.checks)
         self.seen = [False] * len(self.checks)

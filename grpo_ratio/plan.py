@@ -14,6 +14,7 @@ question (`plan.corrects`, `plan.anchor_is_sampler`, ...) instead of comparing c
 | `record_generate` | whether `generate` rollouts run under the recorder | `record_sampler_logprobs`, backend, sampling |
 | `sampler_in_loss` | the recorded sampler log-probs reach TRL's loss as `sampling_per_token_logps` | `sampler_logprobs_in_loss` |
 | `sampling` | the `SamplingSettings` generation uses (also the filter the `"recompute"` source re-applies) | backend, model |
+| `is_correction` | the `ISCorrection` the loss's IS weight comes from, or None (TRL's behaviour) | `is_correction(_*)` |
 
 To add a setting (routing replay, an IS correction): add a field with a default that means "off", resolve it in
 `RunPlan.resolve` (one line, or one `_resolve_*` function that also raises the start-up refusals of that setting),
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import SAMPLER_MODE, SCORER_MODES
+from .is_correction import ISCorrection
 from .rollouts import SamplingSettings
 
 
@@ -68,6 +70,7 @@ class RunPlan:
     record_generate: bool = False
     sampler_in_loss: bool = False
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
+    is_correction: ISCorrection | None = None
 
     @classmethod
     def resolve(cls, args, sampling: SamplingSettings, backend: str = GENERATE, multi_turn: bool = False) -> RunPlan:
@@ -76,8 +79,9 @@ class RunPlan:
 
         Raises:
             ValueError: `old_logprob_mode="sampler"` with continuous batching (no sampler log-probs); a truncation
-                correction, `sampler_logprobs_in_loss` or the sampler arm with beam search or greedy decoding (no
-                per-token sampling distribution); recorded kept sets with multi-turn `generate` (turns not stitched).
+                correction, `sampler_logprobs_in_loss`, the sampler arm or an IS correction with beam search or
+                greedy decoding (no per-token sampling distribution); recorded kept sets with multi-turn `generate`
+                (turns not stitched).
         Warns (UserWarning): `record_sampler_logprobs` on with beam search or greedy decoding (nothing recorded).
         """
         mode = args.old_logprob_mode
@@ -95,6 +99,7 @@ class RunPlan:
             record_generate=_resolve_record_generate(args, sampling, backend),
             sampler_in_loss=args.sampler_logprobs_in_loss,
             sampling=sampling,
+            is_correction=getattr(args, "is_correction_spec", None),
         )
 
     # -- questions the hooks ask ----------------------------------------------------------------------------------
@@ -139,6 +144,11 @@ class RunPlan:
         """The kept sets are vLLM's sampling masks of TRL's colocate engine (captured outputs)."""
         return self.kept_sets == VLLM_MASKS
 
+    @property
+    def weights_is(self) -> bool:
+        """An IS correction of ours computes the loss's `importance_sampling_ratio` (vLLM and `generate` alike)."""
+        return self.is_correction is not None
+
     def corrected_logps(self, full: torch.Tensor, on_kept: torch.Tensor) -> torch.Tensor:
         """The trainer's log-probs (B, T) as the correction wants them: over the kept sets (`on_kept`) under
         `renormalize`, else the full-vocabulary ones (`full`)."""
@@ -176,6 +186,8 @@ def _check_sampled(args, sampling: SamplingSettings, recording: bool) -> None:
         needs.append("sampler_logprobs_in_loss")
     if recording and args.old_logprob_mode == SAMPLER_MODE:
         needs.append(f"old_logprob_mode={SAMPLER_MODE!r}")
+    if recording and getattr(args, "is_correction_spec", None) is not None:
+        needs.append(f"is_correction={args.is_correction!r}")
     if needs:
         raise ValueError(f"{' / '.join(needs)} need sampled rollouts, but generation uses num_beams="
                          f"{sampling.num_beams}, do_sample={sampling.do_sample} (generation_kwargs); set "

@@ -193,3 +193,47 @@ def test_resolve_correction_from_config_fields():
         resolve_correction("custom")
     with pytest.raises(ValueError, match="needs is_correction_action"):
         resolve_correction("custom", "token")
+
+
+def _trl_is_ratio(old, sampling, mask, mode, clip_min, clip_max):
+    """TRL 1.16's vLLM IS weight (grpo_trainer.py L2659-2703), copied line for line: (raw exp(diff), weight)."""
+    per_token_logps_diff = (old - sampling) * mask
+    per_token_logps_diff = torch.nan_to_num(per_token_logps_diff, nan=0.0)
+    if mode in ["sequence_mask", "sequence_truncate"]:
+        logps_diff = per_token_logps_diff.sum(dim=-1, keepdim=True)
+    else:
+        logps_diff = per_token_logps_diff
+    ratio = torch.exp(logps_diff)
+    if mode in ["sequence_truncate", "token_truncate"]:
+        return ratio, torch.clamp(ratio, min=clip_min, max=clip_max)
+    min_val = clip_min if clip_min is not None else -math.inf
+    max_val = clip_max if clip_max is not None else math.inf
+    invalid_mis_mask = (ratio < min_val) | (ratio > max_val)
+    return ratio, ratio.masked_fill(invalid_mis_mask, value=0.0)
+
+
+@pytest.mark.parametrize("mode", list(TRL_MODES))
+def test_truncated_and_masked_flags_match_what_trl_changes(mode):
+    # a token (sequence) is truncated / masked exactly where TRL's weight differs from the raw exp(diff); the
+    # weights themselves equal TRL's on every valid token
+    torch.manual_seed(2)
+    old = -3.0 * torch.rand(8, 6)  # (B, T)
+    sampling = old + 0.3 * torch.randn(8, 6)  # (B, T)
+    sampling[0, 2] = math.nan  # vLLM gave no log-prob: TRL uses ratio 1
+    mask = (torch.arange(6) < torch.tensor([6, 5, 4, 3, 6, 2, 1, 6]).unsqueeze(1)).long()  # (B, T)
+    raw, weight = _trl_is_ratio(old, sampling, mask, mode, 0.8, 1.25)
+    got = importance_weights(old - sampling, mask, ISCorrection.from_trl(mode, 0.8, 1.25))
+    has = mask.bool() & ~torch.isnan(sampling)  # the NaN token carries no evidence (and is never flagged)
+    changed = (weight != raw).expand(mask.shape) & has  # (B, T)
+    assert torch.equal(got.truncated | got.masked, changed)
+    assert changed.any() and (~changed & has).any()  # both cases occur
+    assert torch.equal(got.weights.expand(mask.shape)[mask.bool()], weight.expand(mask.shape)[mask.bool()])
+
+
+def test_trl_mode_errors():
+    with pytest.raises(ValueError, match="vllm_importance_sampling_mode"):
+        ISCorrection.from_trl("token", None, 3.0)
+    with pytest.raises(ValueError, match="must be <"):
+        ISCorrection.from_trl("token_mask", 3.0, 3.0)
+    with pytest.raises(ValueError, match="needs a bound"):
+        ISCorrection.from_trl("sequence_truncate", None, None)

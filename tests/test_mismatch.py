@@ -76,6 +76,32 @@ def test_is_weight_stats_equal_direct_formulas():
     assert "r/is_masked_token_frac" not in got
 
 
+# raw log(old / sampler): row 0 r = [3, 1, 0.25]; row 1 r = [1, NaN (no sampler log-prob), masked]
+IS_LOG_RATIO = torch.tensor([[math.log(3.0), 0.0, math.log(0.25)], [0.0, math.nan, 5.0]])
+IS_MASK = torch.tensor([[1, 1, 1], [1, 1, 0]])
+
+
+@pytest.mark.parametrize(
+    ("mode", "clip_min", "clip_max", "expected"),
+    [
+        # 4 valid tokens with a log-ratio, 2 sequences. token_mask [0.5, 2]: r = 3 and 0.25 zeroed -> 2/4, 1/2
+        ("token_mask", 0.5, 2.0, {"r/is_masked_token_frac": 0.5, "r/is_masked_seq_frac": 0.5}),
+        # token_truncate max 2: only r = 3 -> 1/4 tokens, 1/2 sequences
+        ("token_truncate", None, 2.0, {"r/is_truncated_token_frac": 0.25, "r/is_truncated_seq_frac": 0.5}),
+        # sequence_mask [0.5, 2]: products 0.75 and 1 -> nothing masked
+        ("sequence_mask", 0.5, 2.0, {"r/is_masked_token_frac": 0.0, "r/is_masked_seq_frac": 0.0}),
+        # sequence_truncate max 0.9: row 1 (product 1) with its 1 token with a log-ratio -> 1/4, 1/2
+        ("sequence_truncate", None, 0.9, {"r/is_truncated_token_frac": 0.25, "r/is_truncated_seq_frac": 0.5}),
+    ],
+)
+def test_shares_of_trls_own_modes_by_hand(mode, clip_min, clip_max, expected):
+    corr = ISCorrection.from_trl(mode, clip_min, clip_max)
+    got = ISWeightStats.of(corr).update(importance_weights(IS_LOG_RATIO, IS_MASK, corr)).as_metrics("r")
+    assert {k: got[k] for k in expected} == pytest.approx(expected)
+    with pytest.raises(ValueError, match="cannot merge"):
+        ISWeightStats.of(corr).merge(ISWeightStats.of(ISCorrection("none", rejections=parse_rejections("token_k2<=1"))))
+
+
 def test_sequence_level_weights_count_once_per_token_and_quantiles_per_sequence():
     corr = ISCorrection("sequence_geometric", "mask", 0.9, 1.1)
     got = ISWeightStats.of(corr).update(importance_weights(LOG_RATIO, MASK, corr)).as_metrics("r")
