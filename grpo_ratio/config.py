@@ -204,6 +204,10 @@ class RatioGRPOConfig(GRPOConfig):
     clip_flip_every (`int`, *optional*, defaults to `1`):
         Compute `ratio/clip_flip_rate` on every N-th optimizer update (0 = never: the metric is absent). It needs the
         policy's own log-probs, which at the first inner step are the training forward's: no extra pass.
+    ratio_full_vocab (`bool`, *optional*, defaults to `False`):
+        With a scoring mode (`fp32_clone`, `fp16_clone`, `fp32_head`, `guided_fp32`): also log the exact
+        full-vocabulary KL and total variation between the mode's old distribution and the policy's own at its
+        training precision (`ratio/new_old/full_*`), from one more policy forward per old pass.
     ratio_gate (`list[str]`, *optional*):
         Tolerance checks on logged metrics during training (`grpo_ratio.gate`: `"ratio/new_old/oob_rate<=0.01"`,
         `"first:ratio/new_old/kl_k1<1e-8"`; scopes `each` and `first`).
@@ -327,6 +331,12 @@ class RatioGRPOConfig(GRPOConfig):
         metadata={"help": "is_correction='custom': reject every sequence holding a token whose ratio is below this "
                   "(0 < veto < 1; verl's token veto, slime rs_veto_threshold)."},
     )
+    ratio_full_vocab: bool = field(
+        default=False,
+        metadata={"help": "With a scoring mode (not bf16 or sampler): log ratio/new_old/full_kl, full_reverse_kl and "
+                  "full_tv, the exact full-vocabulary divergences between the mode's old distribution and the "
+                  "policy's own at training precision (one more policy forward per old pass)."},
+    )
     ratio_gate: list[str] | None = field(
         default=None,
         metadata={"help": "Tolerance checks on logged metrics during training, '[SCOPE:]KEY OP VALUE' with scope "
@@ -380,7 +390,7 @@ class RatioGRPOConfig(GRPOConfig):
                 f"ratio band must satisfy 0 < ratio_band_low < 1 < ratio_band_high, got "
                 f"[{self.ratio_band_low}, {self.ratio_band_high}]"
             )
-        for name in ("record_sampler_logprobs", "sampler_logprobs_in_loss", "ratio_diagnostics"):
+        for name in ("record_sampler_logprobs", "sampler_logprobs_in_loss", "ratio_diagnostics", "ratio_full_vocab"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if isinstance(self.clip_flip_every, bool) or not isinstance(self.clip_flip_every, int) or self.clip_flip_every < 0:
@@ -389,6 +399,10 @@ class RatioGRPOConfig(GRPOConfig):
         self._check_is_correction()  # before _check_sampler_mode, which may turn TRL's vLLM correction off
         self._check_sampler_mode()
         self._check_gate()
+        if self.ratio_full_vocab and self.old_logprob_mode not in SCORER_MODES:
+            raise ValueError(f"ratio_full_vocab=True compares a scoring mode's old distribution with the policy's "
+                             f"own, but old_logprob_mode={self.old_logprob_mode!r} (bf16: the old pass is the policy's "
+                             f"own; sampler: no old distribution); use one of {', '.join(SCORER_MODES)}")
         if self.sampler_logprobs_in_loss and not self.record_sampler_logprobs:
             raise ValueError("sampler_logprobs_in_loss=True needs record_sampler_logprobs=True (the log-probs it hands "
                              "to TRL are the recorded ones)")

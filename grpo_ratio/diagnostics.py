@@ -17,6 +17,8 @@ generation, where new/old must be 1 (the batch-logprob-gap report: "it is the id
   the sampler drew them (added back to their set): where the trainer's logits disagree with the sampler's boundary.
 - `ratio/new_old/kl_*`, `ratio/old_sampler/kl_*` (and `chi2_*`, `log_ppl_*`, `ppl_ratio`): the same two ratios in
   the units other trainers log (`grpo_ratio.mismatch.MismatchStats`).
+- `ratio/new_old/full_*` (`ratio_full_vocab`): exact full-vocabulary KL / TV between the scoring mode's old
+  distribution and the policy's own, from the scoring pass (`mismatch.FullVocabStats`).
 - `ratio/is_*`: of the IS weight in the loss (TRL's vLLM correction, or `is_correction`): the shares truncated, masked
   or rejected, the effective sample size, the raw weights' quantiles (`mismatch.ISWeightStats`).
 - `ratio/fp16_fallback_rows`: `fp16_clone` rows re-scored in fp32 after an fp16 overflow, per generation batch.
@@ -36,11 +38,14 @@ import torch
 
 from . import metric_keys as keys
 from .is_correction import ISCorrection, importance_weights
-from .mismatch import ISWeightStats, MismatchStats
+from .mismatch import FullVocabStats, ISWeightStats, MismatchStats
 from .plan import RunPlan
 from .ratios import RatioStats, clip_flips, valid_token_mask
 from .records import MicroBatchRecord
 
+
+# batch keys of the scoring pass's full-vocabulary divergences (ratio_full_vocab), in `FullVocabStats.update` order
+FULL_VOCAB_KEYS = ("full_vocab_kl", "full_vocab_reverse_kl", "full_vocab_tv")
 
 # TRL loss types whose objective is the PPO clip -min(r A, clip(r) A) (grpo_trainer.py `_compute_loss`)
 PPO_CLIP_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
@@ -82,6 +87,7 @@ class RatioDiagnostics:
         self.old_sampler = RatioStats(self.band)
         self.old_sampler_corrected = RatioStats(self.band)
         self.new_old_units, self.old_sampler_units = MismatchStats(), MismatchStats()
+        self.full_vocab = FullVocabStats()
         self.kept_mass_sum = torch.zeros((), dtype=torch.float64)
         self.kept_mass_count = torch.zeros((), dtype=torch.float64)
         self.added_sum = torch.zeros((), dtype=torch.float64)  # recomputed kept sets: sampled tokens added back
@@ -133,6 +139,8 @@ class RatioDiagnostics:
         new_old = train_logps - old  # (B, T)
         self.new_old.update(new_old, mask)
         self.new_old_units.update(new_old, mask)
+        if FULL_VOCAB_KEYS[0] in inputs:  # the scoring pass held both distributions (ratio_full_vocab)
+            self.full_vocab.update(*(inputs[k] for k in FULL_VOCAB_KEYS), mask)
         # the generate recording (ours, kept out of TRL's loss by default), else what TRL holds (vLLM, rollout_func)
         sampler = inputs.get("sampler_per_token_logps", inputs.get("sampling_per_token_logps"))
         if sampler is not None and self.plan.anchor_is_sampler:  # old IS the sampler: r == 1 exactly, measured as such
@@ -194,6 +202,8 @@ class RatioDiagnostics:
         metrics.update(self.old_sampler.all_reduce(acc).as_metrics(keys.OLD_SAMPLER.prefix))
         metrics.update(self.old_sampler_corrected.all_reduce(acc).as_metrics(keys.OLD_SAMPLER_CORRECTED.prefix))
         metrics.update(self.new_old_units.all_reduce(acc).as_metrics(keys.NEW_OLD.prefix))
+        if self.args.ratio_full_vocab:
+            metrics.update(self.full_vocab.all_reduce(acc).as_metrics(keys.NEW_OLD.prefix))
         metrics.update(self.old_sampler_units.all_reduce(acc).as_metrics(keys.OLD_SAMPLER.prefix))
         if self.plan.corrects:
             sums = torch.stack([self.kept_mass_sum, self.kept_mass_count]).to(self.accelerator.device)  # (2,)

@@ -112,6 +112,9 @@ IS_WEIGHT_MEAN = f"{PREFIX}/is_weight_mean"
 IS_WEIGHT_RAW_P1 = f"{PREFIX}/is_weight_raw/p1"
 IS_WEIGHT_RAW_P50 = f"{PREFIX}/is_weight_raw/p50"
 IS_WEIGHT_RAW_P99 = f"{PREFIX}/is_weight_raw/p99"
+FULL_KL = f"{NEW_OLD.prefix}/full_kl"
+FULL_REVERSE_KL = f"{NEW_OLD.prefix}/full_reverse_kl"
+FULL_TV = f"{NEW_OLD.prefix}/full_tv"
 
 _IS_LOSS = "is_correction, or lift_sampler with vLLM's IS correction"
 _IS_ANY = "an IS weight in the loss (vLLM's correction, or is_correction)"
@@ -144,6 +147,11 @@ SINGLE_KEYS = {
     IS_WEIGHT_RAW_P1: KeyInfo(_IS_RAW, "1st percentile of the raw weight (before bounds and rejection)"),
     IS_WEIGHT_RAW_P50: KeyInfo(_IS_RAW, "median raw weight"),
     IS_WEIGHT_RAW_P99: KeyInfo(_IS_RAW, "99th percentile of the raw weight"),
+    FULL_KL: KeyInfo("ratio_full_vocab with a scoring mode", "exact full-vocabulary KL(old||policy), mean over valid "
+                     "tokens"),
+    FULL_REVERSE_KL: KeyInfo("ratio_full_vocab with a scoring mode", "exact KL(policy||old), mean over valid tokens"),
+    FULL_TV: KeyInfo("ratio_full_vocab with a scoring mode", "exact total variation between the two, mean over valid "
+                     "tokens"),
 }
 
 # the mismatch units of NEW_OLD and OLD_SAMPLER, present with their family

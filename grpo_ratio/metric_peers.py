@@ -87,6 +87,9 @@ _SINGLE = {
     keys.IS_WEIGHT_RAW_P1: (f"`{RC}rollout_is_min` (raw for sequence IS)", _, _, _),
     keys.IS_WEIGHT_RAW_P50: (_, _, _, _),
     keys.IS_WEIGHT_RAW_P99: (f"`{RC}rollout_is_max` (raw for sequence IS)", _, _, _),
+    keys.FULL_KL: (_, _, _, _),  # no peer logs a full-vocabulary divergence (SkyRL#2201 asks for one)
+    keys.FULL_REVERSE_KL: (_, _, _, _),
+    keys.FULL_TV: (_, _, _, _),
 }
 
 

@@ -53,6 +53,8 @@ class GenerationRecord:
         old_log_kept_mass (`torch.Tensor | None`, (B, T) fp32): log M_old, the old policy's log mass on the kept
             sets (0 on padding), when a correction is on.
         fallback_rows (`int`): `fp16_clone` rows re-scored in fp32 in this batch's old pass.
+        full_vocab (`tuple | None`, 3 x (B, T) fp32): with `ratio_full_vocab`, the scoring mode's pass's exact
+            KL(old||policy), KL(policy||old) and TV per token (`ScoreResult.full_vocab`).
     """
 
     mode: str
@@ -62,6 +64,7 @@ class GenerationRecord:
     kept_added: torch.Tensor | None = None
     old_log_kept_mass: torch.Tensor | None = None
     fallback_rows: int = 0
+    full_vocab: tuple | None = None
 
 
 @dataclass

@@ -33,7 +33,7 @@ from trl import GRPOTrainer
 from .config import RatioGRPOConfig
 from .copies import WeightsVersion
 from .corrections import capture_last_hidden, check_head_is_linear, kept_set_logps_from_hidden
-from .diagnostics import RatioDiagnostics
+from .diagnostics import FULL_VOCAB_KEYS, RatioDiagnostics
 from .gate_callback import RatioGateCallback
 from .is_correction import importance_weights
 from .kept_logprobs import lift_sampler_logprobs
@@ -218,6 +218,8 @@ class RatioGRPOTrainer(GRPOTrainer):
             output["old_log_kept_mass"] = generation.old_log_kept_mass  # (B, T), for the diagnostics
         if generation.kept_added is not None:
             output["kept_set_added"] = generation.kept_added.to(self.accelerator.device)  # (B, T) recomputed sets
+        if generation.full_vocab is not None:  # (B, T) each: split with the batch, read at the first inner step
+            output.update(zip(FULL_VOCAB_KEYS, generation.full_vocab, strict=True))
         if self.scorer is not None and self.diagnostics is not None:
             for key, value in self.diagnostics.generation_metrics(generation.fallback_rows).items():
                 self._metrics[generation.mode][key].append(value)
@@ -302,8 +304,10 @@ class RatioGRPOTrainer(GRPOTrainer):
             result = self.scorer.score(
                 input_ids, attention_mask, logits_to_keep,
                 temperature=self.temperature, batch_size=batch_size, version=self.weights_version.value, kept=kept,
+                compare_policy=self.args.ratio_full_vocab,
             )
         generation.fallback_rows += result.fallback_rows
+        generation.full_vocab = result.full_vocab
         if kept is None:
             return result.logps
         self._keep_old_sets(generation, result.on_kept)

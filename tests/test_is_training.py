@@ -136,3 +136,34 @@ def test_the_ratio_gate_field_stops_training(tmp_path):
     with pytest.warns(UserWarning, match="stopping training"):
         trainer.train()
     assert trainer.state.global_step == 1
+
+
+def test_full_vocabulary_divergence_from_the_scoring_pass(tmp_path):
+    # fp32_clone under bf16 training: the old pass holds the fp32 distribution, the policy's own pass the bf16 one;
+    # the trainer's per-token KL / TV equal a direct computation from two independent forwards, and are logged
+    from grpo_ratio.mismatch import full_vocab_divergence
+    from grpo_ratio.testing import tiny_model
+
+    trainer = tiny_trainer(tmp_path, "fp32_clone", max_steps=1, ratio_full_vocab=True)
+    batch = next(iter(trainer.get_train_dataloader()))
+    trainer.model.train()
+    out = trainer._generate_and_score_completions(batch)
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+    mask = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
+    T = out["completion_ids"].size(1)
+    ref = tiny_model("qwen2")  # the same seed-0 weights, untouched
+    with torch.no_grad():
+        old = ref(input_ids=ids, attention_mask=mask, logits_to_keep=T + 1).logits[:, :-1]  # fp32
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            policy = ref(input_ids=ids, attention_mask=mask, logits_to_keep=T + 1).logits[:, :-1]
+    expected = full_vocab_divergence(policy, old)
+    valid = out["completion_mask"].bool()
+    for key, want in zip(("full_vocab_kl", "full_vocab_reverse_kl", "full_vocab_tv"), expected, strict=True):
+        assert (out[key] - want)[valid].abs().max() <= 1e-5, key
+    assert (expected[2][valid] > 0).all()  # bf16 vs fp32 differ on every token of this model
+    trainer.train()
+    row = next(r for r in trainer.state.log_history if "loss" in r)
+    assert 0 < row["ratio/new_old/full_tv"] < 0.1 and 0 < row["ratio/new_old/full_kl"] < 0.01
+    assert math.isfinite(row["ratio/new_old/full_reverse_kl"])
+    with pytest.raises(ValueError, match="ratio_full_vocab=True compares a scoring mode"):
+        tiny_trainer(tmp_path, "bf16", ratio_full_vocab=True)

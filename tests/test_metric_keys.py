@@ -26,7 +26,7 @@ def test_a_real_run_emits_only_keys_of_the_table_and_of_the_docs(tmp_path):
     # fp16_clone with renormalize over recomputed kept sets: the richest CPU run (every family, kept mass, added rate,
     # fp16 fallback, clip flips); vLLM's IS keys need vLLM
     trainer = tiny_trainer(tmp_path, "fp16_clone", max_steps=1, top_p=0.8, truncation_correction="renormalize",
-                           kept_set_source="recompute")
+                           kept_set_source="recompute", ratio_full_vocab=True)
     trainer.train()
     emitted = {k for row in trainer.state.log_history for k in row if k.startswith(f"{keys.PREFIX}/")}
     documented, _ = _documented()
@@ -34,8 +34,8 @@ def test_a_real_run_emits_only_keys_of_the_table_and_of_the_docs(tmp_path):
     assert emitted - documented == set()
     expected = {*keys.NEW_OLD.keys(), *keys.OLD_SAMPLER.keys(), *keys.OLD_SAMPLER_CORRECTED.keys(),
                 *keys.MISMATCH_KEYS, keys.KEPT_MASS_MEAN, keys.KEPT_SET_ADDED_RATE, keys.FP16_FALLBACK_ROWS,
-                keys.CLIP_FLIP_RATE}
-    assert expected <= emitted  # 44 keys: the check above ran on them
+                keys.CLIP_FLIP_RATE, keys.FULL_KL, keys.FULL_REVERSE_KL, keys.FULL_TV}
+    assert expected <= emitted  # 47 keys: the check above ran on them
 
 
 def test_an_is_correction_run_emits_only_keys_of_the_table_and_of_the_docs(tmp_path):
@@ -56,7 +56,7 @@ def test_the_table_and_the_docs_list_the_same_keys():
     assert set(keys.TABLE) - documented == set()
     assert documented - set(keys.TABLE) == set()
     assert families == {f.prefix for f in keys.FAMILIES}
-    assert len(keys.TABLE) == 3 * len(keys.FAMILY_STATS) + 2 * len(keys.MISMATCH_STATS) + len(keys.SINGLE_KEYS) == 59
+    assert len(keys.TABLE) == 3 * len(keys.FAMILY_STATS) + 2 * len(keys.MISMATCH_STATS) + len(keys.SINGLE_KEYS) == 62
 
 
 def test_every_key_has_its_row_of_peer_keys():
