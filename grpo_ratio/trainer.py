@@ -16,8 +16,10 @@ The only changes w.r.t. `trl.GRPOTrainer` (1.16):
 Wrapped TRL methods (each calls `super()`; none is copied): `_generate_and_score_completions`,
 `_generate_single_turn`, `_get_per_token_logps_and_entropies`, `_compute_loss`. State passes between them only
 through two records (`grpo_ratio.records`): a `GenerationRecord` per generation batch, a `MicroBatchRecord` per loss
-micro-batch. The wrapped methods are private and change between TRL releases, hence the version pin in
-`grpo_ratio/_compat.py`.
+micro-batch. What the run does (which old pass, where old log-probs and kept sets come from, which correction) is
+resolved once at `__init__` into `self.plan` (`grpo_ratio.plan.RunPlan`); the hooks ask the plan. The wrapped methods
+are private and change between TRL releases, hence the version pin in `grpo_ratio/_compat.py`, which also lists every
+TRL internal read here.
 """
 
 from __future__ import annotations
