@@ -167,3 +167,13 @@ def test_full_vocabulary_divergence_from_the_scoring_pass(tmp_path):
     assert math.isfinite(row["ratio/new_old/full_reverse_kl"])
     with pytest.raises(ValueError, match="ratio_full_vocab=True compares a scoring mode"):
         tiny_trainer(tmp_path, "bf16", ratio_full_vocab=True)
+
+
+def test_rejection_keeps_the_tokens_once_truncation_is_corrected(tmp_path):
+    # the same top_p=0.8 run as above with renormalize: old/sampler is back near 1, and verl's Geo-RS bound
+    # (mean k1 within +-0.001) keeps every sequence instead of rejecting all of them
+    trainer = tiny_trainer(tmp_path, max_steps=2, top_p=0.8, truncation_correction="renormalize", is_correction="geo_rs")
+    trainer.train()
+    for row in (r for r in trainer.state.log_history if "loss" in r):
+        assert abs(row["ratio/old_sampler_corrected/mean"] - 1.0) < 1e-3
+        assert row["ratio/is_rejected_seq_frac"] == 0.0 and row["ratio/is_weight_mean"] == 1.0
