@@ -200,18 +200,20 @@ class ISWeightStats(SumStats):
 
 
 def _log_probs(x: torch.Tensor, are_logprobs: bool, temperature: float) -> torch.Tensor:
-    return x.float() if are_logprobs else torch.log_softmax(x.float() / temperature, dim=-1)
+    return x.double() if are_logprobs else torch.log_softmax(x.double() / temperature, dim=-1)
 
 
 def full_vocab_divergence(
-    p: torch.Tensor, q: torch.Tensor, *, are_logprobs: bool = False, temperature: float = 1.0, chunk_tokens: int = 1024
+    p: torch.Tensor, q: torch.Tensor, *, are_logprobs: bool = False, temperature: float = 1.0, chunk_tokens: int = 128
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact per-token KL(q||p), KL(p||q) and total variation between two full next-token distributions.
 
     KL(q||p) = sum_v q_v (log q_v - log p_v) is the quantity the sampled-token estimates k1/k3 estimate when the
     tokens are drawn from q; TV = 1/2 sum_v |q_v - p_v|. Terms with q_v = 0 (p_v = 0) add 0 to KL(q||p) (KL(p||q));
-    p_v = 0 where q_v > 0 gives inf. The B*T rows are done `chunk_tokens` at a time in fp32, so the extra memory is
-    a few (chunk_tokens, V) fp32 tensors whatever B and T are (chunk_tokens=1024, V=49152: about 200 MB each).
+    p_v = 0 where q_v > 0 gives inf. The math is fp64: a precision mismatch puts the KL near 1e-7 nats, where fp32
+    log-softmax rounding (about 1e-7 of |log q|, summed over V) moves the result by tens of percent (tested). The B*T
+    rows are done `chunk_tokens` at a time, so the extra memory is a few (chunk_tokens, V) fp64 tensors whatever B
+    and T are (chunk_tokens=128, V=49152: 50 MB each).
 
     Args:
         p, q (`torch.Tensor` of shape (B, T, V), any float dtype): logits (or log-probs with `are_logprobs=True`) of
@@ -222,7 +224,7 @@ def full_vocab_divergence(
         chunk_tokens (`int`): rows per chunk.
 
     Returns:
-        (kl_qp, kl_pq, tv), each (B, T) fp32.
+        (kl_qp, kl_pq, tv), each (B, T) fp32 (rounded from fp64 at the end).
 
     Raises:
         ValueError: shapes differ or are not 3-D, temperature <= 0 or chunk_tokens < 1.
@@ -233,16 +235,16 @@ def full_vocab_divergence(
         raise ValueError(f"temperature must be > 0 and chunk_tokens >= 1, got {temperature}, {chunk_tokens}")
     B, T, V = p.shape
     flat_p, flat_q = p.reshape(B * T, V), q.reshape(B * T, V)  # (N, V)
-    out = torch.empty(3, B * T, dtype=torch.float32, device=p.device)  # (3, N)
+    out = torch.empty(3, B * T, dtype=torch.float64, device=p.device)  # (3, N)
     for start in range(0, B * T, chunk_tokens):
         rows = slice(start, start + chunk_tokens)
-        lp = _log_probs(flat_p[rows], are_logprobs, temperature)  # (n, V)
-        lq = _log_probs(flat_q[rows], are_logprobs, temperature)  # (n, V)
+        lp = _log_probs(flat_p[rows], are_logprobs, temperature)  # (n, V) fp64
+        lq = _log_probs(flat_q[rows], are_logprobs, temperature)  # (n, V) fp64
         prob_p, prob_q = lp.exp(), lq.exp()  # (n, V)
         out[0, rows] = torch.where(prob_q > 0, prob_q * (lq - lp), 0.0).sum(dim=-1)  # KL(q||p)
         out[1, rows] = torch.where(prob_p > 0, prob_p * (lp - lq), 0.0).sum(dim=-1)  # KL(p||q)
         out[2, rows] = 0.5 * (prob_q - prob_p).abs().sum(dim=-1)
-    kl_qp, kl_pq, tv = out.reshape(3, B, T).unbind(0)
+    kl_qp, kl_pq, tv = out.float().reshape(3, B, T).unbind(0)
     return kl_qp, kl_pq, tv
 
 

@@ -13,7 +13,12 @@ from trainer_fixtures import tiny_trainer
 from trl import GRPOTrainer
 
 from grpo_ratio import RatioGRPOConfig
+from grpo_ratio.diagnostics import FULL_VOCAB_KEYS
 from grpo_ratio.is_correction import PRESETS, importance_weights
+from grpo_ratio.mismatch import full_vocab_divergence
+from grpo_ratio.ratios import valid_token_mask
+from grpo_ratio.scoring import OldLogprobScorer
+from grpo_ratio.testing import tiny_model
 
 
 # every preset, and a custom setting that uses every part (geometric weight, a token and a sequence rule, the veto)
@@ -74,6 +79,7 @@ def test_each_setting_trains_on_generate_and_the_loss_uses_its_weight(tmp_path, 
         assert 0.0 <= row["ratio/is_weight_ess"] <= 1.0 and math.isfinite(row["ratio/old_sampler/kl_k3"])
         assert ("ratio/is_rejected_token_frac" in row) == bool(correction.rejections or correction.veto)
         assert ("ratio/is_weight_raw/p50" in row) == (correction.level != "none")
+        assert not any("/full_" in k for k in row)  # bf16: no pass holds two distributions
         assert 0.75 < row["ratio/old_sampler/mean"] < 0.85  # the kept mass
         if overrides["is_correction"] in REJECT_ALL:  # every weight 0: TRL's loss is exactly 0
             assert row["ratio/is_rejected_seq_frac"] == 1.0 and row["loss"] == 0.0
@@ -140,10 +146,7 @@ def test_the_ratio_gate_field_stops_training(tmp_path):
 
 def test_full_vocabulary_divergence_from_the_scoring_pass(tmp_path):
     # fp32_clone under bf16 training: the old pass holds the fp32 distribution, the policy's own pass the bf16 one;
-    # the trainer's per-token KL / TV equal a direct computation from two independent forwards, and are logged
-    from grpo_ratio.mismatch import full_vocab_divergence
-    from grpo_ratio.testing import tiny_model
-
+    # the trainer's per-token KL / TV equal a direct computation from two independent forwards
     trainer = tiny_trainer(tmp_path, "fp32_clone", max_steps=1, ratio_full_vocab=True)
     batch = next(iter(trainer.get_train_dataloader()))
     trainer.model.train()
@@ -158,15 +161,77 @@ def test_full_vocabulary_divergence_from_the_scoring_pass(tmp_path):
             policy = ref(input_ids=ids, attention_mask=mask, logits_to_keep=T + 1).logits[:, :-1]
     expected = full_vocab_divergence(policy, old)
     valid = out["completion_mask"].bool()
-    for key, want in zip(("full_vocab_kl", "full_vocab_reverse_kl", "full_vocab_tv"), expected, strict=True):
+    for key, want in zip(FULL_VOCAB_KEYS, expected, strict=True):
         assert (out[key] - want)[valid].abs().max() <= 1e-5, key
     assert (expected[2][valid] > 0).all()  # bf16 vs fp32 differ on every token of this model
-    trainer.train()
-    row = next(r for r in trainer.state.log_history if "loss" in r)
-    assert 0 < row["ratio/new_old/full_tv"] < 0.1 and 0 < row["ratio/new_old/full_kl"] < 0.01
-    assert math.isfinite(row["ratio/new_old/full_reverse_kl"])
     with pytest.raises(ValueError, match="ratio_full_vocab=True compares a scoring mode"):
         tiny_trainer(tmp_path, "bf16", ratio_full_vocab=True)
+    with pytest.raises(ValueError, match="ratio_full_vocab=True compares a scoring mode"):
+        tiny_trainer(tmp_path, "sampler", ratio_full_vocab=True)
+
+
+def _direct_full_vocab(policy_logits, old_logits, valid, temperature):
+    """Token means over `valid` (B, T) of KL(old||policy), KL(policy||old) and TV, in fp64 from (B, T, V) logits."""
+    lp = torch.log_softmax(policy_logits.double() / temperature, dim=-1)  # (B, T, V)
+    lq = torch.log_softmax(old_logits.double() / temperature, dim=-1)  # (B, T, V)
+    kl = (lq.exp() * (lq - lp)).sum(-1)  # (B, T)
+    reverse = (lp.exp() * (lp - lq)).sum(-1)  # (B, T)
+    tv = 0.5 * (lq.exp() - lp.exp()).abs().sum(-1)  # (B, T)
+    return [x[valid].mean().item() for x in (kl, reverse, tv)]
+
+
+def test_logged_full_vocabulary_divergence_equals_the_two_passes_logits(tmp_path, monkeypatch):
+    # a real run of 2 optimizer steps on one generation (num_iterations=2): the spy keeps the logits the scoring pass
+    # held, the mode's (fp32 copy) and the policy's own (bf16 autocast); the logged ratio/new_old/full_* of step 1 are
+    # their token means over the valid tokens, to 1e-6; step 2 (second inner step, no old pass) logs none of them
+    seen = {"old": [], "policy": [], "valid": []}
+    full, as_trained = OldLogprobScorer._chunk_full, OldLogprobScorer._logits_as_trained
+
+    def spy_full(self, input_ids, attention_mask, logits_to_keep, temperature, version):
+        result = full(self, input_ids, attention_mask, logits_to_keep, temperature, version)
+        seen["old"].append(result[2][:, :-1].detach().clone())  # (b, T, V)
+        seen["valid"].append(valid_token_mask(input_ids[:, -logits_to_keep:], attention_mask[:, -logits_to_keep:],
+                                              trainer.eos_token_ids))  # (b, T)
+        return result
+
+    def spy_trained(self, input_ids, attention_mask, logits_to_keep):
+        logits = as_trained(self, input_ids, attention_mask, logits_to_keep)
+        seen["policy"].append(logits[:, :-1].detach().clone())  # (b, T, V)
+        return logits
+
+    monkeypatch.setattr(OldLogprobScorer, "_chunk_full", spy_full)
+    monkeypatch.setattr(OldLogprobScorer, "_logits_as_trained", spy_trained)
+    trainer = tiny_trainer(tmp_path, "fp32_clone", max_steps=2, num_iterations=2, ratio_full_vocab=True)
+    trainer.train()
+    assert len(seen["old"]) == len(seen["policy"]) == 1  # one generation, one chunk of 4 rows
+    old, policy, valid = (torch.cat(seen[k]) for k in ("old", "policy", "valid"))
+    assert policy.dtype == torch.bfloat16 and old.dtype == torch.float32 and valid.sum() == 32
+    kl, reverse, tv = _direct_full_vocab(policy, old, valid, trainer.temperature)
+    first, second = (r for r in trainer.state.log_history if "loss" in r)
+    for key, want in zip(("full_kl", "full_reverse_kl", "full_tv"), (kl, reverse, tv), strict=True):
+        # both the tolerance asked of every metric and a relative one: the KL is ~2.5e-7 nats here (bf16 vs fp32),
+        # where fp32 math was 25% off (so mismatch.full_vocab_divergence works in fp64)
+        error = abs(first[f"ratio/new_old/{key}"] - want)
+        assert error <= 1e-6 and error <= 1e-5 * want, (key, first[f"ratio/new_old/{key}"], want)
+    assert 0 < kl < 1e-5 and 1e-5 < tv < 1e-2
+    assert not any(k.startswith("ratio/new_old/") for k in second)  # no first inner step in update 2
+
+
+def test_an_all_masked_batch_logs_only_finite_values(tmp_path):
+    # the random tiny model never ends a completion within 8 tokens: mask_truncated_completions masks every token.
+    # With every new metric switched on (full vocabulary, a correction with bounds, rules and veto) the run trains,
+    # the loss is finite and every logged ratio/* value is finite: the token counts are 0, the other keys absent
+    trainer = tiny_trainer(tmp_path, "fp32_clone", max_steps=2, mask_truncated_completions=True,
+                           ratio_full_vocab=True, **CUSTOM)
+    with pytest.warns(UserWarning, match="no valid completion token"):
+        trainer.train()
+    rows = [r for r in trainer.state.log_history if "loss" in r]
+    assert len(rows) == 2
+    for row in rows:
+        logged = {k: v for k, v in row.items() if k.startswith("ratio/")}
+        assert all(math.isfinite(v) for v in logged.values()) and math.isfinite(row["loss"])
+        assert logged["ratio/new_old/num_tokens"] == 0.0
+        assert not any("full_" in k or "kl_k" in k or k.startswith("ratio/is_weight") for k in logged)
 
 
 def test_rejection_keeps_the_tokens_once_truncation_is_corrected(tmp_path):

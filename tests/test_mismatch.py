@@ -68,6 +68,7 @@ def test_is_weight_stats_equal_direct_formulas():
     assert _mean([math.exp(x) - 1 - x for x in ROWS[0]]) > 0.015 > _mean([math.exp(x) - 1 - x for x in ROWS[1]])
     assert got["r/is_weight_ess"] == pytest.approx(ess, abs=1e-6)
     assert got["r/is_weight_mean"] == pytest.approx(_mean(flat), abs=1e-6)
+    assert got["r/is_weight_raw/p1"] == pytest.approx(math.exp(raw[0] + 0.07 * (raw[1] - raw[0])), abs=1e-6)
     assert got["r/is_weight_raw/p50"] == pytest.approx(math.exp((raw[3] + raw[4]) / 2), abs=1e-6)
     assert got["r/is_weight_raw/p99"] == pytest.approx(math.exp(raw[6] + 0.93 * (raw[7] - raw[6])), abs=1e-6)
     assert got["r/is_rejected_token_frac"] == pytest.approx(4 / 8) and got["r/is_rejected_seq_frac"] == pytest.approx(1 / 3)
@@ -142,6 +143,35 @@ def test_full_vocab_divergence_equals_direct_sums():
     assert math.isinf(rkl.item()) and tv.item() == pytest.approx(0.25, abs=1e-6)
 
 
+def _direct_kl_tv(p_logits, q_logits):
+    """KL(q||p), KL(p||q), TV of one position from two lists of logits, by hand with math.fsum."""
+    def softmax(x):
+        top = max(x)
+        e = [math.exp(v - top) for v in x]
+        total = math.fsum(e)
+        return [v / total for v in e]
+
+    p, q = softmax(p_logits), softmax(q_logits)
+    return (math.fsum(b * math.log(b / a) for a, b in zip(p, q)), math.fsum(a * math.log(a / b) for a, b in zip(p, q)),
+            0.5 * math.fsum(abs(a - b) for a, b in zip(p, q)))
+
+
+def test_full_vocab_divergence_is_exact_at_a_precision_mismatch():
+    # q: fp32 logits over 2048 tokens; p: the same logits rounded to bf16, the trainer-vs-sampler situation. The KL is
+    # about 1.4e-7 nats, below fp32 log-softmax rounding (the same sums in fp32 give -5e-8 to 2.8e-7 on these four
+    # positions): the result must match a by-hand math.fsum to 1e-6 relative (and 1e-9 absolute)
+    torch.manual_seed(0)
+    q = 0.3 * torch.randn(2, 2, 2048)  # a flat distribution, as the tiny test model's
+    p = q.bfloat16().float()
+    kl, rkl, tv = full_vocab_divergence(p, q)
+    for b in range(2):
+        for t in range(2):
+            want = _direct_kl_tv(p[b, t].tolist(), q[b, t].tolist())
+            for got, value in zip((kl[b, t].item(), rkl[b, t].item(), tv[b, t].item()), want, strict=True):
+                assert abs(got - value) <= 1e-9 and abs(got - value) <= 1e-6 * value, (got, value)
+            assert 1e-8 < want[0] < 1e-5
+
+
 def test_full_vocab_divergence_chunks_give_the_same_numbers():
     torch.manual_seed(0)
     p, q = torch.randn(3, 5, 11), torch.randn(3, 5, 11)
@@ -149,9 +179,10 @@ def test_full_vocab_divergence_chunks_give_the_same_numbers():
     chunked = full_vocab_divergence(p, q, chunk_tokens=2)
     for a, b in zip(whole, chunked):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
-    stats = FullVocabStats().update(*whole, MASK[:, :4].repeat(1, 2)[:, :5])
-    assert stats.as_metrics("x")["x/full_tv"] == pytest.approx(whole[2][MASK[:, :4].repeat(1, 2)[:, :5]].mean().item(),
-                                                                abs=1e-6)
+    valid = MASK[:, :4].repeat(1, 2)[:, :5]  # (3, 5)
+    got = FullVocabStats().update(*whole, valid).as_metrics("x")
+    for key, values in zip(("x/full_kl", "x/full_reverse_kl", "x/full_tv"), whole, strict=True):
+        assert got[key] == pytest.approx(_mean(values[valid].tolist()), abs=1e-6), key
 
 
 def _stats(rows: slice):
