@@ -29,7 +29,10 @@ TRL_HOOKS = {
 
 # attributes of a built `GRPOTrainer` (set in its __init__) or of transformers' `Trainer` that grpo_ratio reads
 TRL_ATTRIBUTES = {
-    "use_vllm": "the generation backend (plan)",
+    "use_vllm": "the generation backend (plan); set True for TRL's _compute_loss call only, on the generate path with "
+                "is_correction, to open its IS gate",
+    "vllm_importance_sampling_correction": "TRL's switch for its vLLM old pass and for applying importance_sampling_"
+                                           "ratio in _compute_loss (opened with use_vllm, as above)",
     "use_transformers_continuous_batching": "the generation backend (plan)",
     "vllm_mode": "colocate vs server (the colocate engine's dtype)",
     "vllm_generation": "`.llm`: the colocate engine (its generate is wrapped; `.llm_engine.model_config.dtype` and "
@@ -65,7 +68,7 @@ TRL_BATCH_KEYS = {
     "prompt_ids": True, "prompt_mask": True, "completion_ids": True, "completion_mask": True, "advantages": True,
     "old_per_token_logps": False,  # when TRL runs its old pass (or ours adds it)
     "sampling_per_token_logps": False,  # vLLM, or generate with logprobs (ours: the recording)
-    "importance_sampling_ratio": False,  # vLLM IS correction
+    "importance_sampling_ratio": False,  # vLLM IS correction (ours replaces it under is_correction, or adds it)
     "tool_mask": False,  # tools
 }
 
@@ -81,6 +84,9 @@ TRL_CONDITIONS = (
     "(tests/test_fused_head.py fails when the order changes: the loss would fall back to the detached training "
     "log-probs and new/old would be exactly 1)",
     "the training forward calls the policy with no position_ids (fp32_head's separate pass uses that layout too)",
+    "_compute_loss multiplies per_token_loss by inputs['importance_sampling_ratio'] iff use_vllm and "
+    "vllm_importance_sampling_correction and loss_type != 'vespo' (vespo folds it into its sequence weight), and reads "
+    "neither attribute anywhere else: tests/test_is_training.py checks its source",
 )
 
 

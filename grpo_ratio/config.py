@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from .routing.replay import ROUTING_REPLAY_MODES  # noqa: F401  (re-exported: the allowed `routing_replay` values)
+from .gate import GATE_ACTIONS, training_checks
+from .is_correction import ACTIONS, LEVELS, PRESETS, REJECTION_METRICS, resolve_correction
 
 
 # The groups of `old_logprob_mode` values (`grpo_ratio.plan.RunPlan` resolves what each means for a run):
@@ -205,6 +207,21 @@ class RatioGRPOConfig(GRPOConfig):
         update: arXiv 2510.11370, Megatron-LM `moe_enable_routing_replay`). Only the top-k expert indices are
         replayed; the gate weights come from the live router logits, so the router keeps training.
 
+    > Parameters that control the importance-sampling correction (docs/corrections.md)
+
+    is_correction (`str`, *optional*):
+        The IS correction of the sampler/old mismatch, on the vLLM and the `generate` path alike: a preset of
+        `grpo_ratio.is_correction.PRESETS` (`"tis"`, `"icepop"`, `"seq_mask_tis"`, `"geo_rs"`, ...) or `"custom"`
+        (the `is_correction_*` fields). Unset: TRL's behaviour, bit for bit (vLLM: its
+        `vllm_importance_sampling_*` fields; `generate`: no IS correction).
+    is_correction_level / is_correction_action / is_correction_low / is_correction_high (*optional*):
+        `"custom"` only: the weight (`"token"`, `"sequence_product"`, `"sequence_geometric"`, `"none"`), what
+        happens outside [low, high] (`"truncate"`, `"mask"`) and the bounds (ratios).
+    is_correction_rejection (`str`, *optional*):
+        `"custom"` only: comma-separated rejection rules, `"seq_mean_k3<=0.01, 0.999<=seq_mean_ratio<=1.002"`.
+    is_correction_veto (`float`, *optional*):
+        `"custom"` only: reject a sequence holding a token with ratio below it (0 < veto < 1).
+
     > Parameters that control the ratio diagnostics
 
     ratio_diagnostics (`bool`, *optional*, defaults to `True`):
@@ -214,6 +231,17 @@ class RatioGRPOConfig(GRPOConfig):
     clip_flip_every (`int`, *optional*, defaults to `1`):
         Compute `ratio/clip_flip_rate` on every N-th optimizer update (0 = never: the metric is absent). It needs the
         policy's own log-probs, which at the first inner step are the training forward's: no extra pass.
+    ratio_full_vocab (`bool`, *optional*, defaults to `False`):
+        With a scoring mode (`fp32_clone`, `fp16_clone`, `fp32_head`, `guided_fp32`): also log the exact
+        full-vocabulary KL and total variation between the mode's old distribution and the policy's own at its
+        training precision (`ratio/new_old/full_*`), from one more policy forward per old pass.
+    ratio_gate (`list[str]`, *optional*):
+        Tolerance checks on logged metrics during training (`grpo_ratio.gate`: `"ratio/new_old/oob_rate<=0.01"`,
+        `"first:ratio/new_old/kl_k1<1e-8"`; scopes `each` and `first`).
+    ratio_gate_patience (`int`, *optional*, defaults to `1`):
+        Consecutive failing logged steps that trip the gate.
+    ratio_gate_action (`str`, *optional*, defaults to `"warn"`):
+        `"warn"` or `"stop"` (end training after the step that tripped the gate).
     """
 
     old_logprob_mode: str = field(
@@ -323,6 +351,62 @@ class RatioGRPOConfig(GRPOConfig):
         },
     )
 
+    is_correction: str | None = field(
+        default=None,
+        metadata={
+            "help": "Importance-sampling correction of the sampler/old mismatch, with vLLM and with generate: a "
+            "preset (" + ", ".join(PRESETS) + ") or 'custom' (the is_correction_* fields). Unset: TRL's behaviour, "
+            "bit for bit (vLLM: vllm_importance_sampling_*; generate: none). docs/corrections.md.",
+            "choices": [*PRESETS, "custom"],
+        },
+    )
+    is_correction_level: str | None = field(
+        default=None,
+        metadata={"help": "is_correction='custom': the weight, one of " + ", ".join(LEVELS) + ".",
+                  "choices": list(LEVELS)},
+    )
+    is_correction_action: str | None = field(
+        default=None,
+        metadata={"help": "is_correction='custom': 'truncate' (clamp into [low, high]) or 'mask' (0 outside it).",
+                  "choices": list(ACTIONS)},
+    )
+    is_correction_low: float | None = field(
+        default=None, metadata={"help": "is_correction='custom': lower bound of the weight (a ratio, > 0)."}
+    )
+    is_correction_high: float | None = field(
+        default=None, metadata={"help": "is_correction='custom': upper bound of the weight (a ratio, > 0)."}
+    )
+    is_correction_rejection: str | None = field(
+        default=None,
+        metadata={"help": "is_correction='custom': comma-separated rejection rules [LOW<=]NAME[<=HIGH], NAME "
+                  "token_METRIC or seq_{sum,mean,max}_METRIC, METRIC one of " + ", ".join(REJECTION_METRICS)
+                  + " (e.g. 'seq_mean_k3<=0.01')."},
+    )
+    is_correction_veto: float | None = field(
+        default=None,
+        metadata={"help": "is_correction='custom': reject every sequence holding a token whose ratio is below this "
+                  "(0 < veto < 1; verl's token veto, slime rs_veto_threshold)."},
+    )
+    ratio_full_vocab: bool = field(
+        default=False,
+        metadata={"help": "With a scoring mode (not bf16 or sampler): log ratio/new_old/full_kl, full_reverse_kl and "
+                  "full_tv, the exact full-vocabulary divergences between the mode's old distribution and the "
+                  "policy's own at training precision (one more policy forward per old pass)."},
+    )
+    ratio_gate: list[str] | None = field(
+        default=None,
+        metadata={"help": "Tolerance checks on logged metrics during training, '[SCOPE:]KEY OP VALUE' with scope "
+                  "each (default) or first, e.g. 'ratio/new_old/oob_rate<=0.01' (grpo_ratio/gate.py)."},
+    )
+    ratio_gate_patience: int = field(
+        default=1, metadata={"help": "Consecutive failing logged steps that trip ratio_gate (>= 1)."}
+    )
+    ratio_gate_action: str = field(
+        default="warn",
+        metadata={"help": "What a tripped ratio_gate does: 'warn' or 'stop' (end training after that step).",
+                  "choices": list(GATE_ACTIONS)},
+    )
+
     def __post_init__(self):
         super().__post_init__()
         if self.old_logprob_mode not in SCORING_MODES:
@@ -371,14 +455,20 @@ class RatioGRPOConfig(GRPOConfig):
                 f"ratio band must satisfy 0 < ratio_band_low < 1 < ratio_band_high, got "
                 f"[{self.ratio_band_low}, {self.ratio_band_high}]"
             )
-        for name in ("record_sampler_logprobs", "sampler_logprobs_in_loss", "ratio_diagnostics"):
+        for name in ("record_sampler_logprobs", "sampler_logprobs_in_loss", "ratio_diagnostics", "ratio_full_vocab"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if isinstance(self.clip_flip_every, bool) or not isinstance(self.clip_flip_every, int) or self.clip_flip_every < 0:
             raise ValueError(f"clip_flip_every must be an integer >= 0 (0 = never), got {self.clip_flip_every!r}")
         self._check_truncation()
+        self._check_is_correction()  # before _check_sampler_mode, which may turn TRL's vLLM correction off
         self._check_sampler_mode()
         self._check_routing_replay()
+        self._check_gate()
+        if self.ratio_full_vocab and self.old_logprob_mode not in SCORER_MODES:
+            raise ValueError(f"ratio_full_vocab=True compares a scoring mode's old distribution with the policy's "
+                             f"own, but old_logprob_mode={self.old_logprob_mode!r} (bf16: the old pass is the policy's "
+                             f"own; sampler: no old distribution); use one of {', '.join(SCORER_MODES)}")
         if self.sampler_logprobs_in_loss and not self.record_sampler_logprobs:
             raise ValueError("sampler_logprobs_in_loss=True needs record_sampler_logprobs=True (the log-probs it hands "
                              "to TRL are the recorded ones)")
@@ -406,6 +496,48 @@ class RatioGRPOConfig(GRPOConfig):
         if self.kept_set_source != "auto":
             return self.kept_set_source
         return "recompute" if self.use_vllm else "recorded"
+
+    def _check_is_correction(self) -> None:
+        """Resolve `is_correction` (+ `is_correction_*`) into `self.is_correction_spec` (`ISCorrection` or None).
+
+        Raises:
+            ValueError: an invalid setting (`is_correction.resolve_correction`); with the sampler arm (old is the
+                sampler: the weight is 1); with vLLM, `vllm_importance_sampling_correction=False` (TRL's switch for
+                applying the weight) or TRL's `vllm_importance_sampling_mode` / clip fields moved off their
+                defaults (they would be silently unused); without vLLM, no recorded sampler log-probs; a
+                sequence-level correction with `loss_type="vespo"` (TRL's own rule for VESPO).
+        """
+        self.is_correction_spec = spec = resolve_correction(
+            self.is_correction, self.is_correction_level, self.is_correction_action, self.is_correction_low,
+            self.is_correction_high, self.is_correction_rejection, self.is_correction_veto)
+        if spec is None:
+            return
+        name = f"is_correction={self.is_correction!r}"
+        if self.old_logprob_mode == SAMPLER_MODE:
+            raise ValueError(f"{name} with old_logprob_mode='sampler': the old log-probs are the sampler's, so the "
+                             f"IS weight old/sampler is 1; unset is_correction or choose a precision mode")
+        if self.use_vllm:
+            if not self.vllm_importance_sampling_correction:
+                raise ValueError(f"{name} needs vllm_importance_sampling_correction=True with vLLM (TRL's switch for "
+                                 f"its old pass and for applying the weight in the loss)")
+            trl = GRPOConfig.__dataclass_fields__
+            moved = [f for f in ("vllm_importance_sampling_mode", "vllm_importance_sampling_clip_min",
+                                 "vllm_importance_sampling_clip_max") if getattr(self, f) != trl[f].default]
+            if moved:
+                raise ValueError(f"{name} replaces TRL's vLLM correction, so {', '.join(moved)} would be unused; "
+                                 f"leave them at TRL's defaults (or unset is_correction to use TRL's modes)")
+        elif self.use_transformers_continuous_batching or not self.record_sampler_logprobs:
+            raise ValueError(f"{name} without vLLM needs the sampler's log-probs recorded during generate: "
+                             f"record_sampler_logprobs=True and use_transformers_continuous_batching=False")
+        if self.loss_type == "vespo" and spec.sequence_level:
+            raise ValueError(f"{name} is sequence-level ({spec}); loss_type='vespo' needs a token-level weight, as "
+                             f"TRL requires token_* modes for VESPO")
+
+    def _check_gate(self) -> None:
+        """`ratio_gate`: a list of checks (a single string is one check); errors as `gate.training_checks`."""
+        if isinstance(self.ratio_gate, str):
+            self.ratio_gate = [self.ratio_gate]
+        training_checks(self.ratio_gate or [], self.ratio_gate_patience, self.ratio_gate_action)
 
     def _check_sampler_mode(self) -> None:
         """`old_logprob_mode="sampler"`: the rollout's sampler log-probs anchor the ratio, so they must exist.

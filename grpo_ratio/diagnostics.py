@@ -15,7 +15,12 @@ generation, where new/old must be 1 (the batch-logprob-gap report: "it is the id
   (p_old,S(g) / q_S(g) for both corrections) and the old policy's mean mass on the kept sets.
 - `ratio/kept_set_added_rate`: with recomputed kept sets, the share of tokens the recomputed filter dropped although
   the sampler drew them (added back to their set): where the trainer's logits disagree with the sampler's boundary.
-- `ratio/is_*`: share of tokens/sequences TRL's vLLM importance-sampling correction truncated or masked.
+- `ratio/new_old/kl_*`, `ratio/old_sampler/kl_*` (and `chi2_*`, `log_ppl_*`, `ppl_ratio`): the same two ratios in
+  the units other trainers log (`grpo_ratio.mismatch.MismatchStats`).
+- `ratio/new_old/full_*` (`ratio_full_vocab`): exact full-vocabulary KL / TV between the scoring mode's old
+  distribution and the policy's own, from the scoring pass (`mismatch.FullVocabStats`).
+- `ratio/is_*`: of the IS weight in the loss (TRL's vLLM correction, or `is_correction`): the shares truncated, masked
+  or rejected, the effective sample size, the raw weights' quantiles (`mismatch.ISWeightStats`).
 - `ratio/fp16_fallback_rows`: `fp16_clone` rows re-scored in fp32 after an fp16 overflow, per generation batch.
 - `ratio/importance_sampling_ratio/{min,mean,max}`: under `lift_sampler` with vLLM's IS correction, the IS weights
   the loss uses (TRL's `sampling/importance_sampling_ratio/*` is computed before the lift).
@@ -32,10 +37,15 @@ import warnings
 import torch
 
 from . import metric_keys as keys
+from .is_correction import ISCorrection, importance_weights
+from .mismatch import FullVocabStats, ISWeightStats, MismatchStats
 from .plan import RunPlan
-from .ratios import RatioStats, clip_flips, importance_sampling_stats, valid_token_mask
+from .ratios import RatioStats, clip_flips, valid_token_mask
 from .records import MicroBatchRecord
 
+
+# batch keys of the scoring pass's full-vocabulary divergences (ratio_full_vocab), in `FullVocabStats.update` order
+FULL_VOCAB_KEYS = ("full_vocab_kl", "full_vocab_reverse_kl", "full_vocab_tv")
 
 # TRL loss types whose objective is the PPO clip -min(r A, clip(r) A) (grpo_trainer.py `_compute_loss`)
 PPO_CLIP_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
@@ -64,6 +74,10 @@ class RatioDiagnostics:
             and args.importance_sampling_level == "token"
             and (args.delta is None or args.delta > 1 + eps_high)  # ratios.ppo_clip_active's domain
         )
+        # the correction behind the loss's `importance_sampling_ratio`: ours, else TRL's vLLM mode
+        self.is_correction = self.plan.is_correction or ISCorrection.from_trl(
+            args.vllm_importance_sampling_mode, args.vllm_importance_sampling_clip_min,
+            args.vllm_importance_sampling_clip_max)
         self.num_updates = 0  # optimizer updates that carried a first inner step (for clip_flip_every)
         self.warned_no_tokens = False
         self._reset()
@@ -72,6 +86,8 @@ class RatioDiagnostics:
         self.new_old = RatioStats(self.band)
         self.old_sampler = RatioStats(self.band)
         self.old_sampler_corrected = RatioStats(self.band)
+        self.new_old_units, self.old_sampler_units = MismatchStats(), MismatchStats()
+        self.full_vocab = FullVocabStats()
         self.kept_mass_sum = torch.zeros((), dtype=torch.float64)
         self.kept_mass_count = torch.zeros((), dtype=torch.float64)
         self.added_sum = torch.zeros((), dtype=torch.float64)  # recomputed kept sets: sampled tokens added back
@@ -122,10 +138,14 @@ class RatioDiagnostics:
         old = train_logps if old is None else old  # TRL skipped the old pass: old := new.detach(), r == 1
         new_old = train_logps - old  # (B, T)
         self.new_old.update(new_old, mask)
+        self.new_old_units.update(new_old, mask)
+        if FULL_VOCAB_KEYS[0] in inputs:  # the scoring pass held both distributions (ratio_full_vocab)
+            self.full_vocab.update(*(inputs[k] for k in FULL_VOCAB_KEYS), mask)
         # the generate recording (ours, kept out of TRL's loss by default), else what TRL holds (vLLM, rollout_func)
         sampler = inputs.get("sampler_per_token_logps", inputs.get("sampling_per_token_logps"))
         if sampler is not None and self.plan.anchor_is_sampler:  # old IS the sampler: r == 1 exactly, measured as such
             self.old_sampler.update(old - sampler, mask & ~torch.isnan(sampler))
+            self.old_sampler_units.update(old - sampler, mask)
             self._update_kept_mass(log_mass, mask & ~torch.isnan(sampler))
         elif sampler is not None:
             self._update_old_sampler(old, sampler, log_mass, mask, inputs)
@@ -153,10 +173,10 @@ class RatioDiagnostics:
             self.old_sampler_corrected.update(raw - log_mass, has_sampler)  # both corrections: p_old,S / q_S
             self._update_kept_mass(log_mass, has_sampler)
         self.old_sampler.update(raw, has_sampler)
-        if "importance_sampling_ratio" in inputs:
-            stats = importance_sampling_stats(old - sampler, mask, self.args.vllm_importance_sampling_mode,
-                                              self.args.vllm_importance_sampling_clip_min,
-                                              self.args.vllm_importance_sampling_clip_max)
+        self.old_sampler_units.update(raw, mask)  # NaN sampler log-probs are left out there too
+        if "importance_sampling_ratio" in inputs:  # the weight as the loss got it, from the same log-probs (rows whole)
+            weights = importance_weights(old - sampler, mask, self.is_correction)
+            stats = ISWeightStats.of(self.is_correction).update(weights)
             self.is_stats = stats if self.is_stats is None else self.is_stats.merge(stats)
 
     def _update_kept_mass(self, log_mass, mask) -> None:
@@ -181,6 +201,10 @@ class RatioDiagnostics:
                               "ratio/* metric for such updates", stacklevel=2)
         metrics.update(self.old_sampler.all_reduce(acc).as_metrics(keys.OLD_SAMPLER.prefix))
         metrics.update(self.old_sampler_corrected.all_reduce(acc).as_metrics(keys.OLD_SAMPLER_CORRECTED.prefix))
+        metrics.update(self.new_old_units.all_reduce(acc).as_metrics(keys.NEW_OLD.prefix))
+        if self.args.ratio_full_vocab:
+            metrics.update(self.full_vocab.all_reduce(acc).as_metrics(keys.NEW_OLD.prefix))
+        metrics.update(self.old_sampler_units.all_reduce(acc).as_metrics(keys.OLD_SAMPLER.prefix))
         if self.plan.corrects:
             sums = torch.stack([self.kept_mass_sum, self.kept_mass_count]).to(self.accelerator.device)  # (2,)
             if acc is not None:

@@ -57,6 +57,11 @@ def fused_head_fallback(args, policy: nn.Module, engine: str | None, trl_runs_ol
     if args.truncation_correction != "none":
         return (f"truncation_correction={args.truncation_correction!r}: the kept sets and log M_old come from the "
                 f"old pass's full logits")
+    if getattr(args, "is_correction", None) is not None:
+        return (f"is_correction={args.is_correction!r}: the IS weight is computed from the old log-probs of the whole "
+                f"generation batch before any training forward")
+    if getattr(args, "ratio_full_vocab", False):
+        return "ratio_full_vocab=True: the exact full-vocabulary divergences need the mode's own pass"
     dropout = active_dropout(policy)
     if dropout:
         return (f"dropout is active in the training forward ({', '.join(dropout)}); the old log-probs are scored "

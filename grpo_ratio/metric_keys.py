@@ -73,6 +73,26 @@ OLD_SAMPLER_CORRECTED = RatioFamily(f"{PREFIX}/old_sampler_corrected", "a trunca
                                     "old/sampler after the truncation correction")
 FAMILIES = (NEW_OLD, OLD_SAMPLER, OLD_SAMPLER_CORRECTED)
 
+# the KL/PPL/chi-square units of two families (`mismatch.MismatchStats.as_metrics`), in emission order
+MISMATCH_STATS = {
+    "kl_k1": "k1 estimate of KL(q||p), mean over valid tokens of -log r",
+    "kl_k2": "k2 estimate, mean of (log r)^2 / 2",
+    "kl_k3": "k3 estimate of KL(q||p), mean of r - 1 - log r",
+    "chi2_token": "token chi-square, mean of r^2 minus 1",
+    "log_ppl_diff": "log PPL_p - log PPL_q per sequence, averaged over sequences",
+    "log_ppl_abs_diff": "the same, absolute value per sequence",
+    "ppl_ratio": "PPL_p / PPL_q per sequence, averaged over sequences",
+    "chi2_seq": "sequence chi-square, mean over sequences of (prod r)^2 minus 1",
+}
+MISMATCH_FAMILIES = (NEW_OLD, OLD_SAMPLER)
+
+
+def mismatch_key(family: RatioFamily, stat: str) -> str:
+    """`{family.prefix}/{stat}` for a `MISMATCH_STATS` stat. Raises KeyError for another stat."""
+    if stat not in MISMATCH_STATS:
+        raise KeyError(f"{stat!r} is not a mismatch statistic; allowed: {', '.join(MISMATCH_STATS)}")
+    return f"{family.prefix}/{stat}"
+
 KEPT_MASS_MEAN = f"{PREFIX}/kept_mass_mean"
 KEPT_SET_ADDED_RATE = f"{PREFIX}/kept_set_added_rate"
 IS_WEIGHTS_MIN = f"{PREFIX}/importance_sampling_ratio/min"
@@ -85,10 +105,23 @@ IS_TRUNCATED_TOKEN_FRAC = f"{PREFIX}/is_truncated_token_frac"
 IS_TRUNCATED_SEQ_FRAC = f"{PREFIX}/is_truncated_seq_frac"
 IS_MASKED_TOKEN_FRAC = f"{PREFIX}/is_masked_token_frac"
 IS_MASKED_SEQ_FRAC = f"{PREFIX}/is_masked_seq_frac"
+IS_REJECTED_TOKEN_FRAC = f"{PREFIX}/is_rejected_token_frac"
+IS_REJECTED_SEQ_FRAC = f"{PREFIX}/is_rejected_seq_frac"
+IS_WEIGHT_ESS = f"{PREFIX}/is_weight_ess"
+IS_WEIGHT_MEAN = f"{PREFIX}/is_weight_mean"
+IS_WEIGHT_RAW_P1 = f"{PREFIX}/is_weight_raw/p1"
+IS_WEIGHT_RAW_P50 = f"{PREFIX}/is_weight_raw/p50"
+IS_WEIGHT_RAW_P99 = f"{PREFIX}/is_weight_raw/p99"
+FULL_KL = f"{NEW_OLD.prefix}/full_kl"
+FULL_REVERSE_KL = f"{NEW_OLD.prefix}/full_reverse_kl"
+FULL_TV = f"{NEW_OLD.prefix}/full_tv"
 
-_IS_LOSS = "lift_sampler with vLLM's IS correction"
-_IS_TRUNCATE = "vLLM IS correction in a *_truncate mode"
-_IS_MASK = "vLLM IS correction in a *_mask mode"
+_IS_LOSS = "is_correction, or lift_sampler with vLLM's IS correction"
+_IS_ANY = "an IS weight in the loss (vLLM's correction, or is_correction)"
+_IS_RAW = "an IS weight in the loss with a weight level (not is_correction_level='none')"
+_IS_TRUNCATE = "an IS weight in the loss, truncate action (TRL's *_truncate modes)"
+_IS_MASK = "an IS weight in the loss, mask action (TRL's *_mask modes)"
+_IS_REJECT = "is_correction with rejection rules or a veto"
 SINGLE_KEYS = {
     KEPT_MASS_MEAN: KeyInfo("a truncation correction with kept sets", "mean kept mass under the old policy (1 = "
                             "untruncated)"),
@@ -103,11 +136,27 @@ SINGLE_KEYS = {
                             "PPO-clip decision changes with the choice of old log-probs"),
     CLIP_FLIP_RATE_ADV_WEIGHTED: KeyInfo("as clip_flip_rate, and some valid token with A != 0", "the same, weighted "
                                          "by the absolute advantage"),
-    IS_TRUNCATED_TOKEN_FRAC: KeyInfo(_IS_TRUNCATE, "share of tokens whose IS weight TRL clamped"),
+    IS_TRUNCATED_TOKEN_FRAC: KeyInfo(_IS_TRUNCATE, "share of tokens whose IS weight the bounds clamped"),
     IS_TRUNCATED_SEQ_FRAC: KeyInfo(_IS_TRUNCATE, "share of sequences touched by the clamp"),
-    IS_MASKED_TOKEN_FRAC: KeyInfo(_IS_MASK, "share of tokens TRL's IS correction removed from the loss"),
-    IS_MASKED_SEQ_FRAC: KeyInfo(_IS_MASK, "share of sequences (partly) removed"),
+    IS_MASKED_TOKEN_FRAC: KeyInfo(_IS_MASK, "share of tokens whose IS weight the bounds set to 0"),
+    IS_MASKED_SEQ_FRAC: KeyInfo(_IS_MASK, "share of sequences (partly) masked"),
+    IS_REJECTED_TOKEN_FRAC: KeyInfo(_IS_REJECT, "share of tokens a rejection rule or the veto set to 0"),
+    IS_REJECTED_SEQ_FRAC: KeyInfo(_IS_REJECT, "share of sequences (partly) rejected"),
+    IS_WEIGHT_ESS: KeyInfo(_IS_ANY, "effective sample size of the weights the loss uses, (sum w)^2 / (N sum w^2)"),
+    IS_WEIGHT_MEAN: KeyInfo(_IS_ANY, "mean weight the loss uses, over valid tokens"),
+    IS_WEIGHT_RAW_P1: KeyInfo(_IS_RAW, "1st percentile of the raw weight (before bounds and rejection)"),
+    IS_WEIGHT_RAW_P50: KeyInfo(_IS_RAW, "median raw weight"),
+    IS_WEIGHT_RAW_P99: KeyInfo(_IS_RAW, "99th percentile of the raw weight"),
+    FULL_KL: KeyInfo("ratio_full_vocab with a scoring mode", "exact full-vocabulary KL(old||policy), mean over valid "
+                     "tokens"),
+    FULL_REVERSE_KL: KeyInfo("ratio_full_vocab with a scoring mode", "exact KL(policy||old), mean over valid tokens"),
+    FULL_TV: KeyInfo("ratio_full_vocab with a scoring mode", "exact total variation between the two, mean over valid "
+                     "tokens"),
 }
+
+# the mismatch units of NEW_OLD and OLD_SAMPLER, present with their family
+MISMATCH_KEYS = {mismatch_key(f, stat): KeyInfo(f.present, f"{f.meaning}: {meaning}")
+                 for f in MISMATCH_FAMILIES for stat, meaning in MISMATCH_STATS.items()}
 
 # MoE route agreement (grpo_ratio.routing.replay.RouteTally): two pairs, each with three fixed keys and one key per
 # MoE layer, `ratio/route/<pair>/layer_<i>` (absolute decoder-layer index i)
@@ -144,8 +193,8 @@ ROUTE_LAYER_ROWS = {f"{ROUTE_PREFIX}/{pair}/layer_<i>": KeyInfo(present, f"{what
                     for pair, (present, what) in ROUTE_PAIRS.items()}
 
 # every key the diagnostics can emit (the per-layer route keys: `known`)
-TABLE: dict[str, KeyInfo] = ({k: v for family in FAMILIES for k, v in family.keys().items()} | SINGLE_KEYS
-                             | ROUTE_KEYS)
+TABLE: dict[str, KeyInfo] = ({k: v for family in FAMILIES for k, v in family.keys().items()} | MISMATCH_KEYS
+                             | SINGLE_KEYS | ROUTE_KEYS)
 
 
 def known(key: str) -> bool:

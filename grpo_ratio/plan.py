@@ -18,6 +18,7 @@ question (`plan.corrects`, `plan.anchor_is_sampler`, ...) instead of comparing c
 | `sampling` | the `SamplingSettings` generation uses (also the filter the `"recompute"` source re-applies, and the repetition penalty a correction re-applies) | backend, model |
 | `routing_replay` | `"none"`, `"R2"`, `"R3"` (`grpo_ratio.routing.replay`) | `routing_replay` |
 | `sampler_routes` | where the sampler's MoE routes come from: `"generate"` (recorded), `"vllm"` (`routed_experts`), `"none"` | `routing_replay`, `ratio_diagnostics`, backend |
+| `is_correction` | the `ISCorrection` the loss's IS weight comes from, or None (TRL's behaviour) | `is_correction(_*)` |
 
 To add a setting (routing replay, an IS correction): add a field with a default that means "off", resolve it in
 `RunPlan.resolve` (one line, or one `_resolve_*` function that also raises the start-up refusals of that setting),
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import SAMPLER_MODE, SCORER_MODES
+from .is_correction import ISCorrection
 from .rollouts import SamplingSettings
 
 
@@ -76,6 +78,7 @@ class RunPlan:
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     routing_replay: str = "none"
     sampler_routes: str = "none"
+    is_correction: ISCorrection | None = None
 
     @classmethod
     def resolve(cls, args, sampling: SamplingSettings, backend: str = GENERATE, multi_turn: bool = False,
@@ -87,9 +90,10 @@ class RunPlan:
 
         Raises:
             ValueError: `old_logprob_mode="sampler"` with continuous batching (no sampler log-probs); a truncation
-                correction, `sampler_logprobs_in_loss` or the sampler arm with beam search or greedy decoding (no
-                per-token sampling distribution); recorded kept sets with multi-turn `generate` (turns not stitched);
-                `routing_replay="R3"` where the sampler's routes cannot be had (`_resolve_sampler_routes`).
+                correction, `sampler_logprobs_in_loss`, the sampler arm or an IS correction with beam search or
+                greedy decoding (no per-token sampling distribution); recorded kept sets with multi-turn `generate`
+                (turns not stitched); `routing_replay="R3"` where the sampler's routes cannot be had
+                (`_resolve_sampler_routes`).
         Warns (UserWarning): `record_sampler_logprobs` on with beam search or greedy decoding (nothing recorded).
         """
         mode = args.old_logprob_mode
@@ -111,6 +115,7 @@ class RunPlan:
             sampling=sampling,
             routing_replay=args.routing_replay,
             sampler_routes=_resolve_sampler_routes(args, sampling, backend, multi_turn),
+            is_correction=getattr(args, "is_correction_spec", None),
         )
 
     # -- questions the hooks ask ----------------------------------------------------------------------------------
@@ -166,6 +171,11 @@ class RunPlan:
         """An MoE routing replay is on (`R2` or `R3`)."""
         return self.routing_replay != "none"
 
+    @property
+    def weights_is(self) -> bool:
+        """An IS correction of ours computes the loss's `importance_sampling_ratio` (vLLM and `generate` alike)."""
+        return self.is_correction is not None
+
     def corrected_logps(self, full: torch.Tensor, on_kept: torch.Tensor) -> torch.Tensor:
         """The trainer's log-probs (B, T) as the correction wants them: over the kept sets (`on_kept`) under
         `renormalize`, else the full-vocabulary ones (`full`)."""
@@ -203,6 +213,8 @@ def _check_sampled(args, sampling: SamplingSettings, recording: bool) -> None:
         needs.append("sampler_logprobs_in_loss")
     if recording and args.old_logprob_mode == SAMPLER_MODE:
         needs.append(f"old_logprob_mode={SAMPLER_MODE!r}")
+    if recording and getattr(args, "is_correction_spec", None) is not None:
+        needs.append(f"is_correction={args.is_correction!r}")
     if needs:
         raise ValueError(f"{' / '.join(needs)} need sampled rollouts, but generation uses num_beams="
                          f"{sampling.num_beams}, do_sample={sampling.do_sample} (generation_kwargs); set "

@@ -12,8 +12,9 @@ docs/metrics.md.
 - `ppo_clip_active`, `clip_flips` / `FlipStats`: where TRL's PPO clip zeroes a token's gradient, and how often two
   choices of old log-probs disagree about it (the batch-logprob-gap report's T5 "clip-status flips", with TRL's real
   advantages).
-- `importance_sampling_affected`, `importance_sampling_stats` / `ISStats`: which tokens and sequences TRL's vLLM
-  importance-sampling correction truncated or masked (trl 1.16 `grpo_trainer.py` L2659-2707).
+- `importance_sampling_weights`: TRL 1.16's vLLM importance-sampling weights recomputed from a log-ratio (trl 1.16
+  `grpo_trainer.py` L2659-2707); every IS correction, and the statistics of its weights, are
+  `grpo_ratio.is_correction` and `grpo_ratio.mismatch`.
 
 Token weighting. Every rate is (sum over all valid tokens of the numerator) / (number of valid tokens), pooled over
 micro-batches and processes: never a mean of per-batch or per-sequence means. The accumulators keep sums and counts as
@@ -94,7 +95,19 @@ def _advantages_2d(advantages: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return adv
 
 
-def _sorted_quantiles(sorted_log_ratios: torch.Tensor, qs: Sequence[float]) -> list[float]:
+def gather_finite_values(values: torch.Tensor, accelerator) -> torch.Tensor:
+    """Every process's finite values (N_p,), concatenated on every process: (sum_p N_p,), fp32.
+
+    Padded to one length with NaN (`accelerator.pad_across_processes`), gathered, and the padding dropped; the values
+    must be finite, so NaN cannot be a real value. A collective: every process must call it.
+    """
+    values = values.to(accelerator.device)  # (N_local,)
+    values = accelerator.pad_across_processes(values, dim=0, pad_index=math.nan)  # (N_max,)
+    values = accelerator.gather(values)  # (P * N_max,)
+    return values[~torch.isnan(values)]  # (N,)
+
+
+def sorted_quantiles(sorted_log_ratios: torch.Tensor, qs: Sequence[float]) -> list[float]:
     """Quantiles of r = exp(x) from N >= 1 sorted finite log-ratios x (N,).
 
     Linear interpolation at position q * (N - 1) as in `torch.quantile`, but done on log r and then exponentiated:
@@ -112,7 +125,7 @@ def _sorted_quantiles(sorted_log_ratios: torch.Tensor, qs: Sequence[float]) -> l
 
 
 @dataclass
-class _SumStats:
+class SumStats:
     """Base of the accumulators: the fields named in `_SUMS` are fp64 scalar tensors that add up."""
 
     _SUMS: ClassVar[tuple[str, ...]] = ()
@@ -125,7 +138,7 @@ class _SumStats:
         for name, part in zip(self._SUMS, parts, strict=True):
             setattr(self, name, getattr(self, name).to(part.device) + part.double())
 
-    def merge(self, other: _SumStats) -> _SumStats:
+    def merge(self, other: SumStats) -> SumStats:
         """Add `other`'s sums into this object, in place (e.g. a later micro-batch); returns `self`."""
         if type(other) is not type(self):
             raise ValueError(f"cannot merge {type(other).__name__} into {type(self).__name__}")
@@ -139,7 +152,7 @@ class _SumStats:
         totals = accelerator.reduce(stacked, reduction="sum")  # (S,)
         return dict(zip(self._SUMS, totals.unbind(0), strict=True))
 
-    def all_reduce(self, accelerator) -> _SumStats:
+    def all_reduce(self, accelerator) -> SumStats:
         """A new object holding the sums over all processes; `accelerator=None` (one process) returns a copy.
 
         Every process must call it, also those with no valid token: it is a collective operation.
@@ -150,7 +163,7 @@ class _SumStats:
 
 
 @dataclass
-class RatioStats(_SumStats):
+class RatioStats(SumStats):
     """Token-weighted statistics of an importance ratio r = exp(log_ratio), exact across micro-batches and processes.
 
     Fields (fp64 scalar tensors unless stated):
@@ -219,10 +232,7 @@ class RatioStats(_SumStats):
         """
         if accelerator is None:
             return replace(self)
-        values = self.finite_log_ratios.to(accelerator.device)  # (N_local,)
-        values = accelerator.pad_across_processes(values, dim=0, pad_index=math.nan)  # (N_max,)
-        values = accelerator.gather(values)  # (P * N_max,)
-        values = values[~torch.isnan(values)]  # (N,)
+        values = gather_finite_values(self.finite_log_ratios, accelerator)  # (N,)
         return replace(self, finite_log_ratios=values, **self._reduced_sums(accelerator))
 
     def as_metrics(self, prefix: str) -> dict[str, float]:
@@ -244,7 +254,7 @@ class RatioStats(_SumStats):
             return metrics
         metrics[f"{prefix}/mean_abs_log_ratio"] = (x.double().abs().sum() / x.numel()).item()
         metrics[f"{prefix}/mean"] = (x.double().exp().sum() / x.numel()).item()  # mean of r (batch-logprob-gap T11's)
-        for key, value in zip(QUANTILES, _sorted_quantiles(x, list(QUANTILES.values())), strict=True):
+        for key, value in zip(QUANTILES, sorted_quantiles(x, list(QUANTILES.values())), strict=True):
             metrics[f"{prefix}/{key}"] = value
         return metrics
 
@@ -295,7 +305,7 @@ def ppo_clip_active(
 
 
 @dataclass
-class FlipStats(_SumStats):
+class FlipStats(SumStats):
     """Token-weighted counts of PPO-clip decisions that differ between two choices of old log-probs.
 
     Fields (fp64 scalar tensors): `num_tokens` (valid tokens), `num_flips` (valid tokens whose decision differs),
@@ -390,7 +400,7 @@ def importance_sampling_weights(
         (B, T) weights in `token_*` modes, (B, 1) in `sequence_*` modes, in log_ratio's dtype.
 
     Raises:
-        ValueError: as `importance_sampling_affected`.
+        ValueError: shapes differ, unknown `mode`, clip_min >= clip_max, or a truncate mode with no bound.
     """
     _check_2d_same_shape(log_ratio=log_ratio, mask=mask)
     _check_is_mode(mode, clip_min, clip_max)
@@ -403,88 +413,3 @@ def importance_sampling_weights(
     low = -math.inf if clip_min is None else clip_min
     high = math.inf if clip_max is None else clip_max
     return weight.masked_fill((weight < low) | (weight > high), 0.0)
-
-
-def importance_sampling_affected(
-    log_ratio: torch.Tensor, mask: torch.Tensor, mode: str, clip_min: float | None, clip_max: float | None
-) -> torch.Tensor:
-    """Tokens whose vLLM importance-sampling weight TRL 1.16 changed: truncated (`*_truncate`) or zeroed (`*_mask`).
-
-    Re-does TRL's computation (grpo_trainer.py L2659-2707): d = nan_to_num((old - sampling) * mask, nan=0), summed
-    over tokens in `sequence_*` modes; w = exp(d); a weight is affected when w < clip_min or w > clip_max (a `None`
-    bound is no bound): `clamp` changes exactly those, and `*_mask` sets exactly those to 0. In `sequence_*` modes every
-    valid token of an affected sequence is affected.
-
-    Args:
-        log_ratio (`torch.Tensor` of shape (B, T), any float dtype): raw logp_old - logp_sampler (NaN where the sampler
-            gave no log-prob, as TRL pads it), before any truncation correction.
-        mask (`torch.Tensor` of shape (B, T), bool or 0/1): valid tokens; TRL uses completion_mask x tool_mask, which
-            equals `valid_token_mask` on TRL's outputs (TRL cuts completions after the first EOS).
-        mode (`str`): TRL's `vllm_importance_sampling_mode`, one of `IS_MODES`.
-        clip_min, clip_max (`float` or `None`): TRL's `vllm_importance_sampling_clip_min` / `_clip_max`.
-
-    Returns:
-        `torch.Tensor` of shape (B, T), bool: affected valid tokens.
-
-    Raises:
-        ValueError: shapes differ, unknown `mode`, clip_min >= clip_max, or a truncate mode with no bound.
-    """
-    _check_2d_same_shape(log_ratio=log_ratio, mask=mask)
-    _check_is_mode(mode, clip_min, clip_max)
-    valid = mask.bool()  # (B, T)
-    diff = torch.nan_to_num(log_ratio.float() * valid, nan=0.0)  # (B, T) as TRL: +-inf -> +-max float
-    if mode.startswith("sequence_"):
-        diff = diff.sum(dim=-1, keepdim=True)  # (B, 1) log of the product of token ratios
-    weight = torch.exp(diff)  # (B, T) or (B, 1)
-    low = -math.inf if clip_min is None else clip_min
-    high = math.inf if clip_max is None else clip_max
-    affected = (weight < low) | (weight > high)  # (B, T) or (B, 1)
-    return affected.expand(valid.shape) & valid  # (B, T)
-
-
-@dataclass
-class ISStats(_SumStats):
-    """Token- and sequence-weighted counts of TRL's vLLM importance-sampling truncation or masking.
-
-    Fields (fp64 scalar tensors): `num_tokens`, `num_affected_tokens`, `num_seqs` (sequences with >= 1 valid token),
-    `num_affected_seqs` (sequences with >= 1 affected token); `masking` (`bool`): the mode is a `*_mask` mode.
-    Build with `importance_sampling_stats`; combine with `merge` / `all_reduce`.
-    """
-
-    _SUMS: ClassVar[tuple[str, ...]] = ("num_tokens", "num_affected_tokens", "num_seqs", "num_affected_seqs")
-    masking: bool = False
-    num_tokens: torch.Tensor = field(default_factory=_zero)
-    num_affected_tokens: torch.Tensor = field(default_factory=_zero)
-    num_seqs: torch.Tensor = field(default_factory=_zero)
-    num_affected_seqs: torch.Tensor = field(default_factory=_zero)
-
-    def merge(self, other: ISStats) -> ISStats:
-        """Add `other` in place; returns `self`. Raises `ValueError` when one is a mask mode and the other not."""
-        if isinstance(other, ISStats) and other.masking != self.masking:
-            raise ValueError("cannot merge ISStats of a *_mask mode with one of a *_truncate mode")
-        return super().merge(other)
-
-    def as_metrics(self, prefix: str = "ratio") -> dict[str, float]:
-        """`{prefix}/is_{masked|truncated}_token_frac` and `..._seq_frac` (the word follows the mode); `{}` without
-        valid tokens."""
-        if self.num_tokens.item() == 0:
-            return {}
-        kind = "masked" if self.masking else "truncated"
-        return {
-            f"{prefix}/is_{kind}_token_frac": (self.num_affected_tokens / self.num_tokens).item(),
-            f"{prefix}/is_{kind}_seq_frac": (self.num_affected_seqs / self.num_seqs).item(),
-        }
-
-
-def importance_sampling_stats(
-    log_ratio: torch.Tensor, mask: torch.Tensor, mode: str, clip_min: float | None, clip_max: float | None
-) -> ISStats:
-    """`ISStats` of one batch: which share of valid tokens and of sequences TRL's vLLM IS correction changed.
-
-    Arguments, shapes and errors as in `importance_sampling_affected`.
-    """
-    affected = importance_sampling_affected(log_ratio, mask, mode, clip_min, clip_max)  # (B, T)
-    valid = mask.bool()  # (B, T)
-    stats = ISStats(masking=mode.endswith("_mask"))
-    stats._add([valid.sum(), affected.sum(), valid.any(dim=-1).sum(), affected.any(dim=-1).sum()])
-    return stats

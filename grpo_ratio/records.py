@@ -58,6 +58,8 @@ class GenerationRecord:
         fallback_rows (`int`): `fp16_clone` rows re-scored in fp32 in this batch's old pass.
         routes (`GenerationRoutes`): an MoE policy's routes of this batch, (B, P+T, L, k) int16: the sampler's and
             the old pass's. Written by the trainer's `RoutingReplay` only; empty for a dense model.
+        full_vocab (`tuple | None`, 3 x (B, T) fp32): with `ratio_full_vocab`, the scoring mode's pass's exact
+            KL(old||policy), KL(policy||old) and TV per token (`ScoreResult.full_vocab`).
     """
 
     mode: str
@@ -68,6 +70,7 @@ class GenerationRecord:
     old_log_kept_mass: torch.Tensor | None = None
     fallback_rows: int = 0
     routes: GenerationRoutes = field(default_factory=GenerationRoutes)
+    full_vocab: tuple | None = None
 
 
 @dataclass

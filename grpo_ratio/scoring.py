@@ -40,6 +40,7 @@ from .copies import ModuleCopy, PerLayerCast
 from .kept_logprobs import KeptLogprobs, logprobs_on_kept_sets
 from .kept_sets import KeptSets, concat_kept_sets
 from .processors import RepetitionPenalty
+from .mismatch import full_vocab_divergence
 from .rollouts import SamplingSettings
 from .sharding import ShardedPolicy
 
@@ -248,11 +249,15 @@ class ScoreResult:
         on_kept (`KeptLogprobs | None`): only when kept sets were given: the same tokens' (B, T) log-probs over their
             kept sets (0.0 on cells without a set), the sets used (recomputed ones under `SamplingSettings`), the
             recomputed additions, and log M = `logps` - those log-probs.
+        full_vocab (`tuple | None`): only with `compare_policy=True`: (KL(old||policy), KL(policy||old), TV), each
+            (B, T) fp32, the exact full-vocabulary divergences between this mode's next-token distribution and the
+            policy's own at its training precision (`mismatch.full_vocab_divergence`).
     """
 
     logps: torch.Tensor
     fallback_rows: int = 0
     on_kept: KeptLogprobs | None = None
+    full_vocab: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 class OldLogprobScorer:
@@ -461,18 +466,31 @@ class OldLogprobScorer:
         logits = head(normed[:, -(T + 1):])  # (b, T + 1, V) fp32, the causal LM's `logits_to_keep` slice
         return completion_logprobs_from_logits(logits, completion_ids, temperature)  # (b, T)
 
+    def _logits_as_trained(self, input_ids, attention_mask, logits_to_keep):
+        """The policy's logits as its training forward computes them: training autocast, TRL's inputs (no position
+        ids)."""
+        with self.policy_autocast():
+            if self.sharded is None:
+                return _plain_forward(self.model, input_ids, attention_mask, logits_to_keep, False)
+            kwargs = forward_kwargs(self.model, input_ids, attention_mask, logits_to_keep, False)
+            return self.sharded.forward(self.model, **kwargs).logits  # (b, T + 1, V)
+
     def _chunk_logprobs(self, input_ids, attention_mask, logits_to_keep, temperature, version, kept=None,
-                        penalty=None):
+                        penalty=None, compare_policy=False):
         """(b, T) fp32 log-probs of one chunk and the number of its rows re-scored in fp32; with `kept` (KeptSets
         of the chunk's rows, or the sampler's SamplingSettings to recompute them from these logits), also the
-        `KeptLogprobs`."""
+        `KeptLogprobs`; with `compare_policy`, also the full-vocabulary divergences to the policy's own logits."""
         logps, n_fallback, logits = self._chunk_full(input_ids, attention_mask, logits_to_keep, temperature, version)
+        full = None
+        if compare_policy:  # both (b, T, V) distributions are at hand only here, chunk by chunk
+            policy = self._logits_as_trained(input_ids, attention_mask, logits_to_keep)
+            full = full_vocab_divergence(policy[:, :-1], logits[:, :-1], temperature=temperature)
         if kept is None:
-            return logps, n_fallback, None
+            return logps, n_fallback, None, full
         completion = attention_mask[:, -logits_to_keep:].bool()  # (b, T)
         on_kept = logprobs_on_kept_sets(logits[:, :-1], input_ids[:, -logits_to_keep:], kept, temperature, completion,
                                         penalty)
-        return logps, n_fallback, on_kept
+        return logps, n_fallback, on_kept, full
 
     def _chunk_full(self, input_ids, attention_mask, logits_to_keep, temperature, version):
         completion_ids = input_ids[:, -logits_to_keep:]  # (b, T)
@@ -517,8 +535,8 @@ class OldLogprobScorer:
     @torch.no_grad()
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, *,
               temperature: float = 1.0, batch_size: int | None = None, version: int = 0,
-              kept: KeptSets | SamplingSettings | None = None,
-              penalty: RepetitionPenalty | None = None) -> ScoreResult:
+              kept: KeptSets | SamplingSettings | None = None, penalty: RepetitionPenalty | None = None,
+              compare_policy: bool = False) -> ScoreResult:
         """Old log-probs of the last `logits_to_keep` tokens of each row.
 
         Args:
@@ -533,12 +551,15 @@ class OldLogprobScorer:
                 renormalised over them (truncation correction) and the sets used.
             penalty: with `kept`, the sampler's repetition penalty over the same rows (`grpo_ratio.processors`),
                 re-applied before temperature and the kept set.
+            compare_policy: also run the policy's own forward on each chunk (training autocast) and return the exact
+                full-vocabulary divergences between the two distributions (`ScoreResult.full_vocab`; one more
+                forward per chunk).
         Returns:
             `ScoreResult`: (B, T) fp32 full-vocabulary log-probs (values at padded positions are whatever the forward
             gives), the rows re-scored in fp32, and the kept-set log-probs (`KeptLogprobs`) when `kept` is given.
         """
         batch_size = batch_size or input_ids.size(0)
-        chunks, kept_chunks, fallback = [], [], 0
+        chunks, kept_chunks, full_chunks, fallback = [], [], [], 0
         sharding = contextlib.nullcontext() if self.sharded is None else self.sharded.scoring()
         deterministic = eval_mode(self.model) if self.mode != "bf16" else contextlib.nullcontext()  # bf16: TRL's pass
         with deterministic, sharding:
@@ -547,21 +568,24 @@ class OldLogprobScorer:
                 self._chunk_start = start
                 rows = kept if not isinstance(kept, KeptSets) else kept.select_rows(
                     range(sl.start, min(sl.stop, input_ids.size(0))))
-                logps, n, kept_logps = self._chunk_logprobs(input_ids[sl], attention_mask[sl], logits_to_keep,
-                                                            temperature, version, rows,
-                                                            None if penalty is None else penalty.rows(sl))
+                logps, n, kept_logps, full = self._chunk_logprobs(input_ids[sl], attention_mask[sl], logits_to_keep,
+                                                                  temperature, version, rows,
+                                                                  None if penalty is None else penalty.rows(sl),
+                                                                  compare_policy)
                 chunks.append(logps)
+                full_chunks.append(full)
                 kept_chunks.append(kept_logps)
                 fallback += n
         logps = torch.cat(chunks, dim=0)  # (B, T)
+        full = tuple(torch.cat(parts, dim=0) for parts in zip(*full_chunks)) if compare_policy else None  # (B, T) x 3
         if kept is None:
-            return ScoreResult(logps=logps, fallback_rows=fallback)
+            return ScoreResult(logps=logps, fallback_rows=fallback, full_vocab=full)
         added = [k.added for k in kept_chunks]
         kept_logps = torch.cat([k.logps for k in kept_chunks], dim=0)  # (B, T)
         on_kept = KeptLogprobs(kept_logps, concat_kept_sets([k.kept for k in kept_chunks]),
                                added=None if added[0] is None else torch.cat(added, dim=0),
                                log_mass=logps - kept_logps)  # log M = log p_full(g) - log p_S(g)
-        return ScoreResult(logps=logps, fallback_rows=fallback, on_kept=on_kept)
+        return ScoreResult(logps=logps, fallback_rows=fallback, on_kept=on_kept, full_vocab=full)
 
 
 def score_completion_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,

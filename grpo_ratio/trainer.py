@@ -39,8 +39,10 @@ from trl import GRPOTrainer
 from .config import RatioGRPOConfig
 from .copies import WeightsVersion
 from .corrections import capture_last_hidden, check_head_is_linear, kept_set_logps_from_hidden
-from .diagnostics import RatioDiagnostics
+from .diagnostics import FULL_VOCAB_KEYS, RatioDiagnostics
 from .fused_head import capture_norm_inputs, fused_head_fallback, say_fused_head
+from .gate_callback import RatioGateCallback
+from .is_correction import importance_weights
 from .kept_logprobs import lift_sampler_logprobs
 from .lints import check_calibration, check_dropout, check_positions, check_sampling, check_train_dataset, check_vllm
 from .models import trainer_model_source
@@ -128,6 +130,8 @@ class RatioGRPOTrainer(GRPOTrainer):
         self.add_callback(_WeightsVersionCallback(self.weights_version, self.accelerator))
         self.diagnostics = RatioDiagnostics(args, self.accelerator, self.eos_token_ids,
                                             plan=self.plan) if args.ratio_diagnostics else None
+        if args.ratio_gate:  # the tolerance gate on logged metrics (grpo_ratio/gate.py)
+            self.add_callback(RatioGateCallback(args.ratio_gate, args.ratio_gate_patience, args.ratio_gate_action))
         check_sharded_mode(self.accelerator, self.model, args)  # FSDP2/ZeRO-3 combinations that cannot be exact
         if self.plan.scorer_mode is not None:  # layer indices, model anatomy, copy storage fail here, not at step 1
             OldLogprobScorer(policy, self.plan.scorer_mode, layers=args.guided_fp32_layer_ids,
@@ -243,12 +247,20 @@ class RatioGRPOTrainer(GRPOTrainer):
             # fused: each micro-batch's training forward provides it, `_fused_old_logps`)
             input_ids, attention_mask, T, batch_size = self._scoring_inputs(output, generation.mode)
             output["old_per_token_logps"] = self._score_old(generation, input_ids, attention_mask, T, batch_size)
+        if self.plan.weights_is and "old_per_token_logps" not in output:
+            # TRL skipped its old pass (generate, on-policy) but the IS weight needs one: run it as TRL's vLLM path
+            # does, through the hook below, so its log-probs also anchor the PPO ratio as there
+            output["old_per_token_logps"] = self._trl_old_pass(output, generation)
         if self.plan.lifts_sampler:
             self._lift_sampler(output, generation)
+        if self.plan.weights_is:
+            self._weigh(output, generation)
         if generation.old_log_kept_mass is not None:
             output["old_log_kept_mass"] = generation.old_log_kept_mass  # (B, T), for the diagnostics
         if generation.kept_added is not None:
             output["kept_set_added"] = generation.kept_added.to(self.accelerator.device)  # (B, T) recomputed sets
+        if generation.full_vocab is not None:  # (B, T) each: split with the batch, read at the first inner step
+            output.update(zip(FULL_VOCAB_KEYS, generation.full_vocab, strict=True))
         if self.scorer is not None and self.diagnostics is not None:
             for key, value in self.diagnostics.generation_metrics(generation.fallback_rows).items():
                 self._metrics[generation.mode][key].append(value)
@@ -355,12 +367,41 @@ class RatioGRPOTrainer(GRPOTrainer):
                 input_ids, attention_mask, logits_to_keep,
                 temperature=self.temperature, batch_size=batch_size, version=self.weights_version.value, kept=kept,
                 penalty=None if kept is None else self._penalty(input_ids, attention_mask),
+                compare_policy=self.args.ratio_full_vocab,
             )
         generation.fallback_rows += result.fallback_rows
+        generation.full_vocab = result.full_vocab
         if kept is None:
             return result.logps
         self._keep_old_sets(generation, result.on_kept)
         return self.plan.corrected_logps(result.logps, result.on_kept.logps)
+
+    def _trl_old_pass(self, output, generation) -> torch.Tensor:
+        """(B, T) old log-probs of the policy's own pass, as TRL runs it: TRL's helper on the whole batch in TRL's
+        chunking, no grad, no activation checkpointing; routed through `_get_per_token_logps_and_entropies` as TRL's
+        own old pass (kept sets and log M_old recorded as there)."""
+        input_ids, attention_mask, T, batch_size = self._scoring_inputs(output, generation.mode)
+        generation.old_pass_pending = True
+        try:
+            with torch.no_grad(), self._no_gradient_checkpointing():
+                logps, *_ = self._get_per_token_logps_and_entropies(self.model, input_ids, attention_mask, T,
+                                                                    batch_size=batch_size)
+        finally:
+            generation.old_pass_pending = False
+        return logps
+
+    def _weigh(self, output, generation) -> None:
+        """`is_correction`: the loss's IS weight, put where TRL's vLLM path puts its own (`importance_sampling_ratio`,
+        which TRL shuffles and splits with the batch), from old - sampler after any truncation correction."""
+        key = "sampling_per_token_logps" if "sampling_per_token_logps" in output else "sampler_per_token_logps"
+        mask = output["completion_mask"].bool()  # (B, T)
+        mask = mask if "tool_mask" not in output else mask & output["tool_mask"].bool()
+        weights = importance_weights(output["old_per_token_logps"] - output[key], mask, self.plan.is_correction)
+        output["importance_sampling_ratio"] = weights.weights  # (B, T), or (B, 1) when sequence-level
+        if self.diagnostics is not None:  # TRL's sampling/importance_sampling_ratio/* (vLLM) describe TRL's weight
+            metrics = self.diagnostics.importance_sampling_metrics(weights.weights, mask)
+            for name, value in metrics.items():
+                self._metrics[generation.mode][name].append(value)
 
     def _lift_sampler(self, output, generation) -> None:
         """`lift_sampler`: sampler log-probs + log M_old, M_old = the old policy's mass on the kept set."""
@@ -374,7 +415,7 @@ class RatioGRPOTrainer(GRPOTrainer):
         key = "sampling_per_token_logps" if "sampling_per_token_logps" in output else "sampler_per_token_logps"
         lifted = lift_sampler_logprobs(output[key], generation.old_log_kept_mass * valid)
         output[key] = lifted  # (B, T)
-        if "importance_sampling_ratio" in output:  # vLLM IS correction: TRL computed it from the unlifted log-probs
+        if "importance_sampling_ratio" in output and not self.plan.weights_is:  # TRL's, from the unlifted log-probs
             mask = valid if "tool_mask" not in output else valid & output["tool_mask"].bool()
             output["importance_sampling_ratio"] = importance_sampling_weights(
                 output["old_per_token_logps"] - lifted, mask, self.vllm_importance_sampling_mode,
@@ -555,12 +596,30 @@ class RatioGRPOTrainer(GRPOTrainer):
     def _compute_loss(self, model, inputs):
         micro_batch = self._micro_batch = MicroBatchRecord(inputs=inputs)
         try:
-            loss = super()._compute_loss(model, inputs)
+            with self._trl_applies_is_weight(inputs):
+                loss = super()._compute_loss(model, inputs)
         finally:
             self._micro_batch = None
         if self.diagnostics is not None and self.model.training:
             self._update_diagnostics(micro_batch)
         return loss
+
+    @contextlib.contextmanager
+    def _trl_applies_is_weight(self, inputs):
+        """TRL 1.16's `_compute_loss` multiplies the per-token loss by `inputs["importance_sampling_ratio"]` only
+        under `self.use_vllm and self.vllm_importance_sampling_correction` (grpo_trainer.py L3146; nothing else in
+        it reads the two, tests/test_is_training.py checks its source). On the `generate` path with an IS
+        correction the two are set for this call only: TRL's own multiplication applies our weight."""
+        if not self.plan.weights_is or "importance_sampling_ratio" not in inputs or (
+                self.use_vllm and self.vllm_importance_sampling_correction):
+            yield
+            return
+        saved = self.use_vllm, self.vllm_importance_sampling_correction
+        self.use_vllm = self.vllm_importance_sampling_correction = True
+        try:
+            yield
+        finally:
+            self.use_vllm, self.vllm_importance_sampling_correction = saved
 
     def _update_diagnostics(self, micro_batch: MicroBatchRecord) -> None:
         if self._first_inner_step() and micro_batch.train_logps is not None:

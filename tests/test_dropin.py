@@ -264,7 +264,12 @@ def test_public_functions_accept_empty_input():
     assert kept.select_rows([]).num_rows == 0 and no_rows.resize_steps(3).sizes.shape == (0, 3)
     assert R.RatioStats().update(zeros, nothing).as_metrics("ratio/new_old") == {}
     assert R.clip_flips(zeros, zeros, torch.ones(2), nothing, 0.2, 0.2).as_metrics() == {}
-    assert R.importance_sampling_stats(zeros, nothing, "sequence_mask", None, 3.0).as_metrics() == {}
+    from grpo_ratio.is_correction import ISCorrection, importance_weights
+    from grpo_ratio.mismatch import ISWeightStats, MismatchStats
+
+    trl_default = ISCorrection.from_trl("sequence_mask", None, 3.0)
+    assert ISWeightStats.of(trl_default).update(importance_weights(zeros, nothing, trl_default)).as_metrics() == {}
+    assert MismatchStats().update(zeros, nothing).as_metrics("ratio/old_sampler") == {}
 
 
 def test_a_copy_of_a_tied_model_keeps_one_embedding():

@@ -148,6 +148,8 @@ def _fallback(tmp_path, caplog, model=None, **overrides):
     (dict(num_iterations=2), "TRL runs its own old pass", 1),  # one generation serves both steps
     (dict(top_p=0.9, truncation_correction="renormalize"), "truncation_correction='renormalize'", 2),
     (dict(disable_dropout=False, model=tiny_model("qwen2", attention_dropout=0.1)), "dropout is active", 2),
+    (dict(is_correction="tis"), "is_correction='tis'", 2),  # the IS weight needs the batch's old log-probs first
+    (dict(ratio_full_vocab=True), "ratio_full_vocab=True", 4),  # the mode's pass and the policy's, per generation
 ])
 def test_fallbacks_keep_the_separate_pass_and_say_why_once(tmp_path, caplog, overrides, reason, no_grad_passes):
     trainer, said = _fallback(tmp_path, caplog, **overrides)

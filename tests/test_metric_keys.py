@@ -26,15 +26,29 @@ def test_a_real_run_emits_only_keys_of_the_table_and_of_the_docs(tmp_path):
     # fp16_clone with renormalize over recomputed kept sets: the richest CPU run (every family, kept mass, added rate,
     # fp16 fallback, clip flips); vLLM's IS keys need vLLM
     trainer = tiny_trainer(tmp_path, "fp16_clone", max_steps=1, top_p=0.8, truncation_correction="renormalize",
-                           kept_set_source="recompute")
+                           kept_set_source="recompute", ratio_full_vocab=True)
     trainer.train()
     emitted = {k for row in trainer.state.log_history for k in row if k.startswith(f"{keys.PREFIX}/")}
     documented, _ = _documented()
     assert {k for k in emitted if not keys.known(k)} == set()
     assert emitted - documented == set()
     expected = {*keys.NEW_OLD.keys(), *keys.OLD_SAMPLER.keys(), *keys.OLD_SAMPLER_CORRECTED.keys(),
-                keys.KEPT_MASS_MEAN, keys.KEPT_SET_ADDED_RATE, keys.FP16_FALLBACK_ROWS, keys.CLIP_FLIP_RATE}
-    assert expected <= emitted  # 28 keys: the check above ran on them
+                *keys.MISMATCH_KEYS, keys.KEPT_MASS_MEAN, keys.KEPT_SET_ADDED_RATE, keys.FP16_FALLBACK_ROWS,
+                keys.CLIP_FLIP_RATE, keys.FULL_KL, keys.FULL_REVERSE_KL, keys.FULL_TV}
+    assert expected <= emitted  # 47 keys: the check above ran on them
+
+
+def test_an_is_correction_run_emits_only_keys_of_the_table_and_of_the_docs(tmp_path):
+    # a custom correction with every part: the ratio/is_* keys of the IS weight (rejection, raw quantiles, ESS)
+    trainer = tiny_trainer(tmp_path, max_steps=1, is_correction="custom", is_correction_level="token",
+                           is_correction_action="mask", is_correction_low=0.5, is_correction_high=2.0,
+                           is_correction_rejection="seq_mean_k3<=0.01")
+    trainer.train()
+    emitted = {k for row in trainer.state.log_history for k in row if k.startswith(f"{keys.PREFIX}/")}
+    documented, _ = _documented()
+    assert emitted - set(keys.TABLE) == set() and emitted - documented == set()
+    assert {keys.IS_WEIGHT_ESS, keys.IS_WEIGHT_RAW_P50, keys.IS_MASKED_SEQ_FRAC, keys.IS_REJECTED_SEQ_FRAC,
+            keys.IS_WEIGHTS_MEAN} <= emitted
 
 
 def test_the_table_and_the_docs_list_the_same_keys():
@@ -42,7 +56,8 @@ def test_the_table_and_the_docs_list_the_same_keys():
     assert set(keys.TABLE) - documented == set()
     assert documented - set(keys.TABLE) == set()
     assert families == {f.prefix for f in keys.FAMILIES} | {keys.ROUTE_PREFIX}
-    assert len(keys.TABLE) == 3 * len(keys.FAMILY_STATS) + len(keys.SINGLE_KEYS) + len(keys.ROUTE_KEYS) == 42
+    assert len(keys.TABLE) == (3 * len(keys.FAMILY_STATS) + 2 * len(keys.MISMATCH_STATS) + len(keys.SINGLE_KEYS)
+                               + len(keys.ROUTE_KEYS)) == 68
 
 
 def test_route_keys_of_an_moe_run_are_in_the_table_and_the_docs(tmp_path):
@@ -57,3 +72,10 @@ def test_route_keys_of_an_moe_run_are_in_the_table_and_the_docs(tmp_path):
     assert {keys.route_key(p, f"layer_{i}") for p in keys.ROUTE_PAIRS for i in (0, 1)} <= emitted
     assert all(keys.known(k) for k in emitted) and set(keys.ROUTE_KEYS) <= documented
     assert not keys.known("ratio/route/old_new/layer_x") and not keys.known("ratio/route/other/any_layer")
+
+
+def test_every_key_has_its_row_of_peer_keys():
+    from grpo_ratio.metric_peers import PEERS
+
+    assert set(PEERS) == set(keys.TABLE)
+    assert all(len(row) == 4 and all(cell for cell in row) for row in PEERS.values())

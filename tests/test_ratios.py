@@ -14,13 +14,12 @@ import sys
 import pytest
 import torch
 
+from grpo_ratio.is_correction import ISCorrection, importance_weights
+from grpo_ratio.mismatch import ISWeightStats
 from grpo_ratio.ratios import (
     FlipStats,
-    ISStats,
     RatioStats,
     clip_flips,
-    importance_sampling_affected,
-    importance_sampling_stats,
     ppo_clip_active,
     valid_token_mask,
 )
@@ -237,75 +236,6 @@ def test_clip_flips_both_clipped_is_no_flip_and_zero_advantage_has_no_weighted_r
     assert stats.as_metrics() == {"ratio/clip_flip_rate": 0.0}
 
 
-# ---------------------------------------------------------------- importance sampling (vLLM correction)
-
-# Raw log(old / sampler): row 0 r = [3, 1, 0.25]; row 1 r = [1, NaN (no sampler log-prob; TRL: ratio 1), masked].
-IS_LOG_RATIO = torch.tensor([[math.log(3.0), 0.0, math.log(0.25)], [0.0, math.nan, 5.0]])
-IS_MASK = torch.tensor([[1, 1, 1], [1, 1, 0]])
-
-
-@pytest.mark.parametrize(
-    ("mode", "clip_min", "clip_max", "expected"),
-    [
-        # token_mask [0.5, 2]: r = 3 and r = 0.25 are zeroed -> 2 / 5 tokens; only row 0 -> 1 / 2 sequences.
-        ("token_mask", 0.5, 2.0, {"ratio/is_masked_token_frac": 0.4, "ratio/is_masked_seq_frac": 0.5}),
-        # token_truncate max 2: only r = 3 -> 1 / 5 tokens, 1 / 2 sequences.
-        ("token_truncate", None, 2.0, {"ratio/is_truncated_token_frac": 0.2, "ratio/is_truncated_seq_frac": 0.5}),
-        # sequence_mask [0.5, 2]: row 0 product 3 * 1 * 0.25 = 0.75, row 1 product 1 -> nothing masked.
-        ("sequence_mask", 0.5, 2.0, {"ratio/is_masked_token_frac": 0.0, "ratio/is_masked_seq_frac": 0.0}),
-        # sequence_truncate max 0.9: row 1 (product 1 > 0.9) with its 2 valid tokens -> 2 / 5 tokens, 1 / 2 seqs.
-        ("sequence_truncate", None, 0.9, {"ratio/is_truncated_token_frac": 0.4, "ratio/is_truncated_seq_frac": 0.5}),
-    ],
-)
-def test_importance_sampling_stats_hand_values(mode, clip_min, clip_max, expected):
-    stats = importance_sampling_stats(IS_LOG_RATIO, IS_MASK, mode, clip_min, clip_max)
-    assert stats.as_metrics() == pytest.approx(expected)
-
-
-def _trl_is_ratio(old, sampling, mask, mode, clip_min, clip_max):
-    """TRL 1.16's vLLM IS weight (grpo_trainer.py L2659-2703), copied line for line."""
-    per_token_logps_diff = (old - sampling) * mask
-    per_token_logps_diff = torch.nan_to_num(per_token_logps_diff, nan=0.0)
-    if mode in ["sequence_mask", "sequence_truncate"]:
-        logps_diff = per_token_logps_diff.sum(dim=-1, keepdim=True)
-    else:
-        logps_diff = per_token_logps_diff
-    ratio = torch.exp(logps_diff)
-    if mode in ["sequence_truncate", "token_truncate"]:
-        return ratio, torch.clamp(ratio, min=clip_min, max=clip_max)
-    min_val = clip_min if clip_min is not None else -math.inf
-    max_val = clip_max if clip_max is not None else math.inf
-    invalid_mis_mask = (ratio < min_val) | (ratio > max_val)
-    return ratio, ratio.masked_fill(invalid_mis_mask, value=0.0)
-
-
-@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
-def test_importance_sampling_affected_matches_trl(mode):
-    # A token (sequence) is affected exactly where TRL's weight differs from the raw exp(diff): clamped or zeroed.
-    torch.manual_seed(2)
-    old = -3.0 * torch.rand(8, 6)  # (B, T)
-    sampling = old + 0.3 * torch.randn(8, 6)  # (B, T)
-    sampling[0, 2] = math.nan  # vLLM gave no log-prob: TRL uses ratio 1
-    mask = (torch.arange(6) < torch.tensor([6, 5, 4, 3, 6, 2, 1, 6]).unsqueeze(1)).long()  # (B, T)
-    clip_min, clip_max = 0.8, 1.25
-    raw, weight = _trl_is_ratio(old, sampling, mask, mode, clip_min, clip_max)
-    changed = (weight != raw).expand(mask.shape) & mask.bool()  # (B, T)
-    affected = importance_sampling_affected(old - sampling, mask, mode, clip_min, clip_max)
-    assert torch.equal(affected, changed)
-    assert affected.any() and (~affected & mask.bool()).any()  # both cases occur
-
-
-def test_importance_sampling_errors():
-    with pytest.raises(ValueError, match="vllm_importance_sampling_mode"):
-        importance_sampling_stats(IS_LOG_RATIO, IS_MASK, "token", None, 3.0)
-    with pytest.raises(ValueError, match="clip_min"):
-        importance_sampling_stats(IS_LOG_RATIO, IS_MASK, "token_mask", 3.0, 3.0)
-    with pytest.raises(ValueError, match="clip_min or _clip_max"):
-        importance_sampling_stats(IS_LOG_RATIO, IS_MASK, "sequence_truncate", None, None)
-    with pytest.raises(ValueError, match="cannot merge"):
-        importance_sampling_stats(IS_LOG_RATIO, IS_MASK, "token_mask", None, 3.0).merge(ISStats(masking=False))
-
-
 # ---------------------------------------------------------------- identity, empty, exactness across splits
 
 
@@ -316,8 +246,9 @@ def test_identity_log_ratio_zero():
     m = RatioStats().update(zeros, mask).as_metrics("r")
     assert (m["r/oob_rate"], m["r/mean_abs_log_ratio"], m["r/p1"], m["r/p50"], m["r/p99"]) == (0, 0, 1, 1, 1)
     assert clip_flips(zeros, zeros, advantages, mask, 0.2, 0.2).as_metrics()["ratio/clip_flip_rate"] == 0.0
-    is_metrics = importance_sampling_stats(zeros, mask, "token_mask", 0.5, 2.0).as_metrics()
-    assert is_metrics == {"ratio/is_masked_token_frac": 0.0, "ratio/is_masked_seq_frac": 0.0}
+    is_metrics = _is_stats(zeros, mask, "token_mask", 0.5, 2.0).as_metrics()
+    assert (is_metrics["ratio/is_masked_token_frac"], is_metrics["ratio/is_masked_seq_frac"]) == (0.0, 0.0)
+    assert is_metrics["ratio/is_weight_ess"] == 1.0 and is_metrics["ratio/is_weight_raw/p50"] == 1.0
 
 
 def test_empty_mask_gives_no_metric():
@@ -325,8 +256,8 @@ def test_empty_mask_gives_no_metric():
     assert RatioStats().update(log_ratio, mask).as_metrics("r") == {}
     assert RatioStats().as_metrics("r") == {}
     assert clip_flips(log_ratio, torch.zeros(1, 2), torch.tensor([1.0]), mask, 0.2, 0.2).as_metrics() == {}
-    assert importance_sampling_stats(log_ratio, mask, "sequence_mask", None, 3.0).as_metrics() == {}
-    assert FlipStats().as_metrics() == {} and ISStats().as_metrics() == {}
+    assert _is_stats(log_ratio, mask, "sequence_mask", None, 3.0).as_metrics() == {}
+    assert FlipStats().as_metrics() == {} and ISWeightStats().as_metrics() == {}
 
 
 def _synthetic_batch():
@@ -340,13 +271,19 @@ def _synthetic_batch():
     return log_ratio_a, log_ratio_b, advantages, mask
 
 
+def _is_stats(log_ratio, mask, mode, clip_min, clip_max) -> ISWeightStats:
+    """`ISWeightStats` of TRL's vLLM IS correction in `mode` (grpo_ratio.mismatch, reduced like the rest)."""
+    correction = ISCorrection.from_trl(mode, clip_min, clip_max)
+    return ISWeightStats.of(correction).update(importance_weights(log_ratio, mask, correction))
+
+
 def _all_stats(rows):
-    """(RatioStats, FlipStats, ISStats) of the synthetic batch restricted to `rows`."""
+    """(RatioStats, FlipStats, ISWeightStats) of the synthetic batch restricted to `rows`."""
     a, b, adv, mask = (t[rows] for t in _synthetic_batch())
     return (
         RatioStats().update(a, mask),
         clip_flips(a, b, adv, mask, 0.1, 0.1),
-        importance_sampling_stats(a, mask, "token_mask", 0.9, 1.1),
+        _is_stats(a, mask, "token_mask", 0.9, 1.1),
     )
 
 
@@ -356,7 +293,8 @@ def _metrics(stats):
 
 
 def _merge(parts):
-    total = [type(s)(**({"masking": s.masking} if isinstance(s, ISStats) else {})) for s in parts[0]]
+    total = [type(s)(**({"action": s.action, "rejects": s.rejects} if isinstance(s, ISWeightStats) else {}))
+             for s in parts[0]]
     for part in parts:
         for acc, s in zip(total, part, strict=True):
             acc.merge(s)

@@ -26,7 +26,12 @@ def _stock_keys(history):
     {},  # every default: the generate recording is on and must not reach TRL's loss
     {"off_policy_mask_threshold": 0.5, "top_p": 0.9},  # OPSM reads sampler log-probs when TRL has them
     {"num_iterations": 2, "steps_per_generation": 2},  # TRL runs its own old pass
-], ids=["defaults", "opsm", "old-pass"])
+    # the IS-correction, gate and full-vocabulary fields at their defaults, plus a gate that passes (changes nothing)
+    {"is_correction": None, "is_correction_level": None, "is_correction_action": None, "is_correction_low": None,
+     "is_correction_high": None, "is_correction_rejection": None, "is_correction_veto": None,
+     "ratio_gate": ["ratio/new_old/num_tokens>=0"], "ratio_gate_patience": 1, "ratio_gate_action": "stop",
+     "ratio_full_vocab": False},
+], ids=["defaults", "opsm", "old-pass", "is-correction-and-gate-fields"])
 def test_bf16_mode_reproduces_stock_grpo_bit_for_bit(tmp_path, overrides):
     # Same config, same seed, 3 steps: every metric stock TRL logs is identical (==, not approx), and so are the
     # trained weights.

@@ -1,0 +1,125 @@
+"""The tolerance gate (grpo_ratio/gate.py): check parsing and scopes on literal log histories, the real
+`grpo-ratio report --check` command's exit codes, and the callback stopping a real tiny training.
+
+Run: pytest tests/test_gate.py -q
+"""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from trainer_fixtures import tiny_trainer
+
+from grpo_ratio.gate import Check, collect_checks, evaluate, parse_check, read_thresholds
+from grpo_ratio.gate_callback import RatioGateCallback
+from grpo_ratio.report import main
+
+
+# four logged steps and TRL's final summary row (never judged)
+HISTORY = [{"step": 1, "ratio/x": 0.0, "loss": 1.0}, {"step": 2, "ratio/x": 0.02}, {"step": 3, "ratio/x": 0.005},
+           {"step": 4, "ratio/x": 0.03, "ratio/y": 2.0}, {"step": 4, "train_runtime": 1.0, "ratio/x": 99.0}]
+
+
+def test_parse_check_forms_and_errors():
+    assert parse_check("ratio/x<=0.01") == Check("ratio/x", "<=", 0.01, "each")
+    assert parse_check(" mean:ratio/x >= 1e-3 ") == Check("ratio/x", ">=", 1e-3, "mean")
+    assert parse_check("first:ratio/new_old/kl_k1<1e-8").scope == "first"
+    assert str(parse_check("max:eval_ratio/x!=inf")) == "max:eval_ratio/x!=inf"
+    for bad, message in [("ratio/x=0.1", "expected"), ("median:ratio/x<1", "allowed: each, mean"),
+                         ("ratio/x<=abc", "not a number"), ("ratio/x<=nan", "NaN")]:
+        with pytest.raises(ValueError, match=message):
+            parse_check(bad)
+
+
+def test_scopes_on_a_literal_history():
+    each = evaluate(parse_check("ratio/x<=0.01"), HISTORY)
+    assert not each.passed and each.failing == [(2, 0.02), (4, 0.03)] and (each.step, each.value) == (4, 0.03)
+    assert each.num_steps == 4  # the summary row's 99.0 is not a step
+    mean = evaluate(parse_check("mean:ratio/x<=0.014"), HISTORY)
+    assert mean.passed and mean.value == pytest.approx(0.01375)
+    assert not evaluate(parse_check("mean:ratio/x<=0.013"), HISTORY).passed
+    assert evaluate(parse_check("first:ratio/x<1e-8"), HISTORY).passed  # slime's step-0 gate: 0.0 < 1e-8
+    assert not evaluate(parse_check("last:ratio/x<0.03"), HISTORY).passed
+    assert evaluate(parse_check("max:ratio/x<=0.03"), HISTORY).step == 4
+    assert evaluate(parse_check("min:ratio/x>=0"), HISTORY).value == 0.0
+    assert evaluate(parse_check("ratio/y==2"), HISTORY).passed  # a key logged on one step only
+    missing = evaluate(parse_check("ratio/typo<=1"), HISTORY)
+    assert not missing.passed and "never logged" in missing.describe()
+    assert not evaluate(parse_check("ratio/z<=1"), [{"step": 1, "ratio/z": math.nan}]).passed  # NaN never passes
+
+
+def test_thresholds_files(tmp_path):
+    (tmp_path / "a.yaml").write_text("- ratio/x<=0.01\n- 'mean:ratio/y>1'\n")
+    (tmp_path / "b.json").write_text(json.dumps({"checks": ["ratio/x<=0.01"]}))
+    (tmp_path / "c.yaml").write_text("ratio/x: '<=0.01'\nmean:ratio/y: '> 1'\n")
+    assert read_thresholds(tmp_path / "a.yaml") == read_thresholds(tmp_path / "c.yaml")
+    assert read_thresholds(tmp_path / "b.json") == [Check("ratio/x", "<=", 0.01)]
+    assert collect_checks(["ratio/y<3"], tmp_path / "b.json") == [Check("ratio/y", "<", 3.0), Check("ratio/x", "<=", 0.01)]
+    (tmp_path / "bad.yaml").write_text("ratio/x: 0.01\n")
+    with pytest.raises(ValueError, match="expected a list"):
+        read_thresholds(tmp_path / "bad.yaml")
+    with pytest.raises(FileNotFoundError):
+        read_thresholds(tmp_path / "none.yaml")
+
+
+def _cli(*args):
+    """The installed console script (a subprocess, as CI would run it)."""
+    script = Path(sys.executable).with_name("grpo-ratio")
+    return subprocess.run([str(script), "report", *map(str, args)], capture_output=True, text=True, timeout=300)
+
+
+def test_report_check_exit_codes(tmp_path):
+    # the real console script in a subprocess, as CI runs it: 0 = every check passes, 1 = one fails, 2 = bad input
+    (tmp_path / "log_history.json").write_text(json.dumps(HISTORY))
+    ok = _cli(tmp_path, "--check", "mean:ratio/x<=0.014", "--check", "first:ratio/x<1e-8")
+    assert ok.returncode == 0 and "All 2 checks pass." in ok.stdout, ok.stderr
+    (tmp_path / "gate.yaml").write_text("- ratio/x<=0.01\n- ratio/typo<1\n")
+    failed = _cli(tmp_path, "--json", "--thresholds", tmp_path / "gate.yaml")
+    assert failed.returncode == 1 and json.loads(failed.stdout)[0]["run"] == tmp_path.name  # stdout stays JSON
+    assert "FAIL ratio/x<=0.01: 2 of 4 logged steps fail: 0.02 at step 2, 0.03 at step 4" in failed.stderr
+    bad = _cli(tmp_path, "--check", "ratio/x=<1")
+    assert bad.returncode == 2 and "expected [SCOPE:]KEY OP VALUE" in bad.stderr
+
+
+def test_report_check_names_failing_keys_and_values(tmp_path, capsys):
+    (tmp_path / "log_history.json").write_text(json.dumps(HISTORY))
+    assert main([str(tmp_path), "--check", "ratio/x<=0.01", "--check", "ratio/typo<1", "--check", "ratio/y==2"]) == 1
+    out = capsys.readouterr().out
+    assert out.index("FAIL ratio/x<=0.01") < out.index("PASS ratio/y==2")  # failures first
+    assert "FAIL ratio/typo<1: never logged" in out and "2 of 3 checks failed." in out
+    assert main([str(tmp_path)]) == 0  # no check: the report alone, exit 0 as before
+
+
+def test_callback_validation():
+    with pytest.raises(ValueError, match="only the scopes each, first"):
+        RatioGateCallback(["mean:ratio/x<1"])
+    with pytest.raises(ValueError, match="patience"):
+        RatioGateCallback(["ratio/x<1"], patience=0)
+    with pytest.raises(ValueError, match="allowed: warn, stop"):
+        RatioGateCallback(["ratio/x<1"], action="halt")
+
+
+def test_callback_stops_a_real_training_after_patience_steps(tmp_path):
+    # ratio/new_old/num_tokens is >= 1 on every step: the check fails each logged step; patience 2 -> stop at step 2
+    trainer = tiny_trainer(tmp_path, max_steps=4)
+    gate = RatioGateCallback(["ratio/new_old/num_tokens<1"], patience=2, action="stop")
+    trainer.add_callback(gate)
+    with pytest.warns(UserWarning, match="stopping training"):
+        trainer.train()
+    assert trainer.state.global_step == 2 and len(gate.tripped) == 1
+    assert "at step 2" in gate.tripped[0]
+    logged = [row["ratio/new_old/num_tokens"] for row in trainer.state.log_history if "ratio/new_old/num_tokens" in row]
+    assert len(logged) == 2 and min(logged) >= 1
+
+
+def test_callback_warns_and_training_goes_on(tmp_path):
+    trainer = tiny_trainer(tmp_path, max_steps=3)
+    gate = RatioGateCallback(["ratio/new_old/num_tokens<1", "first:ratio/new_old/num_tokens>0"], patience=1)
+    trainer.add_callback(gate)
+    with pytest.warns(UserWarning, match="ratio gate"):
+        trainer.train()
+    # the failing check trips once per streak (one streak of 3 steps), the passing first-step check never
+    assert trainer.state.global_step == 3 and len(gate.tripped) == 1
