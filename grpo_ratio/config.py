@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from .routing.replay import ROUTING_REPLAY_MODES  # noqa: F401  (re-exported: the allowed `routing_replay` values)
 from .gate import GATE_ACTIONS, training_checks
 from .is_correction import ACTIONS, LEVELS, PRESETS, REJECTION_METRICS, resolve_correction
+from .routing.replay import ROUTING_REPLAY_MODES  # noqa: F401  (re-exported: the allowed `routing_replay` values)
 
 
 # The groups of `old_logprob_mode` values (`grpo_ratio.plan.RunPlan` resolves what each means for a run):

@@ -23,11 +23,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .adapters import base_model
+from .forward import logit_transforms
 from .kept_logprobs import KeptLogprobs, logprobs_on_kept_sets
 from .kept_sets import KeptSets
 from .processors import RepetitionPenalty
 from .rollouts import SamplingSettings
-from .scoring import logit_transforms
 
 
 def check_head_is_linear(correction: str, model_config) -> None:

@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from .adapters import base_model
+from .forward import eval_mode, logit_transforms, model_anatomy
 from .lints import active_dropout
-from .scoring import eval_mode, logit_transforms, model_anatomy
 
 
 logger = logging.getLogger("grpo_ratio")

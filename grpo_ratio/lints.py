@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from .config import VLLM_FP32_HEAD_FLAG
+from .forward import model_anatomy
 from .rollouts import SamplingSettings
-from .scoring import model_anatomy
 
 
 # config fields of transformers models that set a dropout probability applied inside the forward

@@ -409,39 +409,6 @@ def comparison_series(path: Path) -> list[RunSeries]:
         fingerprints = json.loads(prints.read_text())["fingerprints"] if prints.is_file() else None
         out.append(run_series(arm, seed, history, fingerprints))
     return out
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="grpo-ratio report", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("path", help="a run's output_dir, its log_history.json or TRL's trainer_state.json (also in "
-                                     "checkpoint-N), or a comparison folder/summary.json")
-    parser.add_argument("--json", action="store_true", help="print the summary and findings as JSON")
-    parser.add_argument("--check", action="append", default=[], metavar="CHECK",
-                        help="tolerance gate: '[SCOPE:]KEY OP VALUE', e.g. 'ratio/new_old/oob_rate<=0.01' or "
-                             "'mean:ratio/old_sampler/kl_k3<1e-3' (quote it); repeatable; exit 1 when one fails "
-                             "(grpo_ratio/gate.py)")
-    parser.add_argument("--thresholds", metavar="FILE", help="checks from a YAML/JSON file (grpo_ratio/gate.py)")
-    args = parser.parse_args(argv)
-    try:
-        runs = load_runs(Path(args.path))
-        checks = gate.collect_checks(args.check, args.thresholds)
-    except (FileNotFoundError, ValueError) as err:  # json.JSONDecodeError is a ValueError
-        print(f"grpo-ratio report: error: {err}", file=sys.stderr)
-        return 2
-    results = []
-    for name, history, config in runs:
-        stats = summarize_history(history)
-        results.append((name, stats, findings(stats, config), config))
-    if args.json:
-        print(json.dumps([{"run": n, "config": c, "summary": s, "findings": [asdict(f) for f in fs]}
-                          for n, s, fs, c in results], indent=1))
-        return _gate(runs, checks, sys.stderr)
-    print(f"## grpo-ratio report: {args.path}\n\n{_versions()}\n")
-    for name, stats, found, config in results:
-        print(render_run(name, stats, found, config))
-    summary = _comparison_summary(Path(args.path))
-    if summary and summary.get("arms"):
-        print(render_comparison(summary))
-    return _gate(runs, checks, sys.stdout)
 
 
 def _gate(runs, checks, stream) -> int:
@@ -471,6 +438,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verdict", action="store_true", help="print only the comparison verdict")
     parser.add_argument("--effect", action="store_true",
                         help="print only, per arm of a comparison folder, whether it changes training (README)")
+    parser.add_argument("--check", action="append", default=[], metavar="CHECK",
+                        help="tolerance gate: '[SCOPE:]KEY OP VALUE', e.g. 'ratio/new_old/oob_rate<=0.01' or "
+                             "'mean:ratio/old_sampler/kl_k3<1e-3' (quote it); repeatable; exit 1 when one fails "
+                             "(grpo_ratio/gate.py)")
+    parser.add_argument("--thresholds", metavar="FILE", help="checks from a YAML/JSON file (grpo_ratio/gate.py)")
     args = parser.parse_args(argv)
     paths = [Path(p) for p in args.path]
     try:
@@ -481,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:
             print("".join(render_effect(p) for p in paths), end="")
             return 0
         runs = [run for p in paths for run in load_runs(p)]
+        checks = gate.collect_checks(args.check, args.thresholds)
     except (FileNotFoundError, ValueError) as err:  # json.JSONDecodeError is a ValueError
         print(f"grpo-ratio report: error: {err}", file=sys.stderr)
         return 2
@@ -500,10 +473,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps([{"run": n, "config": c, "summary": s, "findings": [asdict(f) for f in fs]}
                           for n, s, fs, c in results], indent=1))
-        return 0
+        return _gate(runs, checks, sys.stderr)
     print(f"## grpo-ratio report: {' '.join(args.path)}\n\n{_versions()}\n")
     for name, stats, found, config in results:
         print(render_run(name, stats, found, config))
     for p, s in summaries:
         print(render_comparison(s, comparison_series(p if p.is_dir() else p.parent)))
-    return 0
+    return _gate(runs, checks, sys.stdout)
