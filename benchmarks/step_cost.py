@@ -48,16 +48,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import functools
-import gc
 import json
 import os
-import re
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -69,6 +65,8 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 
 import yaml  # noqa: E402
+
+from grpo_ratio.memory import PeakRSS, release_memory, rss_bytes, steady_malloc  # noqa: E402  (no torch import)
 
 
 # torch, transformers, trl and grpo_ratio are imported where used: rendering a result JSON (scripts/update_docs.py,
@@ -255,74 +253,6 @@ def instrument_trainer(trainer, clock: StepClock) -> None:
     trainer.add_callback(step_callback(clock))
     for printer in (PrinterCallback, ProgressCallback):
         trainer.remove_callback(printer)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# memory: peak resident set size of an arm
-
-
-def _read_status_kb(key: str) -> int:
-    match = re.search(rf"^{key}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
-    return int(match.group(1))
-
-
-def _reset_kernel_peak() -> bool:
-    """Reset the kernel's peak-RSS counter (Linux >= 4.0); False where that is not possible."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
-def rss_bytes() -> int:
-    """Current resident set size of this process, in bytes."""
-    import psutil
-
-    return psutil.Process().memory_info().rss
-
-
-class PeakRSS:
-    """Peak resident set size (bytes) of this process inside a `with` block: the kernel's `VmHWM` after a reset,
-    else a psutil sampling thread (5 ms period)."""
-
-    def __enter__(self):
-        self.peak = rss_bytes()
-        self._kernel = _reset_kernel_peak()
-        self.method = "kernel VmHWM (reset via /proc/self/clear_refs)"
-        if not self._kernel:
-            self.method = "psutil RSS sampled every 5 ms"
-            self._stop = threading.Event()
-            self._thread = threading.Thread(target=self._sample, daemon=True)
-            self._thread.start()
-        return self
-
-    def _sample(self):
-        while not self._stop.wait(0.005):
-            self.peak = max(self.peak, rss_bytes())
-
-    def __exit__(self, *exc):
-        if self._kernel:
-            self.peak = max(self.peak, _read_status_kb("VmHWM") * 1024)
-        else:
-            self._stop.set()
-            self._thread.join()
-            self.peak = max(self.peak, rss_bytes())
-
-
-def release_memory() -> None:
-    """Collect garbage and hand freed heap memory back to the OS, so the next arm starts from a clean baseline."""
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-def steady_malloc() -> None:
-    """glibc: serve every allocation above 128 KiB by mmap, so freed tensors return to the OS. By default glibc
-    raises that threshold after frees (up to 32 MiB), and one arm's freed weights would then be reused by the next
-    without showing in its RSS."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD; setting it disables the dynamic one
 
 
 # ---------------------------------------------------------------------------------------------------------------------

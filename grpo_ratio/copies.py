@@ -29,6 +29,7 @@ import time
 
 import torch
 from torch import nn
+from transformers import TrainerCallback
 
 from .adapters import base_model, has_adapters
 
@@ -327,3 +328,19 @@ class PerLayerCast:
     def num_bytes(self) -> int:
         """Bytes held between old passes: none (the casts live only while their module runs; see `peak_bytes`)."""
         return 0
+
+
+class WeightsVersionCallback(TrainerCallback):
+    """Moves the trainer's `WeightsVersion` when training starts (a second `train()`, a resume that loaded weights)
+    and after every applied optimizer step (`on_optimizer_step`: the same event under DDP, FSDP2 and DeepSpeed)."""
+
+    def __init__(self, version: WeightsVersion, accelerator):
+        self.version = version
+        self.accelerator = accelerator
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.version.bump()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if not self.accelerator.optimizer_step_was_skipped:  # a loss-scaler skip leaves the weights as they were
+            self.version.bump()

@@ -151,3 +151,34 @@ def say_fused_head(plan) -> None:
     else:
         logger.warning(f"fp32_head: one more no-grad pass of the body per generation batch, because "
                        f"{plan.fused_head_fallback}")
+
+
+def fused_old_logps(scorer, norm_inputs: NormInputs, completion_ids: torch.Tensor, temperature: float,
+                    version: int) -> torch.Tensor:
+    """`fp32_head` without a body pass: a micro-batch's old log-probs (b, T) fp32 from its own training forward,
+    the fp32 norm and head on each forward chunk's final-norm input (`OldLogprobScorer.head_logprobs`), detached.
+
+    They reach TRL's loss through the micro-batch inputs: TRL 1.16's `_compute_loss` calls
+    `_get_per_token_logps_and_entropies` (this training forward) first and reads `inputs.get(
+    "old_per_token_logps")` only after it returns (grpo_trainer.py, `_compute_loss`; read in the installed 1.16.0).
+    In the on-policy default every micro-batch of a generation runs before the optimizer step, so the weights of
+    this forward are the old policy's.
+
+    Args:
+        scorer: the trainer's `OldLogprobScorer` in `fp32_head` mode.
+        norm_inputs: what `capture_norm_inputs` recorded during the training forward.
+        completion_ids: (b, T) int64, the micro-batch's completion tokens.
+        temperature: TRL's `temperature`.
+        version: the policy's `WeightsVersion` value.
+    Raises:
+        RuntimeError: the forward did not hand the final norm one input per chunk, as the start-up probe saw it.
+    """
+    if not norm_inputs.is_complete():
+        raise RuntimeError("grpo_ratio: fp32_head's fused path saw no final-norm input per forward chunk in the "
+                           "training forward (the model changed after the trainer was built?)")
+    chunks, start = [], 0
+    for hidden in norm_inputs.hidden:  # (rows, P+T, H) per chunk of TRL's forward
+        rows = hidden.size(0)
+        chunks.append(scorer.head_logprobs(hidden, completion_ids[start:start + rows], temperature, version))
+        start += rows
+    return torch.cat(chunks, dim=0)  # (b, T)

@@ -14,8 +14,11 @@ import torch
 from torch import nn
 
 from .config import VLLM_FP32_HEAD_FLAG
+from .corrections import check_head_is_linear
 from .forward import model_anatomy
+from .processors import PROCESSORS, VLLM_PROCESSORS, check_processors
 from .rollouts import SamplingSettings
+from .sharding import engine_of
 
 
 # config fields of transformers models that set a dropout probability applied inside the forward
@@ -226,3 +229,49 @@ def check_calibration(args, model: nn.Module) -> None:
         warnings.warn(f"guided_fp32_layers={path!r} is a calibration for model {recorded!r}, but the trained model is "
                       f"{name!r}: the layers that carry the bf16 batch-shape divergence differ between models, so its "
                       f"choice {args.guided_fp32_layer_ids} may not suit this one; {fix}", stacklevel=3)
+
+
+def colocate_engine_dtypes(trainer) -> tuple:
+    """(dtype, LM head dtype) of a trainer's colocate vLLM engine (vLLM's resolved `model_config.dtype`,
+    `.head_dtype`), or (None, None) without one (server mode: unknown here)."""
+    if not (trainer.use_vllm and trainer.vllm_mode == "colocate"):
+        return None, None
+    config = trainer.vllm_generation.llm.llm_engine.model_config
+    return config.dtype, getattr(config, "head_dtype", config.dtype)
+
+
+def training_dtype(args, policy: nn.Module) -> torch.dtype:
+    """The dtype the training forward computes in: the autocast dtype (TRL's `bf16`/`fp16`), else the weights'."""
+    if args.bf16:
+        return torch.bfloat16
+    if args.fp16:
+        return torch.float16
+    return next(policy.parameters()).dtype
+
+
+def check_fsdp2_rounding(engine: str, args, anchor_is_policy: bool) -> None:
+    """Warn that FSDP2 with a bf16 mixed-precision policy rounds TRL's per-token log-probs to bf16 where the old side
+    is the policy's own pass (`bf16`, `sampler`); the other modes return fp32 (docs/distributed.md)."""
+    if engine == "fsdp2" and args.bf16 and anchor_is_policy:
+        warnings.warn("FSDP2 with a bf16 mixed-precision policy returns TRL's per-token log-probs rounded to bf16 "
+                      "(up to 1.5e-2 nats, on both sides of every ratio). old_logprob_mode='bf16' keeps TRL's numbers "
+                      "bit for bit, rounding included; every other mode returns the training forward's log-probs in "
+                      "fp32 (docs/distributed.md)", stacklevel=4)
+
+
+def lint_trainer(trainer, policy: nn.Module) -> None:
+    """Every start-up check of a `RatioGRPOTrainer` that needs the model (the config-only ones ran in the config):
+    the LM head for a correction, the sampling settings and logits processors the rollouts use, dropout, positions,
+    a calibration file made for another model, the vLLM engine's dtypes, FSDP2's bf16 rounding. Warns or raises as
+    each check documents."""
+    args, sampling, plan = trainer.args, trainer.plan.sampling, trainer.plan
+    check_head_is_linear(args.truncation_correction, policy.config)
+    check_sampling(args, sampling)
+    check_processors(dict(sampling.processors), plan.correction, plan.records_kept_sets, sampling.source,
+                     VLLM_PROCESSORS if sampling.engine == "vllm" else PROCESSORS)
+    check_dropout(args, policy)
+    check_positions(args, policy)
+    check_calibration(args, policy)
+    engine_dtype, engine_head_dtype = colocate_engine_dtypes(trainer)
+    check_vllm(args, engine_dtype, training_dtype(args, policy), engine_head_dtype)
+    check_fsdp2_rounding(engine_of(trainer.accelerator), args, plan.anchor_is_policy)

@@ -291,6 +291,21 @@ def finalize_from_completions(recorder: SamplerLogprobRecorder, completion_ids: 
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def colocate_engine_kwargs(args, sampling_masks: bool) -> dict:
+    """The `vllm.LLM(...)` arguments of TRL's colocate engine that TRL does not pass, from a `RatioGRPOConfig`:
+    `return_sampling_mask` (the kept sets, `sampling_masks`), `enable_return_routed_experts` (R3's sampler routes,
+    vLLM #28284), `dtype` (`vllm_dtype`) and `hf_overrides={"head_dtype": "float32"}` (`vllm_lm_head_fp32`, vLLM's
+    `ModelConfig.head_dtype`). Needed before TRL builds the engine, hence read from the config, not the plan."""
+    kwargs = {"return_sampling_mask": True} if sampling_masks else {}
+    if args.use_vllm and args.routing_replay == "R3":
+        kwargs["enable_return_routed_experts"] = True
+    if args.vllm_dtype is not None:
+        kwargs["dtype"] = args.vllm_dtype
+    if args.vllm_lm_head_fp32:
+        kwargs["hf_overrides"] = {"head_dtype": "float32"}
+    return kwargs
+
+
 @contextlib.contextmanager
 def vllm_engine_kwargs(**extra):
     """Within the block, TRL's colocate engine is built as `vllm.LLM(..., **extra)` (TRL passes a fixed kwargs list)."""
@@ -465,3 +480,50 @@ def settings_from_generation_config(model, generation_config) -> SamplingSetting
         repetition_penalty=float(effective.repetition_penalty or 1.0),
         processors=tuple(active_processors({n: getattr(effective, n, None) for n in PROCESSORS}).items()),
     )
+
+
+def sampler_logps_key(output: dict) -> str:
+    """The key of the sampler's (B, T) log-probs in a generation batch: TRL's `sampling_per_token_logps` (vLLM, or
+    `sampler_logprobs_in_loss`), else the recorded `sampler_per_token_logps` the diagnostics read."""
+    return "sampling_per_token_logps" if "sampling_per_token_logps" in output else "sampler_per_token_logps"
+
+
+def sampler_anchor(output: dict) -> torch.Tensor:
+    """`old_logprob_mode="sampler"`: the old log-probs (B, T) are the sampler's own, as recorded (generate) or
+    returned (vLLM), padded with 0 like TRL pads them; over the kept set under `renormalize`, as the sampler's are.
+
+    Raises:
+        RuntimeError: a completion token without a sampler log-prob (NaN: generate was not recorded, or vLLM
+            could not score it); the loss would be NaN.
+    """
+    key = sampler_logps_key(output)
+    if key not in output:
+        raise RuntimeError("old_logprob_mode='sampler': this generation returned no sampler log-probs "
+                           "(a rollout_func without logprobs?)")
+    sampler = output[key]  # (B, T)
+    missing = torch.isnan(sampler) & output["completion_mask"].bool()  # (B, T)
+    if missing.any():
+        raise RuntimeError(f"old_logprob_mode='sampler': {int(missing.sum())} completion tokens have no sampler "
+                           f"log-prob (NaN); they cannot anchor the ratio")
+    return sampler.clone()
+
+
+def finish_recording(recorder: SamplerLogprobRecorder, completion_ids: list, pad_token_id: int | None,
+                     needs_kept_sets: bool) -> tuple[SamplerRecord, bool]:
+    """(record, seen) of one recorded `generate` call: the recording (`finalize_from_completions`) and True, or
+    NaN log-probs (B, T) without kept sets and False when generate did not run the logits processors as recorded (a
+    replaced or mocked `generate`: other rows, or fewer steps than tokens returned).
+
+    Raises:
+        RuntimeError: nothing was recorded but a truncation correction needs the kept sets (`needs_kept_sets`).
+    """
+    if recorder.prompt_length is not None:
+        try:
+            return finalize_from_completions(recorder, completion_ids, pad_token_id), True
+        except ValueError:  # other rows or fewer steps than tokens returned: not the generate we recorded
+            pass
+    if needs_kept_sets:
+        raise RuntimeError("truncation_correction needs the kept sets recorded during generate, but this generate "
+                           "call did not run transformers' logits processors as recorded (a replaced generate?)")
+    T = max((len(c) for c in completion_ids), default=0)
+    return SamplerRecord(logprobs=torch.full((len(completion_ids), T), math.nan), kept=None), False

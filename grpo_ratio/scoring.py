@@ -424,3 +424,14 @@ def score_completion_logprobs(model: nn.Module, input_ids: torch.Tensor, attenti
     scorer = OldLogprobScorer(model, mode, layers=layers, policy_autocast=policy_autocast)
     return scorer.score(input_ids, attention_mask, logits_to_keep, temperature=temperature,
                         batch_size=batch_size).logps
+
+
+def check_text_only(args: tuple, kwargs: dict) -> None:
+    """Refuse image inputs where a scoring mode computes the old log-probs (its forward passes text only): `args` and
+    `kwargs` are what TRL passed to `_get_per_token_logps_and_entropies` beyond the text inputs.
+
+    Raises:
+        NotImplementedError: an image (or other non-text) input is present.
+    """
+    if any(v is not None for v in args) or any(v is not None for v in kwargs.values() if not isinstance(v, bool)):
+        raise NotImplementedError("old_logprob_mode other than 'bf16' supports text-only models")

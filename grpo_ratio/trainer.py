@@ -29,39 +29,40 @@ TRL internal read here.
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
 
 import torch
-from transformers import TrainerCallback
 from trl import GRPOTrainer
 
 from .config import RatioGRPOConfig
-from .copies import WeightsVersion
-from .corrections import capture_last_hidden, check_head_is_linear, kept_set_logps_from_hidden
+from .copies import WeightsVersion, WeightsVersionCallback
+from .corrections import capture_last_hidden, kept_set_logps_from_hidden
 from .diagnostics import FULL_VOCAB_KEYS, RatioDiagnostics
-from .fused_head import capture_norm_inputs, fused_head_fallback, say_fused_head
+from .fused_head import capture_norm_inputs, fused_head_fallback, fused_old_logps, say_fused_head
 from .gate_callback import RatioGateCallback
 from .is_correction import importance_weights
 from .kept_logprobs import lift_sampler_logprobs
-from .lints import check_calibration, check_dropout, check_positions, check_sampling, check_train_dataset, check_vllm
+from .lints import check_train_dataset, lint_trainer
 from .models import trainer_model_source
 from .plan import CONTINUOUS_BATCHING, GENERATE, VLLM, VLLM_MASKS, RunPlan, kept_set_origin, trl_runs_old_pass
-from .processors import PROCESSORS, VLLM_PROCESSORS, RepetitionPenalty, check_processors
+from .processors import RepetitionPenalty
 from .ratios import importance_sampling_weights
 from .records import GenerationRecord, MicroBatchRecord
 from .rollouts import (
     SamplerLogprobRecorder,
     SamplerRecord,
     VLLMOutputCapture,
-    finalize_from_completions,
+    colocate_engine_kwargs,
+    finish_recording,
     recording_sampler,
+    sampler_anchor,
+    sampler_logps_key,
     settings_from_config,
     settings_from_generation_config,
     vllm_engine_kwargs,
 )
 from .routing.replay import RoutingReplay
-from .scoring import OldLogprobScorer
+from .scoring import OldLogprobScorer, check_text_only
 from .sharding import check_sharded_mode, engine_of, sharded_policy
 from .sharding_fsdp2 import fp32_logprob_output
 
@@ -103,14 +104,7 @@ class RatioGRPOTrainer(GRPOTrainer):
         if isinstance(model, str):  # resolved as the command line resolves it (offline: the converted SmolLM2)
             model = trainer_model_source(model, (args.model_init_kwargs or {}).get("revision"))
         check_train_dataset(kwargs["train_dataset"] if "train_dataset" in kwargs else (pargs[0] if pargs else None))
-        # vLLM's sampling masks need an engine flag, so this one fact of the plan is needed before TRL builds the engine
-        engine_kwargs = {"return_sampling_mask": True} if kept_set_origin(args) == VLLM_MASKS else {}
-        if args.use_vllm and args.routing_replay == "R3":  # the engine returns each row's routes (vLLM #28284)
-            engine_kwargs["enable_return_routed_experts"] = True
-        if args.vllm_dtype is not None:
-            engine_kwargs["dtype"] = args.vllm_dtype  # TRL passes none to its colocate engine
-        if args.vllm_lm_head_fp32:  # vLLM's LM head projection in fp32 (ModelConfig.head_dtype)
-            engine_kwargs["hf_overrides"] = {"head_dtype": "float32"}
+        engine_kwargs = colocate_engine_kwargs(args, kept_set_origin(args) == VLLM_MASKS)  # what TRL does not pass
         with vllm_engine_kwargs(**engine_kwargs) if engine_kwargs else contextlib.nullcontext():
             super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         policy = self.accelerator.unwrap_model(self.model)
@@ -124,10 +118,10 @@ class RatioGRPOTrainer(GRPOTrainer):
         self.routing = RoutingReplay(policy, args.routing_replay, measure=args.ratio_diagnostics)
         capture = self.plan.vllm_masks or self.plan.sampler_routes == VLLM
         self._vllm_capture = VLLMOutputCapture(self.vllm_generation.llm) if capture else None
-        self._lint(policy)
+        lint_trainer(self, policy)  # start-up checks that need the model (config-only ones ran in the config)
         # copies are refreshed whenever the policy's weights may have changed (copies.WeightsVersion)
         self.weights_version = WeightsVersion()
-        self.add_callback(_WeightsVersionCallback(self.weights_version, self.accelerator))
+        self.add_callback(WeightsVersionCallback(self.weights_version, self.accelerator))
         self.diagnostics = RatioDiagnostics(args, self.accelerator, self.eos_token_ids,
                                             plan=self.plan) if args.ratio_diagnostics else None
         if args.ratio_gate:  # the tolerance gate on logged metrics (grpo_ratio/gate.py)
@@ -181,39 +175,6 @@ class RatioGRPOTrainer(GRPOTrainer):
             return settings_from_config(self.args, vllm=self.use_vllm)
         return settings_from_generation_config(policy, self.generation_config)
 
-    def _lint(self, policy) -> None:
-        """Start-up checks that need the model (grpo_ratio/lints.py; config-only ones ran in the config)."""
-        check_head_is_linear(self.args.truncation_correction, policy.config)
-        check_sampling(self.args, self.sampling)
-        check_processors(dict(self.sampling.processors), self.plan.correction, self.plan.records_kept_sets,
-                         self.sampling.source, VLLM_PROCESSORS if self.sampling.engine == "vllm" else PROCESSORS)
-        check_dropout(self.args, policy)
-        check_positions(self.args, policy)
-        check_calibration(self.args, policy)  # a guided_fp32_layers calibration file made for another model
-        engine_dtype, engine_head_dtype = self._vllm_engine_dtypes()
-        check_vllm(self.args, engine_dtype, self._trainer_dtype(policy), engine_head_dtype)
-        if engine_of(self.accelerator) == "fsdp2" and self.args.bf16 and self.plan.anchor_is_policy:
-            warnings.warn("FSDP2 with a bf16 mixed-precision policy returns TRL's per-token log-probs rounded to bf16 "
-                          "(up to 1.5e-2 nats, on both sides of every ratio). old_logprob_mode='bf16' keeps TRL's numbers "
-                          "bit for bit, rounding included; every other mode returns the training forward's log-probs in "
-                          "fp32 (docs/distributed.md)", stacklevel=3)
-
-    def _vllm_engine_dtypes(self):
-        """(dtype, LM head dtype) of the colocate engine (vLLM's resolved `model_config.dtype`, `.head_dtype`), or
-        (None, None) without one (server: unknown here)."""
-        if not (self.use_vllm and self.vllm_mode == "colocate"):
-            return None, None
-        config = self.vllm_generation.llm.llm_engine.model_config
-        return config.dtype, getattr(config, "head_dtype", config.dtype)
-
-    def _trainer_dtype(self, policy) -> torch.dtype:
-        """The dtype the training forward computes in: the autocast dtype (TRL's `bf16`/`fp16`), else the weights'."""
-        if self.args.bf16:
-            return torch.bfloat16
-        if self.args.fp16:
-            return torch.float16
-        return next(policy.parameters()).dtype
-
     def _mode(self) -> str:
         return "train" if self.model.training else "eval"
 
@@ -241,7 +202,7 @@ class RatioGRPOTrainer(GRPOTrainer):
             generation.routes.finish(output["prompt_mask"], output["completion_mask"])
             output["route_row_index"] = torch.arange(output["completion_ids"].size(0), device=self.accelerator.device)
         if self.plan.anchor_is_sampler:
-            output["old_per_token_logps"] = self._sampler_anchor(output)
+            output["old_per_token_logps"] = sampler_anchor(output)
         if self.scorer is not None and "old_per_token_logps" not in output and not self.plan.fused_head:
             # TRL skipped the old pass (on-policy default): the mode still provides the anchor of the ratio (fp32_head
             # fused: each micro-batch's training forward provides it, `_fused_old_logps`)
@@ -265,25 +226,6 @@ class RatioGRPOTrainer(GRPOTrainer):
             for key, value in self.diagnostics.generation_metrics(generation.fallback_rows).items():
                 self._metrics[generation.mode][key].append(value)
         return output
-
-    def _sampler_anchor(self, output) -> torch.Tensor:
-        """`old_logprob_mode="sampler"`: the old log-probs (B, T) are the sampler's own, as recorded (generate) or
-        returned (vLLM), padded with 0 like TRL pads them; over the kept set under `renormalize`, as the sampler's are.
-
-        Raises:
-            RuntimeError: a completion token without a sampler log-prob (NaN: generate was not recorded, or vLLM
-                could not score it); the loss would be NaN.
-        """
-        key = "sampling_per_token_logps" if "sampling_per_token_logps" in output else "sampler_per_token_logps"
-        if key not in output:
-            raise RuntimeError("old_logprob_mode='sampler': this generation returned no sampler log-probs "
-                               "(a rollout_func without logprobs?)")
-        sampler = output[key]  # (B, T)
-        missing = torch.isnan(sampler) & output["completion_mask"].bool()  # (B, T)
-        if missing.any():
-            raise RuntimeError(f"old_logprob_mode='sampler': {int(missing.sum())} completion tokens have no sampler "
-                               f"log-prob (NaN); they cannot anchor the ratio")
-        return sampler.clone()
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         generation = self._generations.get(self._mode())
@@ -331,24 +273,15 @@ class RatioGRPOTrainer(GRPOTrainer):
         return completion_ids, [record.logprobs[i, : len(ids)].tolist() for i, ids in enumerate(completion_ids)]
 
     def _finish_recording(self, recorder, completion_ids) -> SamplerRecord:
-        """The recording of one generate call, or NaN log-probs (no record) when generate did not run the logits
-        processors as recorded (a replaced or mocked `generate`): then warn once, and refuse where a correction
-        needs the kept sets."""
-        if recorder.prompt_length is not None:
-            try:
-                return finalize_from_completions(recorder, completion_ids, self._tokenizer.pad_token_id)
-            except ValueError:  # other rows or fewer steps than tokens returned: not the generate we recorded
-                pass
-        if self.plan.records_kept_sets:
-            raise RuntimeError("truncation_correction needs the kept sets recorded during generate, but this generate "
-                               "call did not run transformers' logits processors as recorded (a replaced generate?)")
-        if not self._warned_unrecorded:
+        """The recording of one generate call (`rollouts.finish_recording`); warns once when it saw none."""
+        record, seen = finish_recording(recorder, completion_ids, self._tokenizer.pad_token_id,
+                                        self.plan.records_kept_sets)
+        if not seen and not self._warned_unrecorded:
             self._warned_unrecorded = True
             warnings.warn("record_sampler_logprobs: generate returned completions the recorder did not see (a "
                           "replaced or mocked generate?); their sampler log-probs are NaN and ratio/old_sampler/* "
                           "skips them", stacklevel=4)
-        T = max((len(c) for c in completion_ids), default=0)
-        return SamplerRecord(logprobs=torch.full((len(completion_ids), T), math.nan), kept=None)
+        return record
 
     def _scoring_inputs(self, output, mode):
         """(input_ids, attention_mask, T, batch_size) of a generation batch, as TRL builds them for its old pass."""
@@ -361,8 +294,8 @@ class RatioGRPOTrainer(GRPOTrainer):
         """(B, T) fp32 old log-probs from the scoring mode, in TRL's chunking, with copies synced at this step
         (over the kept sets under `renormalize`); records log M_old and the fp16 fallback rows in `generation`."""
         kept = self._kept_rows(generation, None, input_ids.size(0), logits_to_keep)
-        with torch.no_grad(), self._no_gradient_checkpointing(), self._old_pass_routes(generation, attention_mask,
-                                                                                       logits_to_keep):
+        routes = self._routes(generation, None, attention_mask, logits_to_keep, True)
+        with torch.no_grad(), self._no_gradient_checkpointing(), routes:
             result = self.scorer.score(
                 input_ids, attention_mask, logits_to_keep,
                 temperature=self.temperature, batch_size=batch_size, version=self.weights_version.value, kept=kept,
@@ -393,26 +326,24 @@ class RatioGRPOTrainer(GRPOTrainer):
     def _weigh(self, output, generation) -> None:
         """`is_correction`: the loss's IS weight, put where TRL's vLLM path puts its own (`importance_sampling_ratio`,
         which TRL shuffles and splits with the batch), from old - sampler after any truncation correction."""
-        key = "sampling_per_token_logps" if "sampling_per_token_logps" in output else "sampler_per_token_logps"
+        key = sampler_logps_key(output)
         mask = output["completion_mask"].bool()  # (B, T)
         mask = mask if "tool_mask" not in output else mask & output["tool_mask"].bool()
         weights = importance_weights(output["old_per_token_logps"] - output[key], mask, self.plan.is_correction)
         output["importance_sampling_ratio"] = weights.weights  # (B, T), or (B, 1) when sequence-level
-        if self.diagnostics is not None:  # TRL's sampling/importance_sampling_ratio/* (vLLM) describe TRL's weight
-            metrics = self.diagnostics.importance_sampling_metrics(weights.weights, mask)
-            for name, value in metrics.items():
-                self._metrics[generation.mode][name].append(value)
+        self._log_is_weights(generation.mode, weights.weights, mask)  # TRL's sampling/importance_sampling_ratio/*
 
     def _lift_sampler(self, output, generation) -> None:
         """`lift_sampler`: sampler log-probs + log M_old, M_old = the old policy's mass on the kept set."""
         if generation.old_log_kept_mass is None:  # no old pass ran (on-policy bf16): one no-grad pass measures M
             input_ids, attention_mask, T, batch_size = self._scoring_inputs(output, generation.mode)
             kept = self._kept_rows(generation, None, input_ids.size(0), T)
-            with torch.no_grad(), self._no_gradient_checkpointing(), self._old_pass_routes(generation, attention_mask, T):
+            routes = self._routes(generation, None, attention_mask, T, True)
+            with torch.no_grad(), self._no_gradient_checkpointing(), routes:
                 *_, on_kept = self._policy_logps(self.model, input_ids, attention_mask, T, batch_size, kept)
             self._keep_old_sets(generation, on_kept)
         valid = output["completion_mask"].bool()  # (B, T)
-        key = "sampling_per_token_logps" if "sampling_per_token_logps" in output else "sampler_per_token_logps"
+        key = sampler_logps_key(output)
         lifted = lift_sampler_logprobs(output[key], generation.old_log_kept_mass * valid)
         output[key] = lifted  # (B, T)
         if "importance_sampling_ratio" in output and not self.plan.weights_is:  # TRL's, from the unlifted log-probs
@@ -420,10 +351,14 @@ class RatioGRPOTrainer(GRPOTrainer):
             output["importance_sampling_ratio"] = importance_sampling_weights(
                 output["old_per_token_logps"] - lifted, mask, self.vllm_importance_sampling_mode,
                 self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max)
-            if self.diagnostics is not None:  # TRL logged its IS metrics before the lift; these are the loss's
-                metrics = self.diagnostics.importance_sampling_metrics(output["importance_sampling_ratio"], mask)
-                for key, value in metrics.items():
-                    self._metrics[generation.mode][key].append(value)
+            # TRL logged its IS metrics before the lift; these are the loss's
+            self._log_is_weights(generation.mode, output["importance_sampling_ratio"], mask)
+
+    def _log_is_weights(self, mode: str, weights, mask) -> None:
+        """TRL's `sampling/importance_sampling_ratio/*` keys of the weights (B, T) or (B, 1) the loss uses."""
+        if self.diagnostics is not None:
+            for key, value in self.diagnostics.importance_sampling_metrics(weights, mask).items():
+                self._metrics[mode][key].append(value)
 
     # ------------------------------------------------------------------------------------------------------------
     # every log-prob call of TRL: the old pass (replaced or measured), the training forward, the reference pass
@@ -439,82 +374,49 @@ class RatioGRPOTrainer(GRPOTrainer):
         if is_old_pass and self.plan.anchor_is_sampler:  # no old pass: the sampler's log-probs anchor it
             return torch.zeros(input_ids.size(0), logits_to_keep, device=input_ids.device), None, None  # replaced
         if is_old_pass and self.scorer is not None:
-            self._check_text_only(args, kwargs)
+            check_text_only(args, kwargs)
             return self._score_old(generation, input_ids, attention_mask, logits_to_keep, batch_size), None, None
         kept = self._kept_rows(generation, micro_batch, input_ids.size(0), logits_to_keep)
-        if is_old_pass:  # TRL's own old pass (bf16): R3 replays the sampler's routes, R2 keeps its routes
-            routes = self._old_pass_routes(generation, attention_mask, logits_to_keep)
-        elif micro_batch is not None:  # the training forward: R3/R2 replay at the micro-batch's rows
-            routes = self._update_routes(generation, micro_batch, attention_mask, logits_to_keep)
-        else:  # the reference pass, or a call outside TRL's steps: the routers route themselves
-            routes = contextlib.nullcontext()
+        # TRL's own old pass (bf16): R3 replays the sampler's routes, R2 keeps its routes; the training forward: R3/R2
+        # replay at the micro-batch's rows
+        routes = self._routes(generation, micro_batch, attention_mask, logits_to_keep, is_old_pass)
         fused = micro_batch is not None and self.plan.fused_head
         if fused:
-            self._check_text_only(args, kwargs)
+            check_text_only(args, kwargs)
         capture = capture_norm_inputs(self.accelerator.unwrap_model(model)) if fused else contextlib.nullcontext()
         with routes, capture as norm_inputs:
             logps, entropies, aux, on_kept = self._policy_logps(model, input_ids, attention_mask, logits_to_keep,
                                                                  batch_size, kept, *args, **kwargs)
         if fused:  # TRL's `_compute_loss` reads the micro-batch's old log-probs after this call returns
-            micro_batch.inputs["old_per_token_logps"] = self._fused_old_logps(norm_inputs, input_ids, logits_to_keep)
+            micro_batch.inputs["old_per_token_logps"] = fused_old_logps(self.scorer, norm_inputs, input_ids[:, -logits_to_keep:],
+                                                                       self.temperature, self.weights_version.value)
         if is_old_pass:
             self._keep_old_sets(generation, on_kept)
         if micro_batch is not None:
             self._keep_training_forward(micro_batch, logps, on_kept)
         return logps, entropies, aux
 
-    def _old_pass_routes(self, generation, attention_mask, logits_to_keep: int):
-        """The routing session of an old pass over the whole generation batch (`RoutingReplay.old_pass`)."""
+    def _routes(self, generation, micro_batch, attention_mask, logits_to_keep: int, old_pass: bool):
+        """The routing session of one forward (`RoutingReplay.old_pass` / `update_forward`): an old pass over the
+        whole generation batch, a training forward over its micro-batch's rows; none for the reference pass, a call
+        outside TRL's steps or a dense policy (the routers route themselves)."""
         if generation is None or not self.routing.active:
             return contextlib.nullcontext()
         T = logits_to_keep
-        return self.routing.old_pass(generation.routes, attention_mask[:, :-T], attention_mask[:, -T:])
-
-    def _update_routes(self, generation, micro_batch, attention_mask, logits_to_keep: int):
-        """The routing session of a training forward over a micro-batch (`RoutingReplay.update_forward`)."""
-        if generation is None or not self.routing.active or "route_row_index" not in micro_batch.inputs:
+        prompt_mask, completion_mask = attention_mask[:, :-T], attention_mask[:, -T:]  # (B, P), (B, T)
+        if old_pass:
+            return self.routing.old_pass(generation.routes, prompt_mask, completion_mask)
+        if micro_batch is None or "route_row_index" not in micro_batch.inputs:
             return contextlib.nullcontext()
-        T = logits_to_keep
         first_inner = self.model.training and self._first_inner_step()
-        return self.routing.update_forward(generation.routes, micro_batch.inputs["route_row_index"],
-                                           attention_mask[:, :-T], attention_mask[:, -T:], first_inner)
+        return self.routing.update_forward(generation.routes, micro_batch.inputs["route_row_index"], prompt_mask,
+                                           completion_mask, first_inner)
 
     def _first_inner_step(self) -> bool:
         """This micro-step is in the first optimizer update of its generation (the weights that generated it)."""
         generate_every = self.args.steps_per_generation * self.num_iterations
         micro_step = self._step % generate_every  # position in this generation's cycle (before the increment)
         return micro_step < min(self.args.gradient_accumulation_steps, self.args.steps_per_generation)
-
-    @staticmethod
-    def _check_text_only(args, kwargs) -> None:
-        """Refuse image inputs where a scoring mode computes the old log-probs (its forward passes text only)."""
-        if any(v is not None for v in args) or any(v is not None for v in kwargs.values() if not isinstance(v, bool)):
-            raise NotImplementedError("old_logprob_mode other than 'bf16' supports text-only models")
-
-    def _fused_old_logps(self, norm_inputs, input_ids, logits_to_keep) -> torch.Tensor:
-        """`fp32_head` without a body pass: a micro-batch's old log-probs (b, T) fp32 from its own training forward,
-        the fp32 norm and head on each forward chunk's final-norm input (`OldLogprobScorer.head_logprobs`), detached.
-
-        They reach TRL's loss through the micro-batch inputs: TRL 1.16's `_compute_loss` calls
-        `_get_per_token_logps_and_entropies` (this training forward) first and reads `inputs.get(
-        "old_per_token_logps")` only after it returns (grpo_trainer.py, `_compute_loss`; read in the installed 1.16.0).
-        In the on-policy default every micro-batch of a generation runs before the optimizer step, so the weights of
-        this forward are the old policy's.
-
-        Raises:
-            RuntimeError: the forward did not hand the final norm one input per chunk, as the start-up probe saw it.
-        """
-        if not norm_inputs.is_complete():
-            raise RuntimeError("grpo_ratio: fp32_head's fused path saw no final-norm input per forward chunk in the "
-                               "training forward (the model changed after the trainer was built?)")
-        completion = input_ids[:, -logits_to_keep:]  # (b, T)
-        chunks, start = [], 0
-        for hidden in norm_inputs.hidden:  # (rows, P+T, H) per chunk of TRL's forward
-            rows = hidden.size(0)
-            chunks.append(self.scorer.head_logprobs(hidden, completion[start:start + rows], self.temperature,
-                                                    self.weights_version.value))
-            start += rows
-        return torch.cat(chunks, dim=0)  # (b, T)
 
     @staticmethod
     def _keep_old_sets(generation, on_kept) -> None:
@@ -628,19 +530,3 @@ class RatioGRPOTrainer(GRPOTrainer):
             routes = self.routing.metrics(lambda v: self.accelerator.reduce(v, "sum"), self.accelerator.device)
             for key, value in (self.diagnostics.flush() | routes).items():
                 self._metrics["train"][key].append(value)
-
-
-class _WeightsVersionCallback(TrainerCallback):
-    """Moves the trainer's `WeightsVersion` when training starts (a second `train()`, a resume that loaded weights)
-    and after every applied optimizer step (`on_optimizer_step`: the same event under DDP, FSDP2 and DeepSpeed)."""
-
-    def __init__(self, version: WeightsVersion, accelerator):
-        self.version = version
-        self.accelerator = accelerator
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.version.bump()
-
-    def on_optimizer_step(self, args, state, control, **kwargs):
-        if not self.accelerator.optimizer_step_was_skipped:  # a loss-scaler skip leaves the weights as they were
-            self.version.bump()

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from grpo_ratio import RatioGRPOConfig
-from grpo_ratio.config import parse_layer_spec
+from grpo_ratio.layer_spec import parse_layer_spec
 
 
 def _cfg(tmp_path, **kw):

@@ -18,10 +18,9 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from trainer_fixtures import tiny_trainer
 
-from grpo_ratio.copies import WeightsVersion, merged_state_dict
+from grpo_ratio.copies import WeightsVersion, WeightsVersionCallback, merged_state_dict
 from grpo_ratio.scoring import OldLogprobScorer, completion_logprobs_from_logits
 from grpo_ratio.testing import tiny_model
-from grpo_ratio.trainer import _WeightsVersionCallback
 
 
 peft = pytest.importorskip("peft")
@@ -117,7 +116,7 @@ def test_weights_version_moves_on_applied_optimizer_steps_only():
     optimizer = AcceleratedOptimizer(torch.optim.AdamW(model.parameters()), scaler=torch.amp.GradScaler("cpu"))
     accelerator._optimizers.append(optimizer)
     version = WeightsVersion()
-    callback = _WeightsVersionCallback(version, accelerator)
+    callback = WeightsVersionCallback(version, accelerator)
     callback.on_train_begin(None, None, None)
     assert version.value == 1
     for overflow, expected in ((False, 2), (True, 2), (False, 3)):

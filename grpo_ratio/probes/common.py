@@ -487,7 +487,7 @@ def is_gsm8k(args) -> bool:
 
 def guided_layers(spec, model) -> list[int] | None:
     """--layers (indices or calibration JSON) checked against the model's decoder layers."""
-    from ..config import parse_layer_spec
+    from ..layer_spec import parse_layer_spec
     from ..scoring import check_layer_indices, model_anatomy
 
     try:

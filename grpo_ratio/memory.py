@@ -1,0 +1,76 @@
+"""Memory of a benchmarked run on Linux: the peak resident set size inside a block (the kernel's `VmHWM` after a
+reset, else a psutil sampling thread), and the glibc settings that make freed tensors show up as freed. Used by
+benchmarks/step_cost.py; `psutil` is imported only where the kernel counter is unavailable or RSS is read."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import re
+import threading
+from pathlib import Path
+
+
+def _read_status_kb(key: str) -> int:
+    match = re.search(rf"^{key}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
+    return int(match.group(1))
+
+
+def _reset_kernel_peak() -> bool:
+    """Reset the kernel's peak-RSS counter (Linux >= 4.0); False where that is not possible."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def rss_bytes() -> int:
+    """Current resident set size of this process, in bytes."""
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+class PeakRSS:
+    """Peak resident set size (bytes) of this process inside a `with` block: the kernel's `VmHWM` after a reset,
+    else a psutil sampling thread (5 ms period)."""
+
+    def __enter__(self):
+        self.peak = rss_bytes()
+        self._kernel = _reset_kernel_peak()
+        self.method = "kernel VmHWM (reset via /proc/self/clear_refs)"
+        if not self._kernel:
+            self.method = "psutil RSS sampled every 5 ms"
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, rss_bytes())
+
+    def __exit__(self, *exc):
+        if self._kernel:
+            self.peak = max(self.peak, _read_status_kb("VmHWM") * 1024)
+        else:
+            self._stop.set()
+            self._thread.join()
+            self.peak = max(self.peak, rss_bytes())
+
+
+def release_memory() -> None:
+    """Collect garbage and hand freed heap memory back to the OS, so the next arm starts from a clean baseline."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def steady_malloc() -> None:
+    """glibc: serve every allocation above 128 KiB by mmap, so freed tensors return to the OS. By default glibc
+    raises that threshold after frees (up to 32 MiB), and one arm's freed weights would then be reused by the next
+    without showing in its RSS."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD; setting it disables the dynamic one
