@@ -6,6 +6,7 @@ something the user may not expect (`UserWarning` naming the fields and the fix).
 
 from __future__ import annotations
 
+import logging
 import re
 import warnings
 from pathlib import Path
@@ -259,6 +260,31 @@ def check_fsdp2_rounding(engine: str, args, anchor_is_policy: bool) -> None:
                       "fp32 (docs/distributed.md)", stacklevel=4)
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 matmuls natively (x86 AVX512-BF16 or AMX, as torch's oneDNN kernels use them);
+    False on CPUs where torch emulates bf16 (AVX2-only x86: measured ~50x slower than fp32 for a SmolLM2-sized
+    matmul on a 2-core AMD EPYC, docs/benchmarks.md)."""
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def check_cpu_precision(args, device_type: str) -> None:
+    """Say before training (a `grpo_ratio` logger warning, once per process; not a Python warning, which test suites
+    turn into errors) when bf16/fp16 autocast runs on a CPU without native bf16: every step is emulated and many times
+    slower than in fp32, which is not the cost a GPU pays."""
+    global _said_cpu_precision
+    if device_type != "cpu" or not (args.bf16 or args.fp16) or _said_cpu_precision or cpu_has_native_bf16():
+        return
+    _said_cpu_precision = True
+    logging.getLogger("grpo_ratio").warning(
+        "%s=True on a CPU without native bf16 (no AVX512-BF16/AMX): autocast is emulated and each step is many times "
+        "slower than in fp32 (times do not carry over to a GPU). The ratio is then measured at that precision, as the "
+        "precision arms intend; for a quick look at the diagnostics use bf16=False "
+        "(recipes/smollm2-135m/quickstart_cpu.yaml)", "bf16" if args.bf16 else "fp16")
+
+
+_said_cpu_precision = False
+
+
 def lint_trainer(trainer, policy: nn.Module) -> None:
     """Every start-up check of a `RatioGRPOTrainer` that needs the model (the config-only ones ran in the config):
     the LM head for a correction, the sampling settings and logits processors the rollouts use, dropout, positions,
@@ -275,3 +301,4 @@ def lint_trainer(trainer, policy: nn.Module) -> None:
     engine_dtype, engine_head_dtype = colocate_engine_dtypes(trainer)
     check_vllm(args, engine_dtype, training_dtype(args, policy), engine_head_dtype)
     check_fsdp2_rounding(engine_of(trainer.accelerator), args, plan.anchor_is_policy)
+    check_cpu_precision(args, trainer.accelerator.device.type)

@@ -204,3 +204,51 @@ def test_gsm8k_recipe_with_a_local_copy(grpo):
     script_args, _, _ = _parse(grpo, ["--config", recipe], dataset_path=SHARED / "data" / "gsm8k")
     dataset, rewards = load_task(script_args.task, **grpo.task_kwargs(script_args))
     assert len(dataset) == 2048 and rewards[0].__name__ == "gsm8k_lenient_reward"
+
+
+QUICKSTART = ROOT / "recipes/smollm2-135m/quickstart_cpu.yaml"
+
+
+def test_quickstart_recipe_is_fp32_with_a_corrected_top_p(grpo):
+    # the README's first command: fp32 (a CPU runs it natively), 10 steps, truncated sampling and its correction
+    _, training_args, model_args = _parse(grpo, ["--config", str(QUICKSTART)])
+    assert not training_args.bf16 and not training_args.fp16 and model_args.dtype == "float32"
+    assert training_args.max_steps == 10 and training_args.top_p == 0.8
+    assert training_args.truncation_correction == "renormalize" and training_args.ratio_diagnostics
+    readme = (ROOT / "README.md").read_text()
+    assert "trainers/grpo.py --config recipes/smollm2-135m/quickstart_cpu.yaml" in readme
+
+
+def test_quickstart_on_a_tiny_model_shows_the_kept_mass_and_its_correction(grpo, tiny_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = _parse(grpo, ["--config", str(QUICKSTART)], model_name_or_path=tiny_dir, output_dir=out,
+                  report_to="none", max_steps=2, max_completion_length=8, num_examples=16)
+    grpo.main(*args)
+    said = capsys.readouterr().out
+    assert "grpo-ratio: step 1 took" in said and "the other 1 steps take about" in said  # the estimate, once
+    rows = [r for r in json.loads((out / "log_history.json").read_text()) if "reward" in r]
+    assert len(rows) == 2
+    for row in rows:  # a near-uniform tiny model under top_p=0.8: the sampler's log-probs carry log M < 0
+        assert row["ratio/old_sampler/mean"] < 0.95
+        assert row["ratio/old_sampler_corrected/mean"] == pytest.approx(1.0, abs=1e-3)
+
+
+def test_bf16_on_a_cpu_without_native_bf16_is_said_once(monkeypatch, caplog):
+    from types import SimpleNamespace
+
+    from grpo_ratio import lints
+
+    monkeypatch.setattr(lints, "_said_cpu_precision", False)
+    monkeypatch.setattr(lints, "cpu_has_native_bf16", lambda: False)
+    with caplog.at_level("WARNING", logger="grpo_ratio"):
+        lints.check_cpu_precision(SimpleNamespace(bf16=False, fp16=False), "cpu")  # fp32: nothing to say
+        lints.check_cpu_precision(SimpleNamespace(bf16=True, fp16=False), "cuda")  # a GPU: nothing to say
+        assert caplog.messages == []
+        for _ in range(2):
+            lints.check_cpu_precision(SimpleNamespace(bf16=True, fp16=False), "cpu")
+    assert len(caplog.messages) == 1 and "bf16=True on a CPU without native bf16" in caplog.messages[0]
+    monkeypatch.setattr(lints, "_said_cpu_precision", False)
+    monkeypatch.setattr(lints, "cpu_has_native_bf16", lambda: True)
+    caplog.clear()
+    lints.check_cpu_precision(SimpleNamespace(bf16=True, fp16=False), "cpu")
+    assert caplog.messages == []

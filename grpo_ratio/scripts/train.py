@@ -27,10 +27,11 @@ import inspect
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from transformers import set_seed
+from transformers import TrainerCallback, set_seed
 from trl import ModelConfig, TrlParser, get_peft_config
 
 from grpo_ratio import RatioGRPOConfig, RatioGRPOTrainer
@@ -188,6 +189,30 @@ def build_trainer(script_args, training_args, model_args, callbacks=None) -> Rat
     )
 
 
+class FirstStepEstimate(TrainerCallback):
+    """After the first optimizer step, print how long it took and what the remaining steps will take at that pace
+    (the first step also pays the warm-up, so the estimate errs long), on the main process only."""
+
+    def __init__(self, print_fn=print):
+        self.print_fn = print_fn
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == 0:
+            self.start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step != 1 or not state.is_world_process_zero or not hasattr(self, "start"):
+            return
+        seconds, left = time.perf_counter() - self.start, max(state.max_steps - 1, 0)
+        self.print_fn(f"grpo-ratio: step 1 took {seconds:.0f} s; at that pace the other {left} steps take about "
+                      f"{_duration(seconds * left)} on this machine (step 1 includes warm-up)")
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min" if seconds < 5400 else \
+        f"{seconds / 3600:.1f} h"
+
+
 def wandb_run_dir() -> str | None:
     """Folder of the active W&B run (e.g. `.../wandb/offline-run-...`), or None."""
     import wandb
@@ -203,7 +228,7 @@ def setup(script_args, training_args, model_args) -> RatioGRPOTrainer:
     if training_args.run_name is None:
         training_args.run_name = f"{training_args.old_logprob_mode}-s{training_args.seed}"
     set_seed(training_args.seed)
-    return build_trainer(script_args, training_args, model_args)
+    return build_trainer(script_args, training_args, model_args, callbacks=[FirstStepEstimate()])
 
 
 def main(script_args, training_args, model_args, trainer: RatioGRPOTrainer | None = None):
