@@ -60,10 +60,10 @@ def _finding(config: dict, metric: str, value: float, cause: str, options: list[
 
 
 def _truncation(stats: dict, config: dict, mode: str | None) -> list[Finding]:
+    if mode == "sampler":
+        return _sampler_arm_truncation(stats, config)
     sampler_mean = _mean(stats, keys.OLD_SAMPLER.mean)
     if sampler_mean is None or sampler_mean >= 0.97 or keys.OLD_SAMPLER_CORRECTED.oob_rate in stats:
-        return []
-    if mode == "sampler":
         return []
     correction = config.get("truncation_correction")
     if correction not in (None, "none"):
@@ -79,6 +79,20 @@ def _truncation(stats: dict, config: dict, mode: str | None) -> list[Finding]:
                      [("truncation_correction", "renormalize", "changes the objective: no gradient outside the kept "
                        "set"), ("truncation_correction", "lift_sampler", "keeps TRL's objective; fixes the IS "
                                 "weights and the diagnostics")])]
+
+
+def _sampler_arm_truncation(stats: dict, config: dict) -> list[Finding]:
+    """The `sampler` arm: old = sampler, so the kept mass of truncated sampling shows in new/old (policy/sampler),
+    inside PPO's clip, not in old/sampler (1 by construction)."""
+    new_mean = _mean(stats, keys.NEW_OLD.mean)
+    if new_mean is None or new_mean >= 0.97 or config.get("truncation_correction") not in (None, "none"):
+        return []
+    return [_finding(config, keys.NEW_OLD.mean, new_mean,
+                     "with old_logprob_mode='sampler' new/old is policy/sampler, and it sits below 1 on average: the "
+                     "sampler's log-probs are renormalised over a kept set (top_p / top_k / min_p, possibly from the "
+                     "model's generation_config) while the policy's are over the whole vocabulary; PPO's clip reads "
+                     "the kept mass as policy change",
+                     [("truncation_correction", "renormalize", "the policy's log-probs over the same kept set")])]
 
 
 def _engine_options(config: dict) -> list[tuple]:
@@ -145,6 +159,8 @@ def _new_old(stats: dict, config: dict, mode: str | None) -> list[Finding]:
     if rate <= 0.05:
         return []
     if mode == "sampler":
+        if _sampler_arm_truncation(stats, config):  # the kept mass, not the precision gap: reported there
+            return []
         return [_finding(config, keys.NEW_OLD.oob_rate, rate,
                          "expected for old_logprob_mode='sampler': new/old is policy/sampler here, the "
                          "sampler-vs-trainer gap that old/sampler shows in the other arms, now inside PPO's clip",

@@ -424,7 +424,11 @@ class RatioGRPOConfig(GRPOConfig):
         """`ratio_gate`: a list of checks (a single string is one check); errors as `gate.training_checks`."""
         if isinstance(self.ratio_gate, str):
             self.ratio_gate = [self.ratio_gate]
-        training_checks(self.ratio_gate or [], self.ratio_gate_patience, self.ratio_gate_action)
+        checks = training_checks(self.ratio_gate or [], self.ratio_gate_patience, self.ratio_gate_action)
+        ratio_keys = [str(c) for c in checks if c.key.startswith("ratio/")]
+        if ratio_keys and not self.ratio_diagnostics:
+            raise ValueError(f"ratio_gate checks {', '.join(ratio_keys)} but ratio_diagnostics=False: no ratio/* key "
+                             f"is logged; set ratio_diagnostics=True")
 
     def _check_sampler_mode(self) -> None:
         """`old_logprob_mode="sampler"`: the rollout's sampler log-probs anchor the ratio, so they must exist.

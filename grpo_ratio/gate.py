@@ -196,15 +196,40 @@ def exit_code(results: list[tuple[str, CheckResult]]) -> int:
     return 0 if all(r.passed for _, r in results) else 1
 
 
+def _check_logged_key(key: str) -> None:
+    """A gate key must be one the trainer's log rows hold: W&B's and TensorBoard's `train/`/`eval/` prefixes are not
+    in them, and a `ratio/*` key must be one the diagnostics emit (`metric_keys.known`). Other keys (TRL's, rewards,
+    a callback's own) cannot be known in advance; the callback says at the end of training which were never logged.
+
+    Raises:
+        ValueError: a `train/`/`eval/` prefix, or a `ratio/*` key the diagnostics never emit (with the nearest ones).
+    """
+    from difflib import get_close_matches
+
+    from . import metric_keys
+
+    for prefix in ("train/", "eval/"):
+        if key.startswith(prefix):
+            raise ValueError(f"ratio_gate: {key!r}: the trainer's log rows hold {key[len(prefix):]!r} (W&B and "
+                             f"TensorBoard add the {prefix!r} prefix); use that key")
+    if key.startswith(f"{metric_keys.PREFIX}/") and not metric_keys.known(key):
+        near = get_close_matches(key, list(metric_keys.TABLE), n=3, cutoff=0.6)
+        raise ValueError(f"ratio_gate: {key!r} is not a key the ratio diagnostics emit"
+                         + (f"; did you mean {', '.join(map(repr, near))}?" if near else " (docs/metrics.md lists them)"))
+
+
 def training_checks(checks, patience: int, action: str) -> list[Check]:
     """Validated settings of a gate during training (`RatioGateCallback`, the config's `ratio_gate*` fields): the
     parsed checks.
 
     Raises:
         ValueError: a check that does not parse or has a scope other than `TRAINING_SCOPES` (the others need the whole
-            run), patience not an integer >= 1, or an action not in `GATE_ACTIONS`.
+            run), a key the log rows never hold (`_check_logged_key`), patience not an integer >= 1, or an action not
+            in `GATE_ACTIONS`.
     """
     parsed = [c if isinstance(c, Check) else parse_check(c) for c in checks]
+    for check in parsed:
+        _check_logged_key(check.key)
     bad = [str(c) for c in parsed if c.scope not in TRAINING_SCOPES]
     if bad:
         raise ValueError(f"ratio_gate: {', '.join(bad)}: during training only the scopes {', '.join(TRAINING_SCOPES)} "

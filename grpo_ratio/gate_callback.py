@@ -55,6 +55,15 @@ class RatioGateCallback(TrainerCallback):
                 self._trip(check, float(value), state, control)
         return control
 
+    def on_train_end(self, args, state, control, **kwargs):
+        never = [str(c) for c, seen in zip(self.checks, self.seen) if not seen]
+        if never:  # a key no log row held: its check was never applied (a key TRL or the diagnostics did not log)
+            message = f"ratio gate: never applied, no logged step held the key of {', '.join(never)}"
+            self.tripped.append(message)
+            logger.warning(message)
+            warnings.warn(message, stacklevel=2)
+        return control
+
     def _trip(self, check: Check, value: float, state, control) -> None:
         message = (f"ratio gate: {check.key} = {value:.6g} fails {check} for {self.patience} consecutive logged "
                    f"step(s), at step {state.global_step}")

@@ -285,6 +285,19 @@ def check_cpu_precision(args, device_type: str) -> None:
 _said_cpu_precision = False
 
 
+def check_r2_has_an_old_pass(plan) -> None:
+    """Warn when `routing_replay="R2"` has nothing to replay: R2 replays the old pass's routes in the updates, and in
+    TRL's on-policy default with `old_logprob_mode="bf16"` (or `fp32_head` fused) no old pass runs; the one update
+    per generation is the old policy's forward itself."""
+    if plan.routing_replay == "R2" and not plan.runs_old_pass:
+        warnings.warn("routing_replay='R2' has nothing to replay in this run: no old pass runs (TRL's on-policy "
+                      "default: num_iterations=1, steps_per_generation == gradient_accumulation_steps, and "
+                      f"old_logprob_mode={plan.scorer_mode or 'bf16'!r} "
+                      "without one), so the only update of each generation routes as the old policy. R2 acts with "
+                      "num_iterations > 1 or a scoring mode's old pass; routing_replay='R3' replays the sampler's "
+                      "routes (docs/moe.md)", stacklevel=4)
+
+
 def lint_trainer(trainer, policy: nn.Module) -> None:
     """Every start-up check of a `RatioGRPOTrainer` that needs the model (the config-only ones ran in the config):
     the LM head for a correction, the sampling settings and logits processors the rollouts use, dropout, positions,
@@ -302,3 +315,4 @@ def lint_trainer(trainer, policy: nn.Module) -> None:
     check_vllm(args, engine_dtype, training_dtype(args, policy), engine_head_dtype)
     check_fsdp2_rounding(engine_of(trainer.accelerator), args, plan.anchor_is_policy)
     check_cpu_precision(args, trainer.accelerator.device.type)
+    check_r2_has_an_old_pass(plan)

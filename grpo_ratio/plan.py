@@ -167,6 +167,13 @@ class RunPlan:
         return self.sampling.repetition_penalty if self.corrects else 1.0
 
     @property
+    def runs_old_pass(self) -> bool:
+        """A separate old pass runs per generation: TRL's own, the scoring mode's (not `fp32_head` fused), or the one
+        an IS correction needs on the `generate` path."""
+        scorer_pass = self.scorer_mode is not None and not self.fused_head
+        return self.trl_old_pass or scorer_pass or self.is_correction is not None
+
+    @property
     def replays_routes(self) -> bool:
         """An MoE routing replay is on (`R2` or `R3`)."""
         return self.routing_replay != "none"

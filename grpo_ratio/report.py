@@ -48,6 +48,7 @@ SUMMARY_KEYS = {
     "reward": "reward",
     keys.NEW_OLD.oob_rate: "new/old: share of tokens out of band (PPO clip reads this ratio)",
     keys.NEW_OLD.mean_abs_log_ratio: "new/old: mean |log r| (nats)",
+    keys.NEW_OLD.mean: "new/old: mean r (the sampler arm: the kept mass under truncation)",
     keys.NEW_OLD.p1: "new/old: 1st percentile of r",
     keys.NEW_OLD.p99: "new/old: 99th percentile of r",
     keys.OLD_SAMPLER.oob_rate: "old/sampler, raw: share out of band (IS correction reads this ratio)",
@@ -114,9 +115,9 @@ def render_run(name: str, stats: dict, found: list[Finding], config: dict | None
     lines += ["", f"{steps} logged steps. " + ("Findings:" if found else "Nothing out of the healthy range "
                                                                           "(docs/reading.md).")]
     for f in found:
-        lead = "" if f.fix.startswith("nothing") else "Try: "
-        lines.append(f"- **{f.severity}** `{f.metric}` = {_fmt(f.value)}: {f.cause}. {lead}{f.fix[0].upper()}"
-                     f"{f.fix[1:]}.")
+        # the fix as written: it starts with a field name or a command to copy, so it is not capitalised
+        fix = f"Try: {f.fix}" if not f.fix.startswith("nothing") else f.fix[0].upper() + f.fix[1:]
+        lines.append(f"- **{f.severity}** `{f.metric}` = {_fmt(f.value)}: {f.cause}. {fix}.")
     return "\n".join(lines) + "\n"
 
 

@@ -228,3 +228,24 @@ def test_comparison_plot_keeps_equal_arms_visible_and_legends_off_the_data(compa
         assert len({ln.get_marker() for ln in lines}) == 3 and {ln.get_markerfacecolor() for ln in lines} == {"none"}
         legend, box = ax.get_legend().get_window_extent(), ax.get_window_extent()
         assert legend.x0 >= box.x1  # right of the panel, not over it
+
+
+def test_command_line_mistakes_are_one_line_errors(compare, tmp_path, capsys):
+    recipes = [str(RECIPES / "arithmetic" / f"{arm}.yaml") for arm in ("bf16", "fp32_clone")]
+    base = ["--recipes", *recipes, "--output_root", str(tmp_path)]
+    for extra, said in ((["--seeds", "0", "0"], "--seeds must be distinct, got [0, 0]"),
+                        (["--last_k", "0"], "--last_k must be >= 1, got 0")):
+        with pytest.raises(SystemExit) as stop:
+            compare.main([*base, *extra])
+        assert stop.value.code == 2 and said in capsys.readouterr().err
+    # no prefix matching: `--seed 5` is not `--seeds 5`; and a per-run field is refused, not silently replaced
+    with pytest.raises(SystemExit):
+        compare.main([*base, "--seed", "5"])
+    assert "--seed is set per run by compare (--seeds, --output_root/--name); remove it" in capsys.readouterr().err
+
+
+def test_a_changed_configuration_names_what_differs(compare):
+    stored = json.dumps({"recipe": {"max_steps": 40, "top_p": 1.0}, "overrides": ["--max_steps", "12"]})
+    asked = json.dumps({"recipe": {"max_steps": 40, "top_p": 0.8}, "overrides": []})
+    assert compare._differences(stored, asked) == "flags: '--max_steps 12' there, 'none' now; top_p: 1.0 there, 0.8 now"
+    assert compare._differences("recipe A", "recipe B") == "fingerprint: 'recipe A' there, 'recipe B' now"

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from trainer_fixtures import tiny_trainer
 
+from grpo_ratio import RatioGRPOConfig
 from grpo_ratio.gate import Check, collect_checks, evaluate, parse_check, read_thresholds
 from grpo_ratio.gate_callback import RatioGateCallback
 from grpo_ratio.report import main
@@ -95,11 +96,32 @@ def test_report_check_names_failing_keys_and_values(tmp_path, capsys):
 
 def test_callback_validation():
     with pytest.raises(ValueError, match="only the scopes each, first"):
-        RatioGateCallback(["mean:ratio/x<1"])
+        RatioGateCallback(["mean:ratio/new_old/oob_rate<1"])
     with pytest.raises(ValueError, match="patience"):
-        RatioGateCallback(["ratio/x<1"], patience=0)
+        RatioGateCallback(["ratio/new_old/oob_rate<1"], patience=0)
     with pytest.raises(ValueError, match="allowed: warn, stop"):
-        RatioGateCallback(["ratio/x<1"], action="halt")
+        RatioGateCallback(["ratio/new_old/oob_rate<1"], action="halt")
+
+
+def test_a_key_no_log_row_holds_is_refused_or_said():
+    # W&B's prefix, a misspelt ratio key: refused at once, with the key to use
+    with pytest.raises(ValueError, match=r"log rows hold 'ratio/new_old/oob_rate' \(W&B and TensorBoard add"):
+        RatioGateCallback(["train/ratio/new_old/oob_rate<=0.1"])
+    with pytest.raises(ValueError, match=r"'ratio/new_old/oob_rat' is not a key .*did you mean 'ratio/new_old/oob_rate'"):
+        RatioGateCallback(["ratio/new_old/oob_rat<=0.1"])
+    with pytest.raises(ValueError, match="ratio_diagnostics=False: no ratio/\\* key is logged"):
+        RatioGRPOConfig(output_dir="/tmp/unused", use_cpu=True, report_to="none", ratio_diagnostics=False,
+                        ratio_gate=["ratio/new_old/oob_rate<=0.1"])
+    RatioGateCallback(["reward>0", "ratio/route/old_new/layer_3<=0.5"])  # other keys, per-layer route keys: accepted
+
+
+def test_a_check_never_applied_is_said_at_the_end(tmp_path):
+    trainer = tiny_trainer(tmp_path, max_steps=1)
+    gate = RatioGateCallback(["rewards/no_such_reward/mean>0"])  # not a ratio/* key: cannot be known in advance
+    trainer.add_callback(gate)
+    with pytest.warns(UserWarning, match=r"never applied, no logged step held the key of rewards/no_such_reward/mean>0"):
+        trainer.train()
+    assert len(gate.tripped) == 1
 
 
 def test_callback_stops_a_real_training_after_patience_steps(tmp_path):

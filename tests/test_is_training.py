@@ -131,8 +131,8 @@ def test_settings_are_validated(tmp_path):
     with pytest.raises(ValueError, match="needs vllm_importance_sampling_correction=True"):
         RatioGRPOConfig(**base, is_correction="tis", use_vllm=True, vllm_importance_sampling_correction=False)
     with pytest.raises(ValueError, match="only the scopes each, first"):
-        RatioGRPOConfig(**base, ratio_gate=["mean:ratio/x<1"])
-    assert RatioGRPOConfig(**base, ratio_gate="ratio/x<1").ratio_gate == ["ratio/x<1"]
+        RatioGRPOConfig(**base, ratio_gate=["mean:ratio/new_old/oob_rate<1"])
+    assert RatioGRPOConfig(**base, ratio_gate="reward>0").ratio_gate == ["reward>0"]
     with pytest.raises(ValueError, match="num_beams=2"):
         tiny_trainer(tmp_path, is_correction="icepop", generation_kwargs={"num_beams": 2})
 

@@ -32,6 +32,28 @@ def test_truncation_without_correction_is_found_with_its_fix():
     assert "truncation_correction='renormalize'" in finding.fix
 
 
+def test_truncation_on_the_sampler_arm_is_found_in_new_old():
+    # old = sampler: old/sampler is 1 by construction and the kept mass (here 0.50) sits in new/old, inside the clip
+    stats = summarize_history(_history(ratio__new_old__mean=[0.50, 0.52], ratio__new_old__oob_rate=[1.0, 1.0],
+                                       ratio__old_sampler__mean=[1.0, 1.0], ratio__old_sampler__oob_rate=[0.0, 0.0]))
+    found = {f.metric: f for f in findings(stats, {"old_logprob_mode": "sampler", "truncation_correction": "none"})}
+    assert found["ratio/new_old/mean"].value == pytest.approx(0.51) and found["ratio/new_old/mean"].severity == "warning"
+    assert found["ratio/new_old/mean"].changes == {"truncation_correction": "renormalize"}
+    assert "ratio/new_old/oob_rate" not in found  # not called "expected" when it is the kept mass
+    corrected = findings(stats, {"old_logprob_mode": "sampler", "truncation_correction": "renormalize"})
+    assert "ratio/new_old/mean" not in {f.metric for f in corrected}
+
+
+def test_the_fix_is_printed_as_it_is_typed(tmp_path, capsys):
+    # field names and commands are copied from the report: never capitalised
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = _history(ratio__old_sampler__mean=[0.89, 0.90], ratio__old_sampler__oob_rate=[0.5, 0.55])
+    (run / "log_history.json").write_text(json.dumps(rows))
+    assert main([str(run)]) == 0
+    assert "Try: truncation_correction='renormalize'" in capsys.readouterr().out
+
+
 def test_a_healthy_run_has_no_findings():
     stats = summarize_history(_history(ratio__new_old__oob_rate=[0.0, 0.0], ratio__old_sampler__mean=[1.0, 0.999],
                                        ratio__old_sampler__oob_rate=[0.04, 0.05], ratio__new_old__num_tokens=[30, 31]))

@@ -214,3 +214,18 @@ def test_vllm_routed_experts_are_laid_out_and_replayed(monkeypatch):
     llm.generate()
     with pytest.raises(RuntimeError, match="enable_return_routed_experts"):
         routing.expect_vllm(GenerationRoutes(), *capture.routed_experts(2))
+
+
+def test_r2_without_an_old_pass_warns_that_it_has_nothing_to_replay(tmp_path):
+    # TRL's on-policy default with bf16: no old pass, the only update routes as the old policy
+    with pytest.warns(UserWarning, match="routing_replay='R2' has nothing to replay in this run"):
+        trainer = tiny_trainer(tmp_path / "a", "bf16", model=tiny_model("qwen3_moe"), routing_replay="R2", max_steps=1)
+    assert not trainer.plan.runs_old_pass
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # with an old pass (fp32_clone's, or TRL's at 2 iterations): silent
+        for name, kwargs in (("b", dict(mode="fp32_clone")), ("c", dict(mode="bf16", num_iterations=2))):
+            mode = kwargs.pop("mode")
+            assert tiny_trainer(tmp_path / name, mode, model=tiny_model("qwen3_moe"), routing_replay="R2",
+                                max_steps=1, **kwargs).plan.runs_old_pass

@@ -298,6 +298,19 @@ def _start_wandb(name: str, arm: str, seed: int, run_dir: Path):
     )
 
 
+def _differences(stored, asked) -> str:
+    """The recipe keys and override flags (both values) in which two run fingerprints (`main`'s JSON) differ."""
+    def fields(text) -> dict:
+        try:
+            data = json.loads(text or "{}")  # a run.json of an older version may hold none
+        except ValueError:  # a fingerprint given in-process as plain text
+            return {"fingerprint": text}
+        return {**(data.get("recipe") or {}), "flags": " ".join(data.get("overrides") or []) or "none"}
+    old, new = fields(stored), fields(asked)
+    return "; ".join(f"{k}: {old.get(k)!r} there, {new.get(k)!r} now" for k in sorted({*old, *new})
+                     if old.get(k) != new.get(k))
+
+
 def _finished_run(arm: str, seed: int, run_dir: Path, fingerprint) -> RunResult | None:
     """The run stored in `run_dir` when it finished with the same `fingerprint`; None when there is none to resume.
 
@@ -309,8 +322,9 @@ def _finished_run(arm: str, seed: int, run_dir: Path, fingerprint) -> RunResult 
         return None
     meta = json.loads(meta_path.read_text())
     if meta.get("fingerprint") != fingerprint:
-        raise FileExistsError(f"{run_dir} holds a run of another configuration ({meta.get('config')}); use another "
-                              f"--name or --output_root, or delete that folder")
+        differs = _differences(meta.get("fingerprint"), fingerprint)
+        raise FileExistsError(f"{run_dir} holds a run of another configuration ({differs}); use another --name or "
+                              f"--output_root, or delete that folder")
     if not meta.get("completed"):
         return None  # started, never finished: train it again
     rollouts = json.loads((run_dir / "first_rollouts.json").read_text())
@@ -362,18 +376,9 @@ def _run_one(arm: str, seed: int, build: Callable, name: str, run_dir: Path, fin
     return result
 
 
-def run_comparison(
-    arms: Sequence[str],
-    seeds: Sequence[int],
-    build: Callable,
-    name: str = "comparison",
-    output_root: str | Path = "runs/compare",
-    last_k: int = 10,
-    baseline: str = "bf16",
-    show: bool = True,
-    fingerprints: dict[str, object] | None = None,
-    steps_per_run: int | None = None,
-) -> Comparison:
+def run_comparison(arms: Sequence[str], seeds: Sequence[int], build: Callable, name: str = "comparison",
+                   output_root: str | Path = "runs/compare", last_k: int = 10, baseline: str = "bf16", show: bool = True,
+                   fingerprints: dict[str, object] | None = None, steps_per_run: int | None = None) -> Comparison:
     """Train every (arm, seed), seed-major, and compare them; finished runs already in the folder are read back.
 
     Args:
@@ -492,7 +497,7 @@ def check_overrides(recipes: dict[str, str], overrides: Sequence[str], probe_dir
 
 
 def main(argv: Sequence[str] | None = None) -> Comparison | None:
-    parser = argparse.ArgumentParser(prog="grpo-ratio compare", description=__doc__,
+    parser = argparse.ArgumentParser(prog="grpo-ratio compare", description=__doc__, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipes", nargs="+", help="recipe YAMLs, one per arm (label = file name)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0], help="training seeds")
@@ -515,6 +520,13 @@ def main(argv: Sequence[str] | None = None) -> Comparison | None:
     missing = [r for r in args.recipes if not Path(r).is_file()]
     if missing:
         parser.error(f"--recipes: no such file: {', '.join(missing)}")
+    per_run = [f for f in ("--seed", "--output_dir", "--run_name") if any(o.split("=")[0] == f for o in overrides)]
+    if per_run:  # load_recipe sets them per (arm, seed): an override would be silently replaced
+        parser.error(f"{per_run[0]} is set per run by compare (--seeds, --output_root/--name); remove it")
+    if args.last_k < 1:
+        parser.error(f"--last_k must be >= 1, got {args.last_k}")
+    if len(set(args.seeds)) != len(args.seeds):
+        parser.error(f"--seeds must be distinct, got {args.seeds}")
     if args.baseline not in recipes:
         parser.error(f"--baseline {args.baseline!r} is not an arm; the arms are: {', '.join(recipes)}")
     try:  # parse every recipe first: a bad key, a bad value or a mislabelling override fails before any training
@@ -524,16 +536,12 @@ def main(argv: Sequence[str] | None = None) -> Comparison | None:
     # a run is resumed only for the same recipe values and overrides (what the user asked for; comments may change)
     fingerprints = {arm: json.dumps({"recipe": yaml.safe_load(Path(r).read_text()), "overrides": list(overrides)},
                                     sort_keys=True) for arm, r in recipes.items()}
-    comparison = run_comparison(
-        list(recipes),
-        args.seeds,
-        recipe_builder(recipes, overrides),
-        name=args.name,
-        output_root=args.output_root,
-        last_k=args.last_k,
-        baseline=args.baseline,
-        fingerprints=fingerprints,
-    )
+    try:
+        comparison = run_comparison(list(recipes), args.seeds, recipe_builder(recipes, overrides), name=args.name,
+                                    output_root=args.output_root, last_k=args.last_k, baseline=args.baseline,
+                                    fingerprints=fingerprints)
+    except FileExistsError as err:  # a folder of another configuration: found before any training
+        parser.error(str(err))
     command = "python trainers/compare.py " + " ".join(sys.argv[1:] if argv is None else argv)
     comparison.summary["command"] = command
     Path(comparison.summary_path).write_text(json.dumps(comparison.summary, indent=1))
