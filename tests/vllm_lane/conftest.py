@@ -67,3 +67,19 @@ def smollm2_dir():
         return resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")
     except OSError as err:
         pytest.skip(f"SmolLM2-135M-Instruct is not available offline: {err}")
+
+
+def pytest_collection_modifyitems(config, items):
+    """`VLLM_LANE_SUBSET=ci` (set by .ci/run, for CI's time budget): every test function of the lane runs once, with
+    its first parametrization, so every path against real vLLM is still exercised; unset (`bash
+    scripts/test_vllm.sh` by hand): every parametrization."""
+    if os.environ.get("VLLM_LANE_SUBSET") != "ci":
+        return
+    seen, keep, drop = set(), [], []
+    for item in items:
+        function = item.nodeid.split("[")[0]
+        (drop if function in seen else keep).append(item)
+        seen.add(function)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
