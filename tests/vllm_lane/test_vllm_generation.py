@@ -172,7 +172,9 @@ def test_kept_sets_and_kept_mass_from_real_vllm_outputs(model, sampling, request
         print(f"\n[{model} {sampling}] kept mass mean {mass.mean():.4f} (min {mass.min():.4f}), "
               f"raw old/sampler mean {(full - sampler)[mask].exp().mean():.4f}, max |log M - (log p - log q)| {gap:.2e}")
     assert gap < tol
-    assert mass.max() <= 1.0 + 1e-6
+    # M <= 1 up to the fp32 rounding of two log-softmaxes over V (SmolLM2's 49,152 ids: top_k=64 keeps nearly all the
+    # mass, so log M sits within rounding of 0 and can come out a few 1e-6 above it), the tolerance of the gap above
+    assert mass.max() <= 1.0 + tol
     if "top_p" in sampling:
         assert mass.min() >= sampling["top_p"] - 1e-5  # top_p keeps at least that mass
     # the kept sets are top-|S| prefixes of HF's own distribution: support-size replay would be exact here
