@@ -303,8 +303,7 @@ class RatioGRPOConfig(GRPOConfig):
         if self.kept_set_source not in KEPT_SET_SOURCES:
             raise ValueError(f"kept_set_source={self.kept_set_source!r} is not allowed; allowed: "
                              f"{', '.join(KEPT_SET_SOURCES)}")
-        if not 0.0 < self.top_p <= 1.0:  # TRL accepts any value; generate would silently keep one token at 0
-            raise ValueError(f"top_p={self.top_p!r} is not allowed; allowed: 0 < top_p <= 1 (1 = no truncation)")
+        self._check_sampling_fields()
         if self.vllm_dtype is not None and self.vllm_dtype not in VLLM_DTYPES:
             raise ValueError(f"vllm_dtype={self.vllm_dtype!r} is not allowed; allowed: {', '.join(VLLM_DTYPES)}")
         if self.vllm_dtype is not None and not (self.use_vllm and self.vllm_mode == "colocate"):
@@ -362,6 +361,35 @@ class RatioGRPOConfig(GRPOConfig):
         if self.sampler_logprobs_in_loss and self.use_vllm:
             warnings.warn("sampler_logprobs_in_loss=True has no effect with use_vllm=True: TRL always receives vLLM's "
                           "log-probs as sampling_per_token_logps", stacklevel=3)
+
+    def _check_sampling_fields(self) -> None:
+        """The sampler's temperature / top_p / top_k / min_p, as fields or in `generation_kwargs` (which override
+        them): TRL passes any value through, and the kept sets and the corrections are computed from them. Out of
+        range, transformers fails at the first generate (temperature <= 0, top_k < 0) or keeps a degenerate set
+        silently (top_p = 0 keeps one token, min_p > 1 keeps only the argmax); vLLM reads temperature = 0 as greedy
+        decoding, which makes every completion of a group the same (zero advantage).
+
+        Raises:
+            ValueError: a value out of range, naming the field (or `generation_kwargs[...]`) and the allowed range.
+        """
+        gen = self.generation_kwargs if isinstance(self.generation_kwargs, dict) else {}
+        allowed = {
+            "temperature": ("> 0 (GRPO samples; greedy decoding gives every completion of a group the same reward)",
+                            lambda v: v > 0),
+            "top_p": ("0 < top_p <= 1 (1 = no truncation)", lambda v: 0.0 < v <= 1.0),
+            # vLLM also reads -1 as "all tokens"; transformers' TopKLogitsWarper refuses it at the first generate
+            "top_k": ("an integer >= 0 (0 = no top-k truncation" + (", as is -1 with vLLM)" if self.use_vllm else
+                                                                    "; -1 only with vLLM)"),
+                      lambda v: isinstance(v, int) and v >= (-1 if self.use_vllm else 0)),
+            "min_p": ("0 <= min_p <= 1, or None (no min-p truncation)", lambda v: v is None or 0.0 <= v <= 1.0),
+        }
+        for name, (rule, ok) in allowed.items():
+            where, value = (f"generation_kwargs[{name!r}]", gen[name]) if name in gen else (name, getattr(self, name))
+            if value is None and name != "min_p":
+                continue  # TRL's own default then applies
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not (number or value is None) or not ok(value):
+                raise ValueError(f"{where}={value!r} is not allowed; allowed: {rule}")
 
     def _check_copy_storage(self) -> None:
         """`copy_storage`: one of `COPY_STORAGES`, and `"per_layer"` only where a whole-model copy can exist.

@@ -22,7 +22,13 @@ FIELDS_FILE = Path(__file__).with_name("cli_fields.json")
 # `grpo-ratio compare`'s own flags (grpo_ratio/scripts/compare.py `main`); every other flag overrides the recipes
 COMPARE_FLAGS = ("--recipes", "--seeds", "--name", "--output_root", "--last_k", "--baseline", "--render")
 # numeric ranges the parser does not check; RatioGRPOConfig.__post_init__ enforces the same (tests/test_precheck.py)
-RANGES = {"top_p": (0.0, 1.0, "0 < top_p <= 1 (1 = no truncation)")}
+RANGES = {
+    "top_p": (lambda x: 0.0 < x <= 1.0, "0 < top_p <= 1 (1 = no truncation)"),
+    "temperature": (lambda x: x > 0.0, "temperature > 0"),
+    # -1 is vLLM's "all tokens": whether vLLM is on is the config's to check (RatioGRPOConfig)
+    "top_k": (lambda x: x >= -1 and x == int(x), "an integer top_k >= 0 (0 = no top-k truncation; -1 with vLLM)"),
+    "min_p": (lambda x: 0.0 <= x <= 1.0, "0 <= min_p <= 1"),
+}
 
 
 class ConfigError(ValueError):
@@ -56,12 +62,12 @@ def _check_value(name: str, value, where: str, known: dict) -> None:
         raise ConfigError(f"{where}: {name}={value!r} is not allowed; allowed: {', '.join(choices)}"
                           + _did_you_mean(str(value), choices))
     if name in RANGES:
-        low, high, text = RANGES[name]
+        inside, text = RANGES[name]
         try:
             number = float(value)
         except (TypeError, ValueError):
             return  # not a number: the parser says so
-        if not low < number <= high:
+        if not inside(number):
             raise ConfigError(f"{where}: {name}={value!r} is outside the allowed range {text}")
 
 

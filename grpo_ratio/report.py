@@ -105,8 +105,8 @@ def render_run(name: str, stats: dict, found: list[Finding], config: dict | None
     if config:
         lines += [", ".join(f"{k}={v}" for k, v in config.items() if v is not None), ""]
     else:
-        lines += ["Configuration unknown (no run.json): the findings read the logged keys only and cannot say what "
-                  "is expected for the run's arm.", ""]
+        lines += ["Configuration unknown (no run.json, no checkpoint's training_args.bin): the findings read the "
+                  "logged keys only and cannot say what is expected for the run's arm.", ""]
     lines += ["| metric | what | mean | first | last | min | max |", "|---|---|---|---|---|---|---|"]
     for key, s in stats.items():
         lines.append(f"| `{key}` | {SUMMARY_KEYS[key]} | {_fmt(s['mean'])} | {_fmt(s['first'])} | {_fmt(s['last'])} "
@@ -359,6 +359,20 @@ def _run_meta(path: Path) -> dict:
     return json.loads(meta.read_text()) if meta.is_file() else {}
 
 
+def _checkpoint_config(state: Path) -> dict | None:
+    """`RUN_FIELDS` of the config a script of your own trained with: the `training_args.bin` that transformers'
+    Trainer saves beside `trainer_state.json` in every checkpoint (`torch.save(args)`); None when there is none.
+
+    The file is a pickle of the run's own `GRPOConfig` (or `RatioGRPOConfig`); it is unpickled, so only point the
+    report at runs you trust, as with any checkpoint."""
+    args_file = state.parent / "training_args.bin"
+    if not args_file.is_file():
+        return None
+    import torch  # only here: the report of a run with run.json needs no torch
+
+    return run_config(torch.load(args_file, weights_only=False))
+
+
 def load_runs(path: Path) -> list[tuple[str, list[dict], dict | None]]:
     """(name, log history, config or None) of: a run folder (`log_history.json`, else TRL's `trainer_state.json`
     in it or in its newest `checkpoint-N`), one of those files, or a comparison folder/its summary.json.
@@ -370,13 +384,15 @@ def load_runs(path: Path) -> list[tuple[str, list[dict], dict | None]]:
     if path.is_file() and path.name == "summary.json":
         path = path.parent
     if path.is_file():
-        return [(path.parent.name, _read_history(path), None)]
+        config = _checkpoint_config(path) if path.name == "trainer_state.json" else None
+        return [(path.parent.name, _read_history(path), config)]
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: no such file or folder")
     history = next((p for p in (path / "log_history.json", path / "trainer_state.json") if p.is_file()), None)
     history = history or _last_checkpoint_state(path)
     if history is not None:
-        return [(path.name, _read_history(history), _run_meta(path).get("config"))]
+        config = _run_meta(path).get("config") or _checkpoint_config(history)
+        return [(path.name, _read_history(history), config)]
     runs = [(name, h, c) for name, h, c, _ in _comparison_runs(path)]
     if not runs:
         raise FileNotFoundError(

@@ -37,10 +37,31 @@ def test_defaults_are_trl_behaviour(tmp_path):
      "fp32_clone"),
     (dict(top_p=0.0), r"top_p=0.0 is not allowed; allowed: 0 < top_p <= 1"),  # TRL takes it; generate keeps 1 token
     (dict(top_p=1.5), r"allowed: 0 < top_p <= 1"),
+    # TRL passes these through: generate fails at the first step (temperature, top_k) or keeps one token (min_p)
+    (dict(temperature=0.0), r"temperature=0.0 is not allowed; allowed: > 0"),
+    (dict(temperature=-1.0), r"temperature=-1.0 is not allowed"),
+    (dict(top_k=-1), r"top_k=-1 is not allowed; allowed: an integer >= 0 \(0 = no top-k truncation; -1 only with "
+                     r"vLLM\)"),
+    (dict(top_k=-2, use_vllm=True), r"top_k=-2 is not allowed; allowed: an integer >= 0 \(0 = no top-k truncation, "
+                                    r"as is -1 with vLLM\)"),
+    (dict(min_p=1.5), r"min_p=1.5 is not allowed; allowed: 0 <= min_p <= 1, or None"),
+    (dict(min_p=-0.1), r"min_p=-0.1 is not allowed"),
+    (dict(generation_kwargs={"top_k": 2.5}), r"generation_kwargs\['top_k'\]=2.5 is not allowed"),
+    (dict(generation_kwargs={"min_p": 2}), r"generation_kwargs\['min_p'\]=2 is not allowed"),
+    (dict(generation_kwargs={"temperature": "hot"}), r"generation_kwargs\['temperature'\]='hot' is not allowed"),
 ])
 def test_bad_values_fail_at_config_time(tmp_path, kw, match):
     with pytest.raises(ValueError, match=match):
         _cfg(tmp_path, **kw)
+
+
+def test_sampling_fields_in_range_pass(tmp_path):
+    """The edges of each allowed range, as fields and through generation_kwargs (which override the fields)."""
+    for kw in (dict(temperature=1e-3, top_p=1.0, top_k=0, min_p=0.0), dict(top_k=1, min_p=1.0),
+               dict(top_k=-1, generation_kwargs={"top_k": 20}),  # the override is the value generation uses
+               dict(top_k=-1, use_vllm=True)):  # vLLM's own "all tokens"
+        cfg = _cfg(tmp_path, **kw)
+        assert (cfg.top_k, cfg.min_p) == (kw["top_k"], kw.get("min_p"))
 
 
 @pytest.mark.parametrize("spec", ["0,29", " 29 , 0 ", "[0, 29]", [29, 0], (0, 29), "[29,0]"])
@@ -139,12 +160,18 @@ def test_the_early_command_line_checks_agree_with_the_config(tmp_path):
     # grpo_ratio/precheck.py refuses what RatioGRPOConfig refuses, before the heavy imports
     from grpo_ratio.precheck import RANGES, ConfigError, check_flags
 
-    for name in RANGES:
-        for bad in (0.0, 1.5):
+    cases = {"top_p": ([0.0, 1.5], [1.0, 0.5]), "temperature": ([0.0, -0.5], [0.7]), "top_k": ([-2, 2.5], [0, 50]),
+             "min_p": ([-0.1, 1.5], [0.0, 1.0])}
+    assert set(cases) == set(RANGES)
+    for name, (bad_values, good_values) in cases.items():
+        for bad in bad_values:
             with pytest.raises(ConfigError):
                 check_flags([f"--{name}", str(bad)])
             with pytest.raises(ValueError, match=name):
                 RatioGRPOConfig(output_dir=str(tmp_path), use_cpu=True, **{name: bad})
+        for good in good_values:
+            check_flags([f"--{name}", str(good)])
+            assert getattr(RatioGRPOConfig(output_dir=str(tmp_path), use_cpu=True, **{name: good}), name) == good
 
 
 @pytest.mark.parametrize("version", ["1.15.2", "1.17.0", "2.0.0"])

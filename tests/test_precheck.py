@@ -53,6 +53,12 @@ def test_a_flag_typo_gets_a_did_you_mean_and_prefixes_work_as_in_argparse():
         with pytest.raises(ConfigError, match="allowed range 0 < top_p <= 1"):
             check_flags(argv)
     check_flags(["--top_p", "0.8", "--bf16", "--use_cpu", "true"])
+    # the sampling ranges RatioGRPOConfig enforces, before the heavy imports
+    for argv, text in ((["--temperature", "0"], "temperature > 0"), (["--top_k=-2"], "an integer top_k >= 0"),
+                       (["--top_k", "2.5"], "an integer top_k >= 0"), (["--min_p", "1.5"], "0 <= min_p <= 1")):
+        with pytest.raises(ConfigError, match=f"is outside the allowed range {text}"):
+            check_flags(argv)
+    check_flags(["--temperature", "0.7", "--top_k", "0", "--min_p", "0.05"])
 
 
 def test_compare_checks_every_recipe_and_override_but_not_its_own_flags(tmp_path):

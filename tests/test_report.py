@@ -84,6 +84,27 @@ def test_report_reads_trl_trainer_state_of_a_script_of_your_own(tmp_path, capsys
     assert "trainer_state.json" in capsys.readouterr().err
 
 
+def test_report_reads_the_config_of_a_script_of_your_own_from_its_checkpoint(tmp_path, capsys):
+    # no run.json (only grpo-ratio train and compare write one): the Trainer's own training_args.bin gives the config
+    import torch
+
+    from grpo_ratio import RatioGRPOConfig
+
+    ckpt = tmp_path / "out" / "checkpoint-3"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 3, "log_history": _history(reward=[0.2])}))
+    args = RatioGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", old_logprob_mode="fp32_head",
+                           top_p=0.8, truncation_correction="renormalize")
+    torch.save(args, ckpt / "training_args.bin")
+    for path in (tmp_path / "out", ckpt / "trainer_state.json"):
+        ((_, _, config),) = load_runs(path)
+        assert (config["old_logprob_mode"], config["top_p"], config["truncation_correction"]) == (
+            "fp32_head", 0.8, "renormalize")
+    assert main([str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "old_logprob_mode=fp32_head" in out and "Configuration unknown" not in out
+
+
 def test_comparison_section_says_why_unknown_one_seed_and_unmatched_rollouts():
     # 2 logged steps (the issue: every arm "unknown" and nothing said why)
     summary = {"last_k": 4, "last_k_used": 2, "baseline": "bf16", "matched_first_rollouts": {"0": False}, "arms": {
