@@ -126,8 +126,10 @@ def fsdp_compute_dtype(model: nn.Module, storage_dtype: torch.dtype) -> torch.dt
 def fp32_logprob_output(model: nn.Module) -> bool:
     """Keep the training forward's per-token log-probs in fp32 under an FSDP2 mixed-precision policy.
 
-    accelerate's bf16 policy has `output_dtype=bfloat16`, so TRL 1.16's log-probs (fp32 out of its chunked kernel) are
-    rounded to bf16 on their way out (up to 1.5e-2 nats on a tiny model): the new side of every ratio, in every mode.
+    Where accelerate's bf16 policy has `output_dtype=bfloat16` (the version this was written against did; accelerate
+    1.16.0's `set_mixed_precision` sets only `param_dtype` and `reduce_dtype`, and then this is a no-op), TRL 1.16's
+    log-probs (fp32 out of its chunked kernel) are rounded to bf16 on their way out (up to 1.5e-2 nats on a tiny
+    model): the new side of every ratio, in every mode.
     TRL's fused head reads `lm_head.weight` without calling `lm_head`, so the head group's cast is applied at the
     root's post-forward (`_force_complete_incomplete_states`): both the root's and the head group's `output_dtype`
     must go. They are set to None (no cast), which changes nothing but that rounding: the layers still compute in

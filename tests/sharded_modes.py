@@ -168,7 +168,9 @@ def new_side(trainer, rank):
         for state, policy_ in zip(states, saved):
             state._mp_policy = policy_
     valid = mask[:, -5:].bool()
+    accelerate_output = getattr(accelerate_policy, "output_dtype", None)  # accelerate 1.16 sets none
     return {"dtype_fixed": str(fixed.dtype), "dtype_unfixed": str(rounded.dtype),
+            "accelerate_output_dtype": str(accelerate_output),
             "max_abs_rounding": (fixed.float() - rounded.float())[valid].abs().max().item(),
             "unfixed_is_bf16_of_fixed": torch.equal(fixed.to(torch.bfloat16).float(), rounded.float()),
             "fix_idempotent": not fp32_logprob_output(policy)}
