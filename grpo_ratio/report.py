@@ -370,7 +370,11 @@ def _checkpoint_config(state: Path) -> dict | None:
         return None
     import torch  # only here: the report of a run with run.json needs no torch
 
-    return run_config(torch.load(args_file, weights_only=False))
+    try:
+        return run_config(torch.load(args_file, weights_only=False))
+    except Exception as err:  # written by another version of a library: the findings still read the logged keys
+        print(f"{args_file}: cannot read the run's configuration ({type(err).__name__}: {err})", file=sys.stderr)
+        return None
 
 
 def load_runs(path: Path) -> list[tuple[str, list[dict], dict | None]]:
