@@ -66,7 +66,8 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 
 import yaml  # noqa: E402
 
-from grpo_ratio.memory import PeakRSS, release_memory, rss_bytes, steady_malloc  # noqa: E402  (no torch import)
+# no torch import at module level: rendering a result stays light
+from grpo_ratio.memory import PeakRSS, describe_machine, machine_record, release_memory, rss_bytes, steady_malloc  # noqa: E402, E501
 
 
 # torch, transformers, trl and grpo_ratio are imported where used: rendering a result JSON (scripts/update_docs.py,
@@ -443,7 +444,8 @@ def _header(result: dict) -> str:
     return (f"`{result['command']}` — {result['label']}, {rounds} x {result['steps']} timed "
             f"step(s) per arm (+{result['warmup']} warm-up), {c['per_device_train_batch_size']} completions "
             f"({c['num_generations']} per prompt) of <= {c['max_completion_length']} tokens, {c['dtype']} weights, "
-            f"bf16 autocast={c['bf16']}, CPU, {result['threads']} threads, peak memory: {result['memory_method']}")
+            f"bf16 autocast={c['bf16']}, CPU, {result['threads']} threads, peak memory: {result['memory_method']}; "
+            f"{describe_machine(result.get('machine'))}")
 
 
 def render_cost(result: dict, summary: dict) -> list[str]:
@@ -477,7 +479,7 @@ def render(result: dict) -> str:
 
 
 def make_result(command: str, spec: ModelSpec, recipe_path: str, recipe: dict, runs: list[dict], rounds: int,
-                steps: int, warmup: int) -> dict:
+                steps: int, warmup: int, machine: dict | None = None) -> dict:
     """The JSON record of a run: command, settings, versions, arms and the (round, arm) records of every complete
     round (`rounds` counts those; `rounds_requested` what was asked for)."""
     import torch
@@ -492,7 +494,7 @@ def make_result(command: str, spec: ModelSpec, recipe_path: str, recipe: dict, r
         "rounds": len(done), "rounds_requested": rounds, "steps": steps, "warmup": warmup,
         "threads": torch.get_num_threads(), "torch": torch.__version__, "trl": trl.__version__,
         "memory_method": runs[0]["memory_method"] if runs else None,
-        "reference": REFERENCE, "arms": [vars(arm) for arm in ARMS], "runs": runs,
+        "reference": REFERENCE, "arms": [vars(arm) for arm in ARMS], "runs": runs, "machine": machine,
     }
 
 
@@ -512,9 +514,10 @@ def main(argv=None):
     steady_malloc()
     recipe = read_recipe(ROOT / a.recipe)
     command = "python benchmarks/step_cost.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    machine = machine_record()  # before the run's own threads raise the load
 
     def save(runs):  # after every arm: a long run stopped early keeps its complete rounds
-        result = make_result(command, spec, a.recipe, recipe, runs, a.rounds, a.steps, a.warmup)
+        result = make_result(command, spec, a.recipe, recipe, runs, a.rounds, a.steps, a.warmup, machine)
         if a.json and result["rounds"]:
             Path(a.json).parent.mkdir(parents=True, exist_ok=True)
             Path(a.json).write_text(json.dumps(result, indent=1))

@@ -74,3 +74,39 @@ def steady_malloc() -> None:
     without showing in its RSS."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD; setting it disables the dynamic one
+
+
+def machine_record() -> dict:
+    """The machine a benchmark ran on, for its result file: `cpu` (the model name in /proc/cpuinfo, else
+    `platform.processor()`), `cores` (os.cpu_count()), `isa` (the widest x86 matmul extensions torch's
+    CPU kernels detect: AVX2, AVX512, AVX512-BF16, AMX), `native_bf16` (AVX512-BF16 or AMX: whether bf16 autocast runs
+    natively or is emulated, `grpo_ratio.lints.cpu_has_native_bf16`) and `load_before` (the 1-minute load average when
+    the record is made: 0.0 on an idle machine). Timings move with all of them, so a table says which machine it is
+    from."""
+    import os
+    import platform
+
+    import torch
+
+    from grpo_ratio.lints import cpu_has_native_bf16
+
+    cpu = platform.processor()
+    with contextlib.suppress(OSError):
+        match = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
+        cpu = match.group(1).strip() if match else cpu
+    checks = {"AVX2": "_is_avx2_supported", "AVX512": "_is_avx512_supported",
+              "AVX512-BF16": "_is_avx512_bf16_supported", "AMX": "_is_amx_tile_supported"}
+    isa = [name for name, fn in checks.items() if getattr(torch.cpu, fn, lambda: False)()]
+    return {"cpu": cpu, "cores": os.cpu_count(), "isa": isa, "native_bf16": cpu_has_native_bf16(),
+            "load_before": round(os.getloadavg()[0], 2)}
+
+
+def describe_machine(machine: dict | None, load: bool = True) -> str:
+    """One phrase for a table header from `machine_record()`'s dict (with its start load unless `load=False`);
+    "machine not recorded" for results made before the record existed."""
+    if not machine:
+        return "machine not recorded"
+    bf16 = "native bf16" if machine["native_bf16"] else "no native bf16: bf16 emulated"
+    isa = "/".join(machine.get("isa", [])) or "no AVX2"
+    text = f"{machine['cores']}-core {machine['cpu']} ({isa}; {bf16})"
+    return text + (f", load {machine['load_before']:.2f} at the start" if load else "")

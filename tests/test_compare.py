@@ -68,6 +68,15 @@ def test_two_arms_match_step_one_and_summarize(compare, tmp_path):
     assert verdict["divergence"][0]["step"] == (None if prints == bf16.fingerprints else 2)
     assert verdict["verdict"] in ("unknown", "not diverged yet") and verdict["reason"]
 
+    # the machine each run trained on, in run.json and (without the load) in the summary and its markdown
+    from grpo_ratio.memory import describe_machine, machine_record
+
+    machine = json.loads((tmp_path / "cmp" / "bf16-s0" / "run.json").read_text())["machine"]
+    assert {k: v for k, v in machine.items() if k != "load_before"} == {
+        k: v for k, v in machine_record().items() if k != "load_before"}
+    assert result.summary["machines"] == [describe_machine(machine, load=False)]
+    assert f"Trained on: {describe_machine(machine, load=False)}." in compare.render_markdown(result.summary)
+
 
 def test_summarize_literal_histories(compare):
     def run(arm, seed, rewards):

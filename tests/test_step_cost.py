@@ -73,6 +73,7 @@ def test_old_passes_are_counted(summary):
 def test_render_names_command_and_arms(result):
     text = step_cost.render(result)
     assert text.splitlines()[0].startswith("`python benchmarks/step_cost.py --model tiny (test)`")
+    assert text.splitlines()[0].endswith("; machine not recorded")  # make_result without machine=...
     for arm in step_cost.ARMS:
         assert f"| {arm.name} |" in text
 
@@ -87,3 +88,21 @@ def test_untied_copy_has_its_own_head(tmp_path):
     head, embedding = model.get_output_embeddings().weight, model.get_input_embeddings().weight
     assert not model.config.tie_word_embeddings
     assert head.data_ptr() != embedding.data_ptr() and head.equal(embedding)
+
+
+def test_the_machine_is_recorded_and_named_in_the_header(result):
+    import os
+
+    import torch
+
+    from grpo_ratio.lints import cpu_has_native_bf16
+    from grpo_ratio.memory import machine_record
+
+    machine = machine_record()
+    assert machine["cores"] == os.cpu_count() and machine["native_bf16"] == cpu_has_native_bf16()
+    assert ("AMX" in machine["isa"]) == torch.cpu._is_amx_tile_supported()
+    assert machine["native_bf16"] == bool({"AVX512-BF16", "AMX"} & set(machine["isa"]))
+    header = step_cost.render({**result, "machine": {**machine, "load_before": 0.25}}).splitlines()[0]
+    assert header.endswith(f"{machine['cpu']} ({'/'.join(machine['isa'])}; "
+                           f"{'native bf16' if machine['native_bf16'] else 'no native bf16: bf16 emulated'}), "
+                           "load 0.25 at the start")

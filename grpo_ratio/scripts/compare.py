@@ -14,7 +14,7 @@ what tells the arms apart (e.g. `--old_logprob_mode` when the recipes differ in 
 Written under `OUTPUT_ROOT/NAME/`:
 - `<arm>-s<seed>/log_history.json`: TRL's log rows of the run; `first_rollouts.json`: step-1 prompts and completions;
   `rollout_fingerprints.json`: a sha256 of every step's prompts and completions (the verdict's first divergence);
-  `run.json`: the run's configuration and whether it finished;
+  `run.json`: the run's configuration, the machine it trained on and whether it finished;
 - `comparison.png`: reward and the ratio metrics per step: per arm a colour, a marker and a small step offset (equal
   lines stay visible), per seed a line style;
 - `summary.json`, also printed as a table: per arm and seed the last-k and whole-run mean reward, the difference to the
@@ -47,6 +47,7 @@ import yaml
 from transformers import TrainerCallback, set_seed
 
 from grpo_ratio import metric_keys as keys
+from grpo_ratio.memory import describe_machine, machine_record
 from grpo_ratio.plots import plot_comparison
 from grpo_ratio.report import render_verdicts, run_config
 from grpo_ratio.scripts.train import build_trainer, make_parser
@@ -94,9 +95,7 @@ class Progress(TrainerCallback):
 
     def __init__(self, name: str, num_runs: int, steps_per_run: int, stream=sys.stderr):
         self.name, self.num_runs, self.steps_per_run, self.stream = name, num_runs, steps_per_run, stream
-        self.start = time.monotonic()
-        self.steps_done = 0
-        self.run_index, self.label = 0, ""
+        self.start, self.steps_done, self.run_index, self.label = time.monotonic(), 0, 0, ""
 
     def begin_run(self, index: int, label: str) -> None:
         self.run_index, self.label = index, label
@@ -131,6 +130,7 @@ class RunResult:
     run_dir: str
     config: dict = field(default_factory=dict)
     fingerprints: list[str] | None = None  # per optimizer step, `rollout_fingerprint` (None: not stored)
+    machine: dict | None = None  # `grpo_ratio.memory.machine_record()` at the run's start (None: not recorded)
 
 
 @dataclass
@@ -211,7 +211,7 @@ def summarize(runs: Sequence[RunResult], last_k: int = 10, baseline: str = "bf16
     series = [run_series(r.arm, r.seed, r.history, r.fingerprints) for r in runs]
     verdicts = [asdict(v) for v in compare_arms(series, baseline, last_k)]
     return {"last_k": last_k, "last_k_used": min([last_k, *steps]), "baseline": baseline, "runs": rows, "arms": arms,
-            "verdicts": verdicts}
+            "verdicts": verdicts, "machines": sorted({describe_machine(r.machine, load=False) for r in runs})}
 
 
 SAMPLING_FIELDS = ("top_p", "top_k", "min_p", "temperature")
@@ -266,6 +266,7 @@ def render_markdown(summary: dict, command: str | None = None) -> str:
     """The comparison as markdown (for the docs): one row per run, then one per arm."""
     k, base = summary["last_k_used"], summary["baseline"]
     lines = [f"`{command}`\n" if command else "",
+             f"Trained on: {'; '.join(summary['machines'])}.\n" if summary.get("machines") else "",
              f"Reward: mean over the last {k} logged steps and over the whole run; differences to `{base}` at the "
              f"same seed; step noise = std of step-to-step reward changes / sqrt(2). Ratio columns: run means.\n",
              "| arm | seed | steps | reward last-k | - " + base + " | reward whole run | - " + base + " | step noise | "
@@ -330,7 +331,7 @@ def _finished_run(arm: str, seed: int, run_dir: Path, fingerprint) -> RunResult 
     rollouts = json.loads((run_dir / "first_rollouts.json").read_text())
     history = json.loads((run_dir / "log_history.json").read_text())
     return RunResult(arm, seed, history, rollouts["prompts"], rollouts["completions"], str(run_dir), meta["config"],
-                     read_fingerprints(run_dir))
+                     read_fingerprints(run_dir), meta.get("machine"))
 
 
 FINGERPRINTS_FILE = "rollout_fingerprints.json"
@@ -349,7 +350,7 @@ def _run_one(arm: str, seed: int, build: Callable, name: str, run_dir: Path, fin
     if trainer.args.seed != seed:
         raise ValueError(f"build({arm!r}, {seed}, ...) returned a trainer with args.seed={trainer.args.seed}")
     meta = {"arm": arm, "seed": seed, "fingerprint": fingerprint, "config": run_config(trainer.args),
-            "completed": False}
+            "machine": machine_record(), "completed": False}
     (run_dir / "run.json").write_text(json.dumps(meta, indent=1))
     recorder = RolloutRecorder(trainer)
     trainer.add_callback(recorder)
@@ -362,7 +363,7 @@ def _run_one(arm: str, seed: int, build: Callable, name: str, run_dir: Path, fin
         if wandb_run is not None:
             wandb_run.finish()
     result = RunResult(arm, seed, list(trainer.state.log_history), recorder.prompts, recorder.completions,
-                       str(run_dir), meta["config"], recorder.fingerprints)
+                       str(run_dir), meta["config"], recorder.fingerprints, meta["machine"])
     (run_dir / "log_history.json").write_text(json.dumps(result.history, indent=1))
     (run_dir / "first_rollouts.json").write_text(
         json.dumps({"prompts": result.first_prompts, "completions": result.first_completions}, indent=1)
