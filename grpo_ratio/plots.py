@@ -8,7 +8,9 @@ What every plot does, so that a picture never says more or less than the log:
   full height);
 - in comparisons, one colour and one hollow marker shape per arm, one line style per seed, and each arm's points
   shifted a little along the step axis, so arms whose values equal the baseline's (rollouts not yet diverged) stay
-  visible beside it instead of under it;
+  visible beside it instead of under it; one legend for the figure (an entry per arm, one per seed), and on a panel
+  with several series a small legend of those series only (a legend entry per arm, seed and series made six arms x
+  two seeds unreadable);
 - legends outside the panels, never over the data.
 """
 
@@ -90,6 +92,7 @@ def draw_runs(histories: dict[str, list[dict]], title: str, styles: dict[str, di
               band: tuple[float, float] = (0.9, 1.1), offsets: dict[str, float] | None = None):
     """The figure of `plot_runs`, not saved: (matplotlib Figure or None when nothing was logged, keys drawn)."""
     plt = _pyplot()
+    from matplotlib.lines import Line2D
     from matplotlib.ticker import MaxNLocator
 
     panels = [(name, [(k, lbl) for k, lbl in series if any(_points(rows, k) for rows in histories.values())], kind)
@@ -99,6 +102,7 @@ def draw_runs(histories: dict[str, list[dict]], title: str, styles: dict[str, di
         return None, []
     fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.5 * len(panels) + 0.6), sharex=True, squeeze=False)
     series_styles = ["-", "--", ":", "-."]
+    comparison = styles is not None  # one figure legend for arms and seeds; panel legends name series only
     drawn = []
     for ax, (name, series, kind) in zip(axes[:, 0], panels, strict=True):
         values = []
@@ -107,27 +111,57 @@ def draw_runs(histories: dict[str, list[dict]], title: str, styles: dict[str, di
                 points = _points(rows, key)
                 if not points:
                     continue
-                style = {"marker": ".", "ms": 3} | dict((styles or {}).get(run, {}))
-                if len(series) > 1 and styles is not None:
-                    style["alpha"] = 1.0 if j % 2 == 0 else 0.55
+                style = {"marker": ".", "ms": 3, "lw": 1.2} | dict((styles or {}).get(run, {}))
+                if len(series) > 1 and comparison:
+                    style |= _series_look(j)
                 elif len(series) > 1:
                     style["ls"] = series_styles[j % len(series_styles)]
                 shift = (offsets or {}).get(run, 0.0)
                 multi_run = len(histories) > 1
-                ax.plot([x + shift for x, _ in points], [v for _, v in points], lw=1.2,
-                        label=f"{run}: {label}" if multi_run and len(series) > 1 else (run if multi_run else label),
-                        **style)
+                if comparison:
+                    label_ = "_nolegend_"
+                else:
+                    label_ = f"{run}: {label}" if multi_run and len(series) > 1 else (run if multi_run else label)
+                ax.plot([x + shift for x, _ in points], [v for _, v in points], label=label_, **style)
                 values += [v for _, v in points]
             drawn.append(key)
         _finish_axis(ax, kind, values, band)
         ax.set_title(name, fontsize=9, loc="left")
         # outside, right of the panel: a legend never covers the lines it names
-        ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+        handles = [Line2D([], [], color="grey", label=lbl, **_series_look(j)) for j, (_, lbl) in enumerate(series)]
+        handles += [h for h in ax.get_legend_handles_labels()[0] if kind == "ratio"]  # the band's patch
+        if not comparison or len(series) > 1:
+            ax.legend(handles=handles if comparison else None, fontsize=6, loc="upper left",
+                      bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     axes[-1, 0].set_xlabel("optimizer step")
     axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
+    if comparison:  # after tight_layout, which does not make room for a figure legend; savefig's "tight" box does
+        top = axes[0, 0].get_position()
+        fig.legend(handles=_comparison_handles(styles), fontsize=7, loc="upper left",
+                   bbox_to_anchor=(top.x1 + 0.02, top.y1), borderaxespad=0.0)
     return fig, sorted(set(drawn), key=PLOT_KEYS.index)
+
+
+def _series_look(j: int) -> dict:
+    """Series j of a comparison panel: p1 opaque, p99 faded; the second pair (corrected) drawn thicker."""
+    return {"alpha": 1.0 if j % 2 == 0 else 0.55, "lw": 1.2 if j < 2 else 2.4}
+
+
+def _comparison_handles(styles: dict[str, dict]) -> list:
+    """Legend entries of a comparison: one per arm (colour, marker), then one per seed (line style) when several."""
+    from matplotlib.lines import Line2D
+
+    arms, seeds = {}, {}
+    for run, style in styles.items():  # keys "<arm> s<seed>" (comparison_styles)
+        arm, seed = run.rsplit(" s", 1)
+        arms.setdefault(arm, style)
+        seeds.setdefault(seed, style["ls"])
+    handles = [Line2D([], [], color=st["color"], marker=st["marker"], mfc="none", label=arm) for arm, st in arms.items()]
+    if len(seeds) > 1:
+        handles += [Line2D([], [], color="grey", ls=ls, label=f"seed {seed}") for seed, ls in seeds.items()]
+    return handles
 
 
 def run_title(model: str, args, steps: int) -> str:

@@ -225,18 +225,31 @@ def test_comparison_plot_keeps_equal_arms_visible_and_legends_off_the_data(compa
     # the issue: arms whose lines equal the baseline's were hidden under it, and legends covered the data
     from grpo_ratio.plots import comparison_styles, draw_runs
 
-    rows = [{"step": s, "reward": 0.1 * s, "ratio/new_old/oob_rate": 0.0} for s in (1, 2, 3)]
-    runs = [compare.RunResult(arm, 0, rows, [], [], "") for arm in ("bf16", "fp32_clone", "sampler")]
+    rows = [{"step": s, "reward": 0.1 * s, "ratio/new_old/oob_rate": 0.0, "ratio/new_old/p1": 0.9,
+             "ratio/new_old/p99": 1.1} for s in (1, 2, 3)]
+    runs = [compare.RunResult(arm, seed, rows, [], [], "")
+            for seed in (0, 1) for arm in ("bf16", "fp32_clone", "sampler")]
     styles, offsets = comparison_styles(runs)
     fig, drawn = draw_runs({f"{r.arm} s{r.seed}": r.history for r in runs}, "t", styles, offsets=offsets)
-    assert drawn == ["reward", "ratio/new_old/oob_rate"]
+    assert drawn == ["reward", "ratio/new_old/oob_rate", "ratio/new_old/p1", "ratio/new_old/p99"]
     fig.canvas.draw()
     for ax in fig.axes:
         lines = ax.get_lines()
-        assert [ln.get_xdata()[0] for ln in lines] == pytest.approx([0.85, 1.0, 1.15])  # shifted apart
+        starts = sorted({round(ln.get_xdata()[0], 6) for ln in lines})
+        assert starts == pytest.approx([0.85, 1.0, 1.15])  # shifted apart, per arm
         assert len({ln.get_marker() for ln in lines}) == 3 and {ln.get_markerfacecolor() for ln in lines} == {"none"}
-        legend, box = ax.get_legend().get_window_extent(), ax.get_window_extent()
-        assert legend.x0 >= box.x1  # right of the panel, not over it
+        assert len({ln.get_linestyle() for ln in lines}) == 2  # one line style per seed
+    # one figure legend, right of every panel: an entry per arm and per seed (not one per arm x seed x series)
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == ["bf16", "fp32_clone", "sampler", "seed 0", "seed 1"]
+    box = legend.get_window_extent()
+    assert all(box.x0 >= ax.get_window_extent().x1 for ax in fig.axes)
+    # a panel legend only where a panel has several series, naming just those (and the band), also off the data
+    reward, oob, quantiles = fig.axes
+    assert reward.get_legend() is None and oob.get_legend() is None
+    names = [t.get_text() for t in quantiles.get_legend().get_texts()]
+    assert names == ["new/old p1", "new/old p99", "band [0.9, 1.1]"]
+    assert quantiles.get_legend().get_window_extent().x0 >= quantiles.get_window_extent().x1
 
 
 def test_command_line_mistakes_are_one_line_errors(compare, tmp_path, capsys):
