@@ -158,7 +158,8 @@ def _comparison_handles(styles: dict[str, dict]) -> list:
         arm, seed = run.rsplit(" s", 1)
         arms.setdefault(arm, style)
         seeds.setdefault(seed, style["ls"])
-    handles = [Line2D([], [], color=st["color"], marker=st["marker"], mfc="none", label=arm) for arm, st in arms.items()]
+    handles = [Line2D([], [], color=st["color"], marker=st["marker"], mfc="none", label=arm)
+               for arm, st in arms.items()]
     if len(seeds) > 1:
         handles += [Line2D([], [], color="grey", ls=ls, label=f"seed {seed}") for seed, ls in seeds.items()]
     return handles
