@@ -3,7 +3,7 @@
     grpo-ratio train   --config recipes/smollm2-135m/arithmetic/fp32_clone.yaml [--max_steps 10 ...]
     grpo-ratio compare --recipes recipes/smollm2-135m/arithmetic/{bf16,fp32_clone}.yaml --seeds 0 1 --name arms
     grpo-ratio report  runs/compare/arms          # what the logged ratios say, and what to change (docs/reading.md)
-    grpo-ratio report  RUN --check "first:ratio/new_old/kl_k1<1e-8"   # a tolerance gate: exit 1 when a check fails
+    grpo-ratio report  RUN --check "first:ratio/new_old/mean_abs_log_ratio<1e-8"   # a gate: exit 1 when one fails
     grpo-ratio probe batch  --model HuggingFaceTB/SmolLM2-135M-Instruct --prompts test.jsonl --num-prompts 8 --out DIR
     grpo-ratio probe ladder --layers recipes/smollm2-135m/calibration.json ...
     grpo-ratio probe layers ...      # writes DIR/calibration.json for RatioGRPOConfig(guided_fp32_layers=...)

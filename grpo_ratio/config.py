@@ -124,7 +124,7 @@ class RatioGRPOConfig(GRPOConfig):
         training precision (`ratio/new_old/full_*`), from one more policy forward per old pass.
     ratio_gate (`list[str]`, *optional*):
         Tolerance checks on logged metrics during training (`grpo_ratio.gate`: `"ratio/new_old/oob_rate<=0.01"`,
-        `"first:ratio/new_old/kl_k1<1e-8"`; scopes `each` and `first`).
+        `"first:ratio/new_old/mean_abs_log_ratio<1e-8"`; scopes `each` and `first`).
     ratio_gate_patience (`int`, *optional*, defaults to `1`):
         Consecutive failing logged steps that trip the gate.
     ratio_gate_action (`str`, *optional*, defaults to `"warn"`):

@@ -2,7 +2,7 @@
 
     grpo-ratio report RUN --check "ratio/new_old/oob_rate<=0.01" --check "mean:ratio/old_sampler/kl_k3<1e-3"
     grpo-ratio report RUN --thresholds gate.yaml          # the same checks from a file
-    grpo-ratio report RUN --check "first:ratio/new_old/kl_k1<1e-8"   # slime's CI gate: ppo_kl < 1e-8 at step 0
+    grpo-ratio report RUN --check "first:ratio/new_old/mean_abs_log_ratio<1e-8"   # slime's CI gate: ppo_kl ~ 0
 
 A check is `[SCOPE:]KEY OP VALUE` (quote it in a shell: `<` and `>` are redirections there):
 - OP is one of `<=`, `>=`, `<`, `>`, `==`, `!=`; VALUE a number (`1e-8`, `inf`).
@@ -10,6 +10,9 @@ A check is `[SCOPE:]KEY OP VALUE` (quote it in a shell: `<` and `>` are redirect
   mean over those steps), `first` / `last` (that one step), `max` / `min` (the extreme over steps; `max:K<=v` is
   `K<=v` at each step, stated as one number).
 - A check of a KEY the run never logged fails: a typo, or a metric that is switched off, must not pass a gate.
+- An upper bound alone on a signed key (`kl_k1`, `log_ppl_diff`: means of a log-ratio, either sign) passes every
+  negative value however large; the report says so under its checks. Bound a gap's size with `mean_abs_log_ratio`
+  (or `kl_k3`, which is >= 0 but quadratic in the log-ratio: k3 < 1e-8 allows |log r| up to about 1.4e-4).
 Steps are the rows of the run's log history (`trainer.state.log_history`, one per `logging_steps`), without TRL's
 final summary row; an `eval_` key is checked on the evaluation rows that hold it.
 
@@ -37,6 +40,7 @@ OPS = {"<=": operator.le, ">=": operator.ge, "<": operator.lt, ">": operator.gt,
 SCOPES = ("each", "mean", "first", "last", "max", "min")
 TRAINING_SCOPES = ("each", "first")  # what a callback can judge from the rows seen so far
 GATE_ACTIONS = ("warn", "stop")
+SIGNED = ("kl_k1", "log_ppl_diff")  # key suffixes whose values take either sign (docs/metrics.md)
 _CHECK = re.compile(r"^\s*(?:(?P<scope>[a-z]+):)?(?P<key>[^\s<>=!]+)\s*(?P<op><=|>=|==|!=|<|>)\s*(?P<value>\S+)\s*$")
 
 
@@ -55,6 +59,11 @@ class Check:
 
     def __str__(self) -> str:
         return f"{'' if self.scope == 'each' else self.scope + ':'}{self.key}{self.op}{self.value:g}"
+
+    @property
+    def bounds_a_signed_key_from_above(self) -> bool:
+        """`<`/`<=` on a key whose values take either sign (`SIGNED`): every negative value passes it."""
+        return self.op in ("<", "<=") and self.key.rsplit("/", 1)[-1] in SIGNED
 
 
 def parse_check(text: str) -> Check:
@@ -131,7 +140,7 @@ class CheckResult:
         """One line: the check, PASS/FAIL and the value(s) that decided it."""
         verdict = "PASS" if self.passed else "FAIL"
         if self.value is None:
-            return f"{verdict} {self.check}: never logged"
+            return f"{verdict} {self.check}: never logged{_near_keys(self.check.key)}"
         if self.check.scope == "each" and self.failing:
             shown = ", ".join(f"{v:.6g} at step {s}" for s, v in self.failing[:5])
             more = f" (+{len(self.failing) - 5} more)" if len(self.failing) > 5 else ""
@@ -183,12 +192,30 @@ def evaluate_runs(runs: list[tuple[str, list[dict], object]], checks: list[Check
 
 
 def render(results: list[tuple[str, CheckResult]]) -> str:
-    """Markdown: one line per (run, check), failures first, then a total."""
+    """Markdown: one line per (run, check), failures first, then a total, then a note per upper bound on a signed
+    key (it passes every negative value)."""
     failed = [(n, r) for n, r in results if not r.passed]
     lines = ["### Checks", ""]
     lines += [f"- `{n}`: {r.describe()}" for n, r in failed + [(n, r) for n, r in results if r.passed]]
     lines += ["", f"{len(failed)} of {len(results)} checks failed." if failed else f"All {len(results)} checks pass."]
+    for check in dict.fromkeys(r.check for _, r in results if r.check.bounds_a_signed_key_from_above):
+        size = check.key.rsplit("/", 1)[0] + "/mean_abs_log_ratio"
+        lines.append(f"- **note** `{check}`: {check.key} takes either sign, so this bound passes every negative "
+                     f"value however large; to bound the gap's size check `{size}` (or `kl_k3`, >= 0).")
     return "\n".join(lines) + "\n"
+
+
+def _near_keys(key: str) -> str:
+    """"; did you mean ...?" for a `ratio/*` key the diagnostics never emit, else ""."""
+    from difflib import get_close_matches
+
+    from . import metric_keys
+
+    if not key.startswith(f"{metric_keys.PREFIX}/") or metric_keys.known(key):
+        return ""
+    near = get_close_matches(key, list(metric_keys.TABLE), n=3, cutoff=0.6)
+    return f" ({key} is not a key the ratio diagnostics emit; did you mean {', '.join(map(repr, near))}?)" if near \
+        else f" ({key} is not a key the ratio diagnostics emit: docs/metrics.md lists them)"
 
 
 def exit_code(results: list[tuple[str, CheckResult]]) -> int:

@@ -42,16 +42,17 @@ def load_fields(section: str = "flags") -> dict[str, list | None]:
 
 
 def _did_you_mean(name: str, known: Sequence[str]) -> str:
-    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    """"; did you mean 'x'?": the one known value `name` is a prefix of (`fp16` -> `fp16_clone`), else difflib's
+    closest."""
+    prefixed = [k for k in known if k.startswith(name)]
+    close = prefixed if len(prefixed) == 1 else difflib.get_close_matches(name, known, n=1, cutoff=0.6)
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def _resolve_flag(name: str, known: dict) -> str | None:
-    """The flag `name` stands for: itself, or the one flag it is a unique prefix of (as argparse reads it)."""
-    if name in known:
-        return name
-    matches = [k for k in known if k.startswith(name)]
-    return matches[0] if len(matches) == 1 else None
+    """The flag `name` is: itself, or None. Abbreviations are refused, here and by the parser (`allow_abbrev=False`):
+    argparse's default would read the typo `--old_logprob_mod` as `--old_logprob_mode` and train."""
+    return name if name in known else None
 
 
 def _check_value(name: str, value, where: str, known: dict) -> None:
@@ -99,8 +100,8 @@ def check_recipe(path: str, known: dict | None = None) -> None:
 
 
 def check_flags(argv: Sequence[str], known: dict | None = None, skip: Sequence[str] = ()) -> None:
-    """Every `--flag` of `argv` (except `skip`) is a flag of `grpo-ratio train` or a unique prefix of one, and a
-    value that follows it is allowed.
+    """Every `--flag` of `argv` (except `skip`) is a flag of `grpo-ratio train`, spelled out (no abbreviation), and
+    a value that follows it is allowed.
 
     Raises:
         ConfigError: an unknown flag (with a "did you mean"), a bad value.

@@ -94,6 +94,29 @@ def test_report_check_names_failing_keys_and_values(tmp_path, capsys):
     assert main([str(tmp_path)]) == 0  # no check: the report alone, exit 0 as before
 
 
+def test_an_upper_bound_on_a_signed_key_is_noted_and_a_typo_gets_the_nearest_keys(tmp_path, capsys):
+    # the fresh user's case: an fp16_clone run's first-step kl_k1 is negative (-8.0e-4) while its |log r| is 3.7e-3,
+    # so "first:...kl_k1<1e-8" passes; the size check fails; the report says why the first one proves nothing
+    history = [{"step": 1, "ratio/new_old/kl_k1": -8.0e-4, "ratio/new_old/mean_abs_log_ratio": 3.7e-3}]
+    (tmp_path / "log_history.json").write_text(json.dumps(history))
+    signed, size = "first:ratio/new_old/kl_k1<1e-8", "first:ratio/new_old/mean_abs_log_ratio<1e-8"
+    assert main([str(tmp_path), "--check", signed]) == 0
+    out = capsys.readouterr().out
+    assert "PASS first:ratio/new_old/kl_k1<1e-08: first -0.0008 at step 1" in out
+    assert ("**note** `first:ratio/new_old/kl_k1<1e-08`: ratio/new_old/kl_k1 takes either sign, so this bound passes "
+            "every negative value however large; to bound the gap's size check `ratio/new_old/mean_abs_log_ratio`"
+            in out)
+    assert main([str(tmp_path), "--check", size]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL first:ratio/new_old/mean_abs_log_ratio<1e-08: first 0.0037 at step 1" in out and "note" not in out
+    assert not parse_check("ratio/new_old/kl_k1>-1e-3").bounds_a_signed_key_from_above  # a lower bound: no note
+    assert parse_check("ratio/old_sampler/log_ppl_diff<=0").bounds_a_signed_key_from_above
+    # a ratio/* typo: never logged, with the nearest keys the diagnostics emit
+    assert main([str(tmp_path), "--check", "ratio/new_old/oob_rat<0.1"]) == 1
+    assert "never logged (ratio/new_old/oob_rat is not a key the ratio diagnostics emit; did you mean " \
+           "'ratio/new_old/oob_rate'" in capsys.readouterr().out
+
+
 def test_callback_validation():
     with pytest.raises(ValueError, match="only the scopes each, first"):
         RatioGateCallback(["mean:ratio/new_old/oob_rate<1"])

@@ -43,10 +43,19 @@ def test_a_recipe_key_typo_gets_a_did_you_mean(tmp_path):
     check_recipe(str(RECIPE))  # a real recipe passes
 
 
-def test_a_flag_typo_gets_a_did_you_mean_and_prefixes_work_as_in_argparse():
+def test_a_flag_typo_gets_a_did_you_mean_and_abbreviations_are_refused():
     with pytest.raises(ConfigError, match="unknown flag --old_logprob_mdoe; did you mean --old_logprob_mode?"):
         check_flags(["--old_logprob_mdoe", "fp32_clone"])
-    check_flags(["--old_logprob_mod", "fp32_clone", "--max_steps", "3"])  # a unique prefix: argparse takes it
+    # a prefix is a typo, not a flag (argparse's default would take it and train): refused, here and by the parser
+    with pytest.raises(ConfigError, match="unknown flag --old_logprob_mod; did you mean --old_logprob_mode?"):
+        check_flags(["--old_logprob_mod", "fp32_clone", "--max_steps", "3"])
+    from grpo_ratio.scripts.train import make_parser
+
+    with pytest.raises(ValueError, match=r"not used by the HfArgumentParser: \['--old_logprob_mod', 'fp32_clone'\]"):
+        make_parser().parse_args_and_config(["--output_dir", "x", "--use_cpu", "true", "--old_logprob_mod", "fp32_clone"])
+    # a value that is a prefix of one allowed value: that one is suggested (not difflib's closest, 'bf16')
+    with pytest.raises(ConfigError, match="did you mean 'fp16_clone'?"):
+        check_flags(["--old_logprob_mode", "fp16"])
     with pytest.raises(ConfigError, match="--old_logprob_mode: old_logprob_mode='fp99'"):
         check_flags(["--old_logprob_mode=fp99"])
     for argv in (["--top_p", "0"], ["--top_p=0"], ["--top_p", "1.5"]):

@@ -273,8 +273,10 @@ def main(script_args, training_args, model_args, trainer: RatioGRPOTrainer | Non
 
 
 def make_parser() -> TrlParser:
-    """`TrlParser` over (GRPOScriptArguments, RatioGRPOConfig, trl.ModelConfig): `--config recipe.yaml` plus flags."""
-    return TrlParser((GRPOScriptArguments, RatioGRPOConfig, ModelConfig))
+    """`TrlParser` over (GRPOScriptArguments, RatioGRPOConfig, trl.ModelConfig): `--config recipe.yaml` plus flags.
+    Abbreviated flags are refused (argparse's default takes `--old_logprob_mod` for `--old_logprob_mode`: a typo that
+    trains)."""
+    return TrlParser((GRPOScriptArguments, RatioGRPOConfig, ModelConfig), allow_abbrev=False)
 
 
 # what a mistake in the recipe, the flags or the data raises before training starts: printed in one line
