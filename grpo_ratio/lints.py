@@ -285,6 +285,23 @@ def check_cpu_precision(args, device_type: str) -> None:
 _said_cpu_precision = False
 
 
+def check_mode_precision(args, trainer_dtype: torch.dtype) -> None:
+    """Say before training (a `grpo_ratio` logger warning, as `check_cpu_precision`) when the scoring mode cannot close
+    a gap because the training forward already runs in fp32 (`bf16=False`, `fp16=False`, fp32 weights): the fp32 modes
+    then compute the policy's own log-probs again (the same up to fp32 rounding: cost, no effect), and `fp16_clone`
+    rounds them to fp16, which opens a gap (new/old out of band, clip flips) instead of closing one."""
+    mode = args.old_logprob_mode
+    if trainer_dtype != torch.float32 or mode not in ("fp32_clone", "fp32_head", "guided_fp32", "fp16_clone"):
+        return
+    what = ("rounds the old log-probs to fp16: it opens a precision gap (new/old out of band, PPO clip flips) "
+            "instead of closing one" if mode == "fp16_clone" else
+            "computes the policy's own fp32 log-probs again: the same up to fp32 rounding, so the mode adds cost "
+            "and no effect")
+    logging.getLogger("grpo_ratio").warning(
+        "old_logprob_mode=%r with a training forward in fp32 (bf16=False, fp16=False, fp32 weights) %s. The scoring "
+        "modes are for bf16/fp16 training; in fp32 use old_logprob_mode='bf16' (TRL's own, r = 1 exactly)", mode, what)
+
+
 def check_r2_has_an_old_pass(plan) -> None:
     """Warn when `routing_replay="R2"` has nothing to replay: R2 replays the old pass's routes in the updates, and in
     TRL's on-policy default with `old_logprob_mode="bf16"` (or `fp32_head` fused) no old pass runs; the one update
@@ -301,8 +318,8 @@ def check_r2_has_an_old_pass(plan) -> None:
 def lint_trainer(trainer, policy: nn.Module) -> None:
     """Every start-up check of a `RatioGRPOTrainer` that needs the model (the config-only ones ran in the config):
     the LM head for a correction, the sampling settings and logits processors the rollouts use, dropout, positions,
-    a calibration file made for another model, the vLLM engine's dtypes, FSDP2's bf16 rounding. Warns or raises as
-    each check documents."""
+    a calibration file made for another model, the vLLM engine's dtypes, FSDP2's bf16 rounding, a scoring mode in an
+    fp32 run. Warns or raises as each check documents."""
     args, sampling, plan = trainer.args, trainer.plan.sampling, trainer.plan
     check_head_is_linear(args.truncation_correction, policy.config)
     check_sampling(args, sampling)
@@ -315,4 +332,5 @@ def lint_trainer(trainer, policy: nn.Module) -> None:
     check_vllm(args, engine_dtype, training_dtype(args, policy), engine_head_dtype)
     check_fsdp2_rounding(engine_of(trainer.accelerator), args, plan.anchor_is_policy)
     check_cpu_precision(args, trainer.accelerator.device.type)
+    check_mode_precision(args, training_dtype(args, policy))
     check_r2_has_an_old_pass(plan)

@@ -174,3 +174,25 @@ def test_layer_indices_and_old_files_are_not_checked(tmp_path):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             check_calibration(args, _named_tiny("some/model"))
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp32_clone", "fp16_clone", "fp32_head"])
+def test_a_scoring_mode_in_an_fp32_run_is_said(tmp_path, caplog, mode):
+    # a fresh user's finding: with bf16=False and fp32 weights, fp32_clone/fp32_head measured mean |log r| = 0 (no
+    # effect, only cost) and fp16_clone put up to 10% of SmolLM2's tokens out of band (a gap it opened)
+    from trainer_fixtures import tiny_trainer
+
+    with caplog.at_level("WARNING", logger="grpo_ratio"):
+        tiny_trainer(tmp_path / "fp32", mode, model=tiny_model("qwen2"), bf16=False, max_steps=1)
+        said = [m for m in caplog.messages if "with a training forward in fp32" in m]
+        if mode == "bf16":
+            assert said == []  # TRL's own: nothing to say
+        else:
+            (message,) = said
+            assert f"old_logprob_mode='{mode}'" in message and "use old_logprob_mode='bf16'" in message
+            assert ("opens a precision gap" in message) == (mode == "fp16_clone")
+        caplog.clear()
+        # bf16 autocast, or bf16-stored weights without it: the modes close a gap; nothing to say
+        tiny_trainer(tmp_path / "bf16", mode, model=tiny_model("qwen2"), bf16=True, max_steps=1)
+        tiny_trainer(tmp_path / "w", mode, model=tiny_model("qwen2", dtype=torch.bfloat16), bf16=False, max_steps=1)
+        assert not [m for m in caplog.messages if "with a training forward in fp32" in m]
