@@ -118,3 +118,27 @@ def test_diagnostics_report_vllm_importance_sampling_masking(tmp_path):
     assert metrics["ratio/is_masked_seq_frac"] == 0.5 and metrics["ratio/is_masked_token_frac"] == 0.5
     assert metrics["ratio/old_sampler/oob_rate"] == 0.5  # r = 2 on row 0's 3 tokens, 1 on row 1's
     assert diag.flush() == {}  # reset after a flush: nothing is logged twice
+
+
+def test_evaluation_logs_no_ratio_diagnostics_but_scores_with_the_mode(tmp_path):
+    # docs/metrics.md: ratio/* keys are training-step metrics; evaluation logs only eval_ratio/fp16_fallback_rows
+    # (fp16_clone), while the mode's old pass still runs, since TRL's eval loss reads the old log-probs
+    from trainer_fixtures import tiny_grpo_args
+
+    from grpo_ratio import RatioGRPOTrainer
+    from grpo_ratio.testing import letter_reward, tiny_prompts, tiny_tokenizer
+
+    args = tiny_grpo_args(tmp_path, old_logprob_mode="fp16_clone", bf16=True, max_steps=1, eval_strategy="steps",
+                          eval_steps=1, per_device_eval_batch_size=4)
+    trainer = RatioGRPOTrainer(model=tiny_model("qwen2"), reward_funcs=letter_reward, args=args,
+                               train_dataset=tiny_prompts(8), eval_dataset=tiny_prompts(4),
+                               processing_class=tiny_tokenizer())
+    calls = []
+    score = trainer.scorer.score
+    trainer.scorer.score = lambda *a, **k: calls.append(trainer.model.training) or score(*a, **k)
+    trainer.train()
+    (evaluated,) = [row for row in trainer.state.log_history if "eval_loss" in row]
+    assert sorted(k for k in evaluated if k.startswith("eval_ratio/")) == ["eval_ratio/fp16_fallback_rows"]
+    assert calls.count(False) >= 1 and calls.count(True) == 1  # the mode scored the evaluation batch too
+    (trained,) = [row for row in trainer.state.log_history if "loss" in row]
+    assert trained["ratio/new_old/num_tokens"] > 0
