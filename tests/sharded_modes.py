@@ -237,6 +237,10 @@ def main(out_path: str, engine: str, precision: str) -> None:
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)
+    # a clean shutdown of the gloo group: left to interpreter exit, its threads were once torn down mid-use
+    # ("terminate called without an active exception", rank 0 aborted after its result was written)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
