@@ -205,17 +205,24 @@ def render(results: list[tuple[str, CheckResult]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _near_keys(key: str) -> str:
-    """"; did you mean ...?" for a `ratio/*` key the diagnostics never emit, else ""."""
+def _unknown_ratio_key(key: str) -> str | None:
+    """For a `ratio/*` key the diagnostics never emit: "is not a key ...; did you mean ...?" (the nearest keys of
+    `metric_keys.TABLE`), to follow the key; None for any other key."""
     from difflib import get_close_matches
 
     from . import metric_keys
 
     if not key.startswith(f"{metric_keys.PREFIX}/") or metric_keys.known(key):
-        return ""
+        return None
     near = get_close_matches(key, list(metric_keys.TABLE), n=3, cutoff=0.6)
-    return f" ({key} is not a key the ratio diagnostics emit; did you mean {', '.join(map(repr, near))}?)" if near \
-        else f" ({key} is not a key the ratio diagnostics emit: docs/metrics.md lists them)"
+    return "is not a key the ratio diagnostics emit" + (
+        f"; did you mean {', '.join(map(repr, near))}?" if near else " (docs/metrics.md lists them)")
+
+
+def _near_keys(key: str) -> str:
+    """` (<_unknown_ratio_key>)` for a never-logged check, else ""."""
+    unknown = _unknown_ratio_key(key)
+    return f" ({key} {unknown})" if unknown else ""
 
 
 def exit_code(results: list[tuple[str, CheckResult]]) -> int:
@@ -231,18 +238,13 @@ def _check_logged_key(key: str) -> None:
     Raises:
         ValueError: a `train/`/`eval/` prefix, or a `ratio/*` key the diagnostics never emit (with the nearest ones).
     """
-    from difflib import get_close_matches
-
-    from . import metric_keys
-
     for prefix in ("train/", "eval/"):
         if key.startswith(prefix):
             raise ValueError(f"ratio_gate: {key!r}: the trainer's log rows hold {key[len(prefix):]!r} (W&B and "
                              f"TensorBoard add the {prefix!r} prefix); use that key")
-    if key.startswith(f"{metric_keys.PREFIX}/") and not metric_keys.known(key):
-        near = get_close_matches(key, list(metric_keys.TABLE), n=3, cutoff=0.6)
-        raise ValueError(f"ratio_gate: {key!r} is not a key the ratio diagnostics emit"
-                         + (f"; did you mean {', '.join(map(repr, near))}?" if near else " (docs/metrics.md lists them)"))
+    unknown = _unknown_ratio_key(key)
+    if unknown:
+        raise ValueError(f"ratio_gate: {key!r} {unknown}")
 
 
 def training_checks(checks, patience: int, action: str) -> list[Check]:

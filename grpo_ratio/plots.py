@@ -128,11 +128,12 @@ def draw_runs(histories: dict[str, list[dict]], title: str, styles: dict[str, di
         _finish_axis(ax, kind, values, band)
         ax.set_title(name, fontsize=9, loc="left")
         # outside, right of the panel: a legend never covers the lines it names
-        handles = [Line2D([], [], color="grey", label=lbl, **_series_look(j)) for j, (_, lbl) in enumerate(series)]
-        handles += [h for h in ax.get_legend_handles_labels()[0] if kind == "ratio"]  # the band's patch
+        handles = None  # a plain plot: the lines' own labels
+        if comparison:  # the series in grey, and the band's patch (labelled by _finish_axis)
+            handles = [Line2D([], [], color="grey", label=lbl, **_series_look(j)) for j, (_, lbl) in enumerate(series)]
+            handles += ax.get_legend_handles_labels()[0]
         if not comparison or len(series) > 1:
-            ax.legend(handles=handles if comparison else None, fontsize=6, loc="upper left",
-                      bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+            ax.legend(handles=handles, fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     axes[-1, 0].set_xlabel("optimizer step")
     axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.suptitle(title, fontsize=10)
