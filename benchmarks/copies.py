@@ -3,7 +3,7 @@ per optimizer step and bytes held, and which is cheaper as a function of the old
 
 `fp16_clone` (and `fp32_clone` on bf16-stored weights) needs the policy's weights in another dtype. `resident` keeps a
 whole copy (2 bytes per parameter in fp16, 4 in fp32), refreshed once per optimizer step; `per_layer` casts each
-module's weights just before it runs in the old pass and frees them after (grpo_ratio.copies.PerLayerCast): nothing
+module's weights just before it runs in the old pass and frees them after (grpo_ratio.old_pass.copies.PerLayerCast): nothing
 held between passes, nothing to refresh, every pass pays the casts (each module's, once per forward chunk). Both run
 the same forward on the same casts, so what differs per optimizer step with k old passes is only (a copy is refreshed
 at most once per step, and only when a pass uses it: min(k, 1) refreshes per step):
@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from grpo_ratio.config import COPY_STORAGES
-from grpo_ratio.scoring import OldLogprobScorer
+from grpo_ratio.old_pass.scorer import OldLogprobScorer
 
 
 def load(name: str, weights: str):

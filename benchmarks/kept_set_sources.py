@@ -24,9 +24,10 @@ from pathlib import Path
 
 import torch
 
-from grpo_ratio.kept_logprobs import is_top_prefix, kept_set_logprobs, recompute_kept_sets
-from grpo_ratio.ratios import RatioStats
-from grpo_ratio.rollouts import SamplerLogprobRecorder, SamplingSettings, recording_sampler
+from grpo_ratio.corrections.kept_logprobs import is_top_prefix, kept_set_logprobs, recompute_kept_sets
+from grpo_ratio.corrections.kept_sets import SamplingSettings
+from grpo_ratio.diagnostics.ratios import RatioStats
+from grpo_ratio.sampler.generate import SamplerLogprobRecorder, recording_sampler
 
 
 SETTINGS = {"top_p=0.8": dict(top_p=0.8), "top_k=20": dict(top_k=20), "min_p=0.1": dict(min_p=0.1),

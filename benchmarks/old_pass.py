@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from grpo_ratio.config import PRECISION_MODES
-from grpo_ratio.scoring import OldLogprobScorer, model_anatomy
+from grpo_ratio.old_pass.scorer import OldLogprobScorer, model_anatomy
 
 
 def load(name: str, weights: str):

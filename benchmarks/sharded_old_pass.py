@@ -83,8 +83,8 @@ def scorers(trainer, layers):
     """{mode: callable(ids, mask, T, batch_size) -> (B, T) log-probs}: TRL's own pass for bf16, else the scorer."""
     from trl import GRPOTrainer
 
-    from grpo_ratio.scoring import OldLogprobScorer
-    from grpo_ratio.sharding import sharded_policy
+    from grpo_ratio.old_pass.scorer import OldLogprobScorer
+    from grpo_ratio.old_pass.sharding.engines import sharded_policy
 
     policy = trainer.accelerator.unwrap_model(trainer.model)
     out = {"bf16": lambda ids, mask, T, bs: GRPOTrainer._get_per_token_logps_and_entropies(
@@ -102,7 +102,7 @@ def scorers(trainer, layers):
 def policy_bytes(policy, engine: str) -> tuple[int, int]:
     """(this rank's bytes of the policy's parameters, number of parameters)."""
     if engine == "fsdp2":
-        from grpo_ratio.sharding_fsdp2 import reshard_all
+        from grpo_ratio.old_pass.sharding.fsdp2 import reshard_all
 
         reshard_all(policy)
         local = [p.to_local() for p in policy.parameters()]
@@ -113,7 +113,7 @@ def policy_bytes(policy, engine: str) -> tuple[int, int]:
 
 def replica_gaps(trainer, engine, compute_dtype, layers, logps, ids, mask, T, bs) -> dict[str, float]:
     """max |mode - the same mode on an unsharded replica of the gathered weights| over valid tokens, per mode."""
-    from grpo_ratio.testing_sharded import full_fp32_weights, replica_scorer
+    from grpo_ratio.testing.sharded import full_fp32_weights, replica_scorer
 
     policy = trainer.accelerator.unwrap_model(trainer.model)
     weights = full_fp32_weights(policy, engine)  # collective
@@ -129,7 +129,7 @@ def replica_gaps(trainer, engine, compute_dtype, layers, logps, ids, mask, T, bs
 def worker(a) -> None:
     import torch.distributed as dist
 
-    from grpo_ratio.testing_sharded import patch_accelerate_for_cpu_sharding
+    from grpo_ratio.testing.sharded import patch_accelerate_for_cpu_sharding
 
     patch_accelerate_for_cpu_sharding()
     trainer = wrapped_trainer(a.out + ".run", a.engine, a.precision == "bf16")
@@ -164,7 +164,7 @@ def worker(a) -> None:
 
 
 def launch(engine: str, precision: str, a, tmp: Path) -> list[dict]:
-    from grpo_ratio.testing_sharded import cpu_launch_config
+    from grpo_ratio.testing.sharded import cpu_launch_config
 
     recipe = ROOT / "recipes" / "accelerate_configs" / f"{engine}.yaml"
     config = cpu_launch_config(str(recipe), tmp, bf16=precision == "bf16")

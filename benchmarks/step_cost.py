@@ -3,7 +3,7 @@
 What a user pays for `old_logprob_mode` is the whole GRPO step, not the old pass alone: in TRL's on-policy default
 (`num_iterations=1`, `steps_per_generation` = gradient accumulation) TRL skips its old pass, and every mode other
 than `bf16`, `sampler` and `fp32_head` adds one (`fp32_head` applies its fp32 norm and head to each micro-batch's own
-training-forward hidden states instead: no body pass, grpo_ratio/fused_head.py). Arms (`ARMS`, one line each): stock `trl.GRPOTrainer`; stock TRL with `cast_lm_head_to_fp32=True`
+training-forward hidden states instead: no body pass, grpo_ratio/old_pass/fused_head.py). Arms (`ARMS`, one line each): stock `trl.GRPOTrainer`; stock TRL with `cast_lm_head_to_fp32=True`
 on an untied copy of the model (TRL documents the option for untied heads only; SmolLM2 ties its head to the input
 embedding, so the copy gets its own head, which it trains, and saves to a temporary directory); `RatioGRPOTrainer` in
 every mode. All arms use the values of one recipe (default: the SmolLM2 arithmetic recipe: fp32 weights under bf16
@@ -24,10 +24,10 @@ copy; with --warmup 0 they stay in the first step, a second or two for SmolLM2).
 nested part is subtracted from its parent) spent in methods wrapped for the run:
 - generation: `GRPOTrainer._generate_single_turn` (RatioGRPOTrainer records sampler log-probs inside it);
 - TRL old pass: `GRPOTrainer._get_per_token_logps_and_entropies` called without grad (old or reference log-probs);
-- mode old pass: `grpo_ratio.scoring.OldLogprobScorer.score`, less any copy refresh inside it;
-- fused head: `grpo_ratio.scoring.OldLogprobScorer.head_logprobs` (`fp32_head`'s fp32 norm and head on a micro-batch's
+- mode old pass: `grpo_ratio.old_pass.scorer.OldLogprobScorer.score`, less any copy refresh inside it;
+- fused head: `grpo_ratio.old_pass.scorer.OldLogprobScorer.head_logprobs` (`fp32_head`'s fp32 norm and head on a micro-batch's
   training-forward hidden states, in place of a body pass);
-- copy refresh: `grpo_ratio.copies.VersionedCopy.refresh` (weights copied into an fp16/fp32 copy after each update);
+- copy refresh: `grpo_ratio.old_pass.copies.VersionedCopy.refresh` (weights copied into an fp16/fp32 copy after each update);
 - training forward: `GRPOTrainer._get_per_token_logps_and_entropies` called with grad;
 - backward: the trainer's `accelerator.backward` (wrapped on the instance);
 - optimizer: `Trainer._clip_grad_norm` plus `optimizer.step()` (between the pre/post optimizer-step callbacks);
@@ -67,7 +67,7 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 import yaml  # noqa: E402
 
 # no torch import at module level: rendering a result stays light
-from grpo_ratio.memory import PeakRSS, describe_machine, machine_record, release_memory, rss_bytes, steady_malloc  # noqa: E402, E501
+from grpo_ratio.machine import PeakRSS, describe_machine, machine_record, release_memory, rss_bytes, steady_malloc  # noqa: E402, E501
 
 
 # torch, transformers, trl and grpo_ratio are imported where used: rendering a result JSON (scripts/update_docs.py,
@@ -190,8 +190,8 @@ def class_parts() -> tuple:
     """(class, method, part) triples wrapped at class level for the run, so calls made through `super()` count too."""
     from trl import GRPOTrainer
 
-    from grpo_ratio.copies import VersionedCopy
-    from grpo_ratio.scoring import OldLogprobScorer
+    from grpo_ratio.old_pass.copies import VersionedCopy
+    from grpo_ratio.old_pass.scorer import OldLogprobScorer
 
     return (
         (GRPOTrainer, "_generate_single_turn", lambda *a, **k: "generation"),

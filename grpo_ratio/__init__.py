@@ -2,11 +2,12 @@
 
 - `RatioGRPOConfig`, `RatioGRPOTrainer`: drop-in replacements for `trl.GRPOConfig` / `trl.GRPOTrainer` whose old
   log-probs are computed by a selectable scoring mode (`old_logprob_mode`).
-- `grpo_ratio.scoring`: the scoring modes as functions usable outside any trainer (the probes use them).
-- `grpo_ratio.ratios`, `grpo_ratio.kept_sets`, `grpo_ratio.kept_logprobs`: pure tensor math (ratio diagnostics, kept
-  sets, truncation corrections).
+- `grpo_ratio.old_pass`: the scoring modes usable outside any trainer (`OldLogprobScorer`; the probes use it).
+- `grpo_ratio.corrections`, `grpo_ratio.diagnostics.ratios`: pure tensor math (kept sets, truncation and
+  importance-sampling corrections, ratio statistics).
 
-Public names are imported lazily, so `import grpo_ratio.ratios` does not load the trainer.
+docs/design.md maps every module. Public names are imported lazily, so `import grpo_ratio.diagnostics.ratios` does
+not load the trainer.
 """
 
 from ._compat import check_trl_version
@@ -20,8 +21,8 @@ _LAZY = {
     "SCORING_MODES": "config",
     "PRECISION_MODES": "config",
     "TRUNCATION_CORRECTIONS": "config",
-    "OldLogprobScorer": "scoring",
-    "score_completion_logprobs": "scoring",
+    "OldLogprobScorer": "old_pass.scorer",
+    "score_completion_logprobs": "old_pass.scorer",
     "RatioGRPOTrainer": "trainer",
     "resolve_model_path": "models",
 }

@@ -9,6 +9,8 @@ go through `TRL_HOOKS`, `TRL_ATTRIBUTES`, `TRL_MODULE_GLOBALS`, `TRL_BATCH_KEYS`
 widen `TESTED_TRL`.
 """
 
+import contextlib
+
 import trl
 from packaging.version import Version
 
@@ -29,10 +31,10 @@ TRL_HOOKS = {
 
 # attributes of a built `GRPOTrainer` (set in its __init__) or of transformers' `Trainer` that grpo_ratio reads
 TRL_ATTRIBUTES = {
-    "use_vllm": "the generation backend (plan); set True for TRL's _compute_loss call only, on the generate path with "
-                "is_correction, to open its IS gate",
+    "use_vllm": "the generation backend (plan); with vllm_importance_sampling_correction, TRL's IS gate in "
+                "_compute_loss, opened only through `trl_is_weight_gate` below",
     "vllm_importance_sampling_correction": "TRL's switch for its vLLM old pass and for applying importance_sampling_"
-                                           "ratio in _compute_loss (opened with use_vllm, as above)",
+                                           "ratio in _compute_loss (opened only through `trl_is_weight_gate`)",
     "use_transformers_continuous_batching": "the generation backend (plan)",
     "vllm_mode": "colocate vs server (the colocate engine's dtype)",
     "vllm_generation": "`.llm`: the colocate engine (its generate is wrapped; `.llm_engine.model_config.dtype` and "
@@ -86,8 +88,35 @@ TRL_CONDITIONS = (
     "the training forward calls the policy with no position_ids (fp32_head's separate pass uses that layout too)",
     "_compute_loss multiplies per_token_loss by inputs['importance_sampling_ratio'] iff use_vllm and "
     "vllm_importance_sampling_correction and loss_type != 'vespo' (vespo folds it into its sequence weight), and reads "
-    "neither attribute anywhere else: tests/test_is_training.py checks its source",
+    "neither attribute anywhere else: `trl_is_weight_gate`; tests/test_is_training.py checks its source",
+    "inside _generate_and_score_completions the old pass is the first no-grad _get_per_token_logps_and_entropies call "
+    "on self.model, before the reference pass (which, with PEFT and beta > 0, also calls self.model with the adapter "
+    "disabled): the trainer tells the two apart by that order; tests/test_trl_internals.py checks it in TRL's source",
 )
+
+
+@contextlib.contextmanager
+def trl_is_weight_gate(trainer):
+    """Within the context, TRL's `_compute_loss` applies `inputs["importance_sampling_ratio"]`.
+
+    The contract (TRL 1.16, `grpo_trainer.py` L3146, the last entry but one of `TRL_CONDITIONS`): `_compute_loss`
+    multiplies the per-token loss by that weight iff `self.use_vllm and self.vllm_importance_sampling_correction`
+    (and `loss_type != "vespo"`), and reads neither attribute anywhere else. On the `generate` path with an
+    `is_correction` the trainer puts its weight where TRL's vLLM path puts its own and opens the gate for that one call,
+    so TRL's own multiplication applies it (no copy of TRL's loss). The attributes are restored on exit, also on error.
+
+    Args:
+        trainer: a `trl.GRPOTrainer`; where TRL's vLLM correction already opened the gate, nothing changes.
+    """
+    if trainer.use_vllm and trainer.vllm_importance_sampling_correction:
+        yield
+        return
+    saved = trainer.use_vllm, trainer.vllm_importance_sampling_correction
+    trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
+    try:
+        yield
+    finally:
+        trainer.use_vllm, trainer.vllm_importance_sampling_correction = saved
 
 
 def check_trl_version(version: str = trl.__version__) -> None:

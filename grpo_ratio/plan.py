@@ -9,7 +9,7 @@ question (`plan.corrects`, `plan.anchor_is_sampler`, ...) instead of comparing c
 | `old_logprobs` | `"trl"` (TRL's own pass, bf16, bit for bit), `"scorer"` (an `OldLogprobScorer`), `"sampler"` (no old pass) | `old_logprob_mode` |
 | `scorer_mode` | one of `config.SCORER_MODES`, or None | `old_logprob_mode` |
 | `trl_old_pass` | whether TRL 1.16 runs its own old-logprob pass (the hook replaces it, or measures it) | TRL's condition |
-| `fused_head` | `fp32_head`'s old log-probs from each micro-batch's training forward, no body pass (`grpo_ratio.fused_head`) | mode, TRL's condition, model, engine |
+| `fused_head` | `fp32_head`'s old log-probs from each micro-batch's training forward, no body pass (`grpo_ratio.old_pass.fused_head`) | mode, TRL's condition, model, engine |
 | `fused_head_fallback` | why `fp32_head` keeps its separate pass (None: fused, or not `fp32_head`) | `fused_head.fused_head_fallback` |
 | `correction` | `config.TRUNCATION_CORRECTIONS` | `truncation_correction` |
 | `kept_sets` | `"none"`, `"recorded"` (the `generate` recording), `"vllm_masks"`, `"recompute"` | `kept_set_source`, backend |
@@ -21,20 +21,19 @@ question (`plan.corrects`, `plan.anchor_is_sampler`, ...) instead of comparing c
 | `is_correction` | the `ISCorrection` the loss's IS weight comes from, or None (TRL's behaviour) | `is_correction(_*)` |
 
 To add a setting (routing replay, an IS correction): add a field with a default that means "off", resolve it in
-`RunPlan.resolve` (one line, or one `_resolve_*` function that also raises the start-up refusals of that setting),
-and read `self.plan.<field>` in the hooks.
+`RunPlan.resolve` (one line, or one `_resolve_*` function), put its refusals in `grpo_ratio.checks` (the plan
+resolves, never raises: `checks.check_run` runs before it), and read `self.plan.<field>` in the hooks.
 """
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 
 import torch
 
-from .config import SAMPLER_MODE, SCORER_MODES
-from .is_correction import ISCorrection
-from .rollouts import SamplingSettings
+from .corrections.is_correction import ISCorrection
+from .corrections.kept_sets import SamplingSettings
+from .modes import FP32_HEAD, SAMPLER, SAMPLER_MODE, SCORER_MODES
 
 
 # generation backends of TRL 1.16's GRPOTrainer
@@ -88,26 +87,16 @@ class RunPlan:
         `fused_head_fallback`: under `fp32_head`, why the fused path cannot run (`fused_head.fused_head_fallback`,
         which needs the model and the engine), None when it can.
 
-        Raises:
-            ValueError: `old_logprob_mode="sampler"` with continuous batching (no sampler log-probs); a truncation
-                correction, `sampler_logprobs_in_loss`, the sampler arm or an IS correction with beam search or
-                greedy decoding (no per-token sampling distribution); recorded kept sets with multi-turn `generate`
-                (turns not stitched); `routing_replay="R3"` where the sampler's routes cannot be had
-                (`_resolve_sampler_routes`).
-        Warns (UserWarning): `record_sampler_logprobs` on with beam search or greedy decoding (nothing recorded).
+        Never raises: what cannot work is refused before (`grpo_ratio.checks.check_run`).
         """
         mode = args.old_logprob_mode
         kept_sets = kept_set_origin(args)
-        if multi_turn and kept_sets == RECORDED and backend == GENERATE:
-            raise ValueError("truncation_correction with tools or environment_factory is not supported on the "
-                             "transformers generate path: each tool turn is a separate generate call and the kept sets "
-                             "of the turns are not stitched together; set kept_set_source='recompute'")
         return cls(
-            old_logprobs="sampler" if mode == SAMPLER_MODE else "scorer" if mode in SCORER_MODES else "trl",
+            old_logprobs=SAMPLER.name if mode == SAMPLER_MODE else "scorer" if mode in SCORER_MODES else "trl",
             scorer_mode=mode if mode in SCORER_MODES else None,
             trl_old_pass=trl_runs_old_pass(args),
-            fused_head=mode == "fp32_head" and fused_head_fallback is None,
-            fused_head_fallback=fused_head_fallback if mode == "fp32_head" else None,
+            fused_head=mode == FP32_HEAD.name and fused_head_fallback is None,
+            fused_head_fallback=fused_head_fallback if mode == FP32_HEAD.name else None,
             correction=args.truncation_correction,
             kept_sets=kept_sets,
             record_generate=_resolve_record_generate(args, sampling, backend),
@@ -128,7 +117,7 @@ class RunPlan:
     @property
     def anchor_is_sampler(self) -> bool:
         """The old log-probs are the sampler's own (`old_logprob_mode="sampler"`): TRL's old pass is replaced."""
-        return self.old_logprobs == "sampler"
+        return self.old_logprobs == SAMPLER.name
 
     @property
     def corrects(self) -> bool:
@@ -163,7 +152,7 @@ class RunPlan:
     @property
     def repetition_penalty(self) -> float:
         """The sampler's `repetition_penalty` the correction re-applies to the trainer's logits (1.0: none, or no
-        correction; `grpo_ratio.processors.RepetitionPenalty`)."""
+        correction; `grpo_ratio.corrections.processors.RepetitionPenalty`)."""
         return self.sampling.repetition_penalty if self.corrects else 1.0
 
     @property
@@ -191,51 +180,16 @@ class RunPlan:
 
 def _resolve_record_generate(args, sampling: SamplingSettings, backend: str) -> bool:
     """Whether `generate` rollouts are recorded: asked for, on the transformers `generate` path, and sampled (beam
-    search and greedy decoding have no per-token sampling distribution to record). The one refusal of unsampled
-    rollouts (`_check_sampled`) runs here."""
-    if backend == CONTINUOUS_BATCHING and args.old_logprob_mode == SAMPLER_MODE:
-        raise ValueError("old_logprob_mode='sampler' needs the sampler's log-probs, which transformers continuous "
-                         "batching does not return; use generate (use_transformers_continuous_batching=False) "
-                         "or vLLM")
+    search and greedy decoding have no per-token sampling distribution to record; `checks.check_run` says so)."""
     recording = backend == GENERATE and args.record_sampler_logprobs
-    _check_sampled(args, sampling, recording)
-    if not recording:
-        return False
-    if sampling.num_beams > 1 or not sampling.do_sample:
-        warnings.warn(f"record_sampler_logprobs: not recording (num_beams={sampling.num_beams}, do_sample="
-                      f"{sampling.do_sample}): beam search and greedy decoding have no per-token sampling "
-                      f"distribution; ratio/old_sampler/* will be absent", stacklevel=4)
-        return False
-    return True
-
-
-def _check_sampled(args, sampling: SamplingSettings, recording: bool) -> None:
-    """Refuse beam search and greedy decoding where a setting needs the per-token sampling distribution: a
-    truncation correction (any backend), and on a recorded `generate` path `sampler_logprobs_in_loss` or the sampler
-    arm."""
-    if sampling.num_beams == 1 and sampling.do_sample:
-        return
-    needs = [f"truncation_correction={args.truncation_correction!r}"] if args.truncation_correction != "none" else []
-    if recording and args.sampler_logprobs_in_loss:
-        needs.append("sampler_logprobs_in_loss")
-    if recording and args.old_logprob_mode == SAMPLER_MODE:
-        needs.append(f"old_logprob_mode={SAMPLER_MODE!r}")
-    if recording and getattr(args, "is_correction_spec", None) is not None:
-        needs.append(f"is_correction={args.is_correction!r}")
-    if needs:
-        raise ValueError(f"{' / '.join(needs)} need sampled rollouts, but generation uses num_beams="
-                         f"{sampling.num_beams}, do_sample={sampling.do_sample} (generation_kwargs); set "
-                         f"truncation_correction='none' and old_logprob_mode to a precision mode, or sample")
+    return recording and sampling.num_beams == 1 and sampling.do_sample
 
 
 def _resolve_sampler_routes(args, sampling: SamplingSettings, backend: str, multi_turn: bool) -> str:
     """Where the sampler's MoE routes come from: `"vllm"` (colocate `routed_experts`, asked of the engine under R3
     only), `"generate"` (recorded, under R3 or for the `ratio/route/*` diagnostics) or `"none"`.
 
-    Raises:
-        ValueError: R3 with continuous batching (it runs no forward the routers' hooks can see token by token), with
-            beam search (the beams reorder the rows between decoding steps) or with multi-turn `generate` (each tool
-            turn is a separate generate call; their routes are not stitched).
+    Where R3 cannot have them it is refused before (`grpo_ratio.checks.check_run`).
     """
     r3 = args.routing_replay == "R3"
     if backend == VLLM:
@@ -243,9 +197,6 @@ def _resolve_sampler_routes(args, sampling: SamplingSettings, backend: str, mult
     why = ("transformers continuous batching (its batches are not the trainer's rows)" if backend == CONTINUOUS_BATCHING
            else f"beam search (num_beams={sampling.num_beams} reorders the rows)" if sampling.num_beams > 1
            else "tools or environment_factory (each turn is a separate generate call)" if multi_turn else None)
-    if why is not None:
-        if r3:
-            raise ValueError(f"routing_replay='R3' needs the sampler's routes, which are not recorded with {why}; use "
-                             f"routing_replay='R2' or generate single-turn rollouts by sampling")
+    if why is not None:  # R3 is refused there (`checks.check_run`)
         return "none"
     return "generate" if r3 or args.ratio_diagnostics else "none"

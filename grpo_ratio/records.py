@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .kept_sets import KeptSets
+from .corrections.kept_sets import KeptSets
 from .routing.replay import GenerationRoutes
 
 

@@ -2,11 +2,11 @@
 
 The only changes w.r.t. `trl.GRPOTrainer` (1.16):
 1. Old log-probs. When `old_logprob_mode != "bf16"`, the old log-probs of every generation batch come from
-   `grpo_ratio.scoring.OldLogprobScorer` (fp32/fp16 copy, fp32 head, guided fp32 layers), also where TRL would skip
+   `grpo_ratio.old_pass.scorer.OldLogprobScorer` (fp32/fp16 copy, fp32 head, guided fp32 layers), also where TRL would skip
    the old pass (then the first-step ratio is new/old = policy pass / mode pass). TRL's own old pass is replaced, not
    run and thrown away, so vLLM importance-sampling correction uses the mode's old log-probs too. With `"bf16"`
    nothing changes: TRL's pass, bit for bit. `fp32_head` in TRL's on-policy default runs no pass of the body: each
-   micro-batch's old log-probs are the fp32 norm and head on its own training forward (`grpo_ratio.fused_head`).
+   micro-batch's old log-probs are the fp32 norm and head on its own training forward (`grpo_ratio.old_pass.fused_head`).
 2. Sampler log-probs without vLLM: `model.generate` runs with a recording logits processor, so each sampled token's
    log-prob under the distribution it was sampled from is known. They reach the diagnostics as
    `sampler_per_token_logps`; TRL's loss sees them (as `sampling_per_token_logps`) only with
@@ -18,12 +18,13 @@ The only changes w.r.t. `trl.GRPOTrainer` (1.16):
    which changes no number TRL computes.
 
 Wrapped TRL methods (each calls `super()`; none is copied): `_generate_and_score_completions`,
-`_generate_single_turn`, `_get_per_token_logps_and_entropies`, `_compute_loss`. State passes between them only
-through two records (`grpo_ratio.records`): a `GenerationRecord` per generation batch, a `MicroBatchRecord` per loss
-micro-batch. What the run does (which old pass, where old log-probs and kept sets come from, which correction) is
-resolved once at `__init__` into `self.plan` (`grpo_ratio.plan.RunPlan`); the hooks ask the plan. The wrapped methods
-are private and change between TRL releases, hence the version pin in `grpo_ratio/_compat.py`, which also lists every
-TRL internal read here.
+`_generate_single_turn`, `_get_per_token_logps_and_entropies`, `_compute_loss`. They live in `RatioHooks`, which
+`RatioGRPOTrainer` mixes into `trl.GRPOTrainer` (and another TRL trainer with the same hooks can mix in). State passes
+between them only through two records (`grpo_ratio.records`): a `GenerationRecord` per generation batch, a
+`MicroBatchRecord` per loss micro-batch. What the run does (which old pass, where old log-probs and kept sets come from,
+which correction) is resolved once at `__init__` into `self.plan` (`grpo_ratio.plan.RunPlan`); the hooks ask the plan.
+Every refusal and warning is in `grpo_ratio.checks`. The wrapped methods are private and change between TRL releases,
+hence the version pin in `grpo_ratio/_compat.py`, which also lists every TRL internal read here.
 """
 
 from __future__ import annotations
@@ -34,85 +35,52 @@ import warnings
 import torch
 from trl import GRPOTrainer
 
+from ._compat import trl_is_weight_gate
+from .checks import check_old_pass, check_run, check_sharded_mode, check_train_dataset, lint_trainer
 from .config import RatioGRPOConfig
-from .copies import WeightsVersion, WeightsVersionCallback
-from .corrections import capture_last_hidden, kept_set_logps_from_hidden
-from .diagnostics import FULL_VOCAB_KEYS, RatioDiagnostics
-from .fused_head import capture_norm_inputs, fused_head_fallback, fused_old_logps, say_fused_head
-from .gate_callback import RatioGateCallback
-from .is_correction import importance_weights
-from .kept_logprobs import lift_sampler_logprobs
-from .lints import check_train_dataset, lint_trainer
+from .corrections.is_correction import importance_weights
+from .corrections.kept_logprobs import lift_sampler_logprobs
+from .corrections.processors import RepetitionPenalty
+from .diagnostics.gate_callback import RatioGateCallback
+from .diagnostics.ratio_diagnostics import FULL_VOCAB_KEYS, RatioDiagnostics
+from .diagnostics.ratios import importance_sampling_weights
+from .diagnostics.run_record_callback import RunRecordCallback
 from .models import trainer_model_source
+from .modes import FP32_HEAD
+from .old_pass.copies import WeightsVersion, WeightsVersionCallback
+from .old_pass.fused_head import capture_norm_inputs, fused_head_fallback, fused_old_logps, say_fused_head
+from .old_pass.kept_head import capture_last_hidden, kept_set_logps_from_hidden
+from .old_pass.scorer import OldLogprobScorer, check_text_only
+from .old_pass.sharding.engines import engine_of, sharded_policy
+from .old_pass.sharding.fsdp2 import fp32_logprob_output
 from .plan import CONTINUOUS_BATCHING, GENERATE, VLLM, VLLM_MASKS, RunPlan, kept_set_origin, trl_runs_old_pass
-from .processors import RepetitionPenalty
-from .ratios import importance_sampling_weights
 from .records import GenerationRecord, MicroBatchRecord
-from .rollouts import (
-    SamplerLogprobRecorder,
-    SamplerRecord,
-    VLLMOutputCapture,
-    colocate_engine_kwargs,
-    finish_recording,
-    recording_sampler,
-    sampler_anchor,
-    sampler_logps_key,
-    settings_from_config,
-    settings_from_generation_config,
-    vllm_engine_kwargs,
-)
 from .routing.replay import RoutingReplay
-from .scoring import OldLogprobScorer, check_text_only
-from .sharding import check_sharded_mode, engine_of, sharded_policy
-from .sharding_fsdp2 import fp32_logprob_output
+from .sampler.generate import SamplerLogprobRecorder, SamplerRecord, finish_recording, recording_sampler
+from .sampler.settings import sampler_anchor, sampler_logps_key, settings_from_config, settings_from_generation_config
+from .sampler.vllm import VLLMOutputCapture, colocate_engine_kwargs, vllm_engine_kwargs
 
 
-class RatioGRPOTrainer(GRPOTrainer):
-    """Drop-in replacement for `trl.GRPOTrainer` (same constructor), configured by [`RatioGRPOConfig`].
-
-    Example:
-        ```python
-        from grpo_ratio import RatioGRPOConfig, RatioGRPOTrainer
-
-        args = RatioGRPOConfig(output_dir="out", old_logprob_mode="fp16_clone")
-        trainer = RatioGRPOTrainer(model="HuggingFaceTB/SmolLM2-135M-Instruct", reward_funcs=my_reward,
-                                   args=args, train_dataset=dataset)
-        trainer.train()
-        ```
-
-    Raises:
-        TypeError: `args` is a plain `GRPOConfig` (use `RatioGRPOConfig`, which has every GRPOConfig field).
-        ValueError: `guided_fp32_layers` names a layer the model does not have; an empty `train_dataset`, or one
-            without a `prompt` column (`grpo_ratio.lints.check_train_dataset`).
-        OSError: a model id that neither the hub, its cache nor (SmolLM2-135M-Instruct) the GGUF fallback provides
-            (`grpo_ratio.models.trainer_model_source`).
-        NotImplementedError: a sharded combination a mode cannot be exact in (`grpo_ratio.sharding.check_sharded_mode`:
-            FSDP1, PEFT or fp16 under FSDP2/ZeRO-3, parameter offload).
+class RatioHooks:
+    """The hooks grpo_ratio adds to a TRL trainer that generates, scores the old policy and clips a ratio: wrapped
+    with `super()`, none copied. `RatioGRPOTrainer` mixes them into `trl.GRPOTrainer`; another TRL trainer with the
+    same four hooks (`_generate_and_score_completions`, `_generate_single_turn`, `_get_per_token_logps_and_entropies`,
+    `_compute_loss`: RLOOTrainer, the experimental AsyncGRPOTrainer) reuses them by mixing this class in first and
+    calling `_init_ratio(args)` at the end of its `__init__`. What they read of the trainer is listed in
+    `grpo_ratio._compat` (`TRL_ATTRIBUTES`, `TRL_BATCH_KEYS`, `TRL_CONDITIONS`).
     """
 
-    _tag_names = ["trl", "grpo", "grpo-ratio"]
-
-    def __init__(self, model, reward_funcs=None, args: RatioGRPOConfig | None = None, *pargs, **kwargs):
-        if args is None:
-            name = model if isinstance(model, str) else model.config._name_or_path
-            args = RatioGRPOConfig(f"{str(name).split('/')[-1]}-GRPO-ratio")
-        if not isinstance(args, RatioGRPOConfig):
-            raise TypeError(
-                f"RatioGRPOTrainer needs args=RatioGRPOConfig(...), got {type(args).__name__}; RatioGRPOConfig accepts "
-                f"every GRPOConfig field plus old_logprob_mode, guided_fp32_layers, ..."
-            )
-        if isinstance(model, str):  # resolved as the command line resolves it (offline: the converted SmolLM2)
-            model = trainer_model_source(model, (args.model_init_kwargs or {}).get("revision"))
-        check_train_dataset(kwargs["train_dataset"] if "train_dataset" in kwargs else (pargs[0] if pargs else None))
-        engine_kwargs = colocate_engine_kwargs(args, kept_set_origin(args) == VLLM_MASKS)  # what TRL does not pass
-        with vllm_engine_kwargs(**engine_kwargs) if engine_kwargs else contextlib.nullcontext():
-            super().__init__(model, reward_funcs, args, *pargs, **kwargs)
+    def _init_ratio(self, args) -> None:
+        """Everything grpo_ratio needs once TRL built the trainer: the plan, routing, the start-up checks that need
+        the model, the weights version, the diagnostics and the gate, the two records."""
         policy = self.accelerator.unwrap_model(self.model)
         multi_turn = bool(self.tools) or self.environment_factories is not None
         # what this run does (which old pass, where old log-probs and kept sets come from, which correction):
         # resolved once; the hooks below ask it instead of comparing config strings
-        fused_fallback = self._fused_head_fallback() if args.old_logprob_mode == "fp32_head" else None
-        self.plan = RunPlan.resolve(args, self._sampling_settings(policy), self._backend(), multi_turn, fused_fallback)
+        fused_fallback = self._fused_head_fallback() if args.old_logprob_mode == FP32_HEAD.name else None
+        sampling, backend = self._sampling_settings(policy), self._backend()
+        check_run(args, sampling, backend, multi_turn)  # what cannot work on this backend and sampling: refused here
+        self.plan = RunPlan.resolve(args, sampling, backend, multi_turn, fused_fallback)
         say_fused_head(self.plan)  # fp32_head: fused or not, and why, once
         # the MoE policy's routes: replayed (R2/R3) and measured (ratio/route/*); inactive for a dense policy
         self.routing = RoutingReplay(policy, args.routing_replay, measure=args.ratio_diagnostics)
@@ -124,12 +92,11 @@ class RatioGRPOTrainer(GRPOTrainer):
         self.add_callback(WeightsVersionCallback(self.weights_version, self.accelerator))
         self.diagnostics = RatioDiagnostics(args, self.accelerator, self.eos_token_ids,
                                             plan=self.plan) if args.ratio_diagnostics else None
-        if args.ratio_gate:  # the tolerance gate on logged metrics (grpo_ratio/gate.py)
+        if args.ratio_gate:  # the tolerance gate on logged metrics (grpo_ratio/diagnostics/gate.py)
             self.add_callback(RatioGateCallback(args.ratio_gate, args.ratio_gate_patience, args.ratio_gate_action))
+        self.add_callback(RunRecordCallback())  # run.json + log_history.json in output_dir: what the report reads
         check_sharded_mode(self.accelerator, self.model, args)  # FSDP2/ZeRO-3 combinations that cannot be exact
-        if self.plan.scorer_mode is not None:  # layer indices, model anatomy, copy storage fail here, not at step 1
-            OldLogprobScorer(policy, self.plan.scorer_mode, layers=args.guided_fp32_layer_ids,
-                             copy_storage=args.copy_storage)
+        check_old_pass(policy, args, self.plan.scorer_mode)  # layer indices, anatomy, copy storage: here, not at step 1
         self._scorer = None  # built on first use (`scorer`): accelerate wraps FSDP2/ZeRO-3 models inside train()
         # The two records between TRL's hooks (grpo_ratio/records.py): one per generation batch and mode, one per
         # loss micro-batch. No other attribute is written in one hook and read in another.
@@ -143,7 +110,7 @@ class RatioGRPOTrainer(GRPOTrainer):
     @property
     def scorer(self) -> OldLogprobScorer | None:
         """The scoring mode's `OldLogprobScorer` (None for `bf16` and `sampler`), built on first use, after accelerate wrapped the
-        model: under FSDP2/ZeRO-3 its shadows and compute dtype come from the wrapped model (`grpo_ratio.sharding`)."""
+        model: under FSDP2/ZeRO-3 its shadows and compute dtype come from the wrapped model (`grpo_ratio.old_pass.sharding.engines`)."""
         if self._scorer is None and self.plan.scorer_mode is not None:
             policy = self.accelerator.unwrap_model(self.model)
             self._scorer = OldLogprobScorer(policy, self.plan.scorer_mode, layers=self.args.guided_fp32_layer_ids,
@@ -227,14 +194,13 @@ class RatioGRPOTrainer(GRPOTrainer):
                 self._metrics[generation.mode][key].append(value)
         return output
 
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+    def _generate_single_turn(self, prompt_ids, *args, **kwargs):
+        # the rest of TRL's arguments (images, multimodal fields, ...; GRPO's and RLOO's differ) pass through as is
         generation = self._generations.get(self._mode())
         if generation is None:  # called outside a generation batch (not by TRL 1.16): nothing to record
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
-                                                 has_tool_images)
+            return super()._generate_single_turn(prompt_ids, *args, **kwargs)
         with self._recording_routes(generation, prompt_ids):
-            return self._generate_recorded(generation, prompt_ids, images, multimodal_fields, num_generations,
-                                           has_tool_images)
+            return self._generate_recorded(generation, prompt_ids, *args, **kwargs)
 
     def _recording_routes(self, generation, prompt_ids):
         """The MoE policy's routes while `generate` decodes (R3's sampler routes, and `ratio/route/sampler_old`),
@@ -247,24 +213,20 @@ class RatioGRPOTrainer(GRPOTrainer):
                           padding_side="left", pad_to_multiple_of=self.pad_to_multiple_of)  # (B, Pg)
         return self.routing.recording_generate(generation.routes, prompt_mask)
 
-    def _generate_recorded(self, generation, prompt_ids, images, multimodal_fields, num_generations,
-                           has_tool_images):
+    def _generate_recorded(self, generation, prompt_ids, *args, **kwargs):
         if self._vllm_capture is not None:  # vLLM colocate: keep the sampling masks and/or the routes
-            completion_ids, logprobs = super()._generate_single_turn(prompt_ids, images, multimodal_fields,
-                                                                     num_generations, has_tool_images)
+            completion_ids, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
             if self.plan.sampler_routes == VLLM:
                 self.routing.expect_vllm(generation.routes, *self._vllm_capture.routed_experts(len(completion_ids)))
             if self.plan.vllm_masks:
                 generation.kept = self._vllm_capture.kept_sets(len(completion_ids))
             return completion_ids, logprobs
         if not self.plan.record_generate:
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
-                                                 has_tool_images)
+            return super()._generate_single_turn(prompt_ids, *args, **kwargs)
         keep_sets = self.plan.records_kept_sets
         recorder = SamplerLogprobRecorder(support_size_only=not keep_sets)
         with recording_sampler(self.accelerator.unwrap_model(self.model_wrapped), recorder):
-            completion_ids, _ = super()._generate_single_turn(prompt_ids, images, multimodal_fields,
-                                                              num_generations, has_tool_images)
+            completion_ids, _ = super()._generate_single_turn(prompt_ids, *args, **kwargs)
         record = self._finish_recording(recorder, completion_ids)
         if not generation.recorded:  # the first turn; later tool turns only extend the log-probs TRL stitches
             generation.recorded = True
@@ -498,30 +460,15 @@ class RatioGRPOTrainer(GRPOTrainer):
     def _compute_loss(self, model, inputs):
         micro_batch = self._micro_batch = MicroBatchRecord(inputs=inputs)
         try:
-            with self._trl_applies_is_weight(inputs):
+            # is_correction on `generate`: TRL's own multiplication applies our weight (grpo_ratio._compat)
+            weighs = self.plan.weights_is and "importance_sampling_ratio" in inputs
+            with trl_is_weight_gate(self) if weighs else contextlib.nullcontext():
                 loss = super()._compute_loss(model, inputs)
         finally:
             self._micro_batch = None
         if self.diagnostics is not None and self.model.training:
             self._update_diagnostics(micro_batch)
         return loss
-
-    @contextlib.contextmanager
-    def _trl_applies_is_weight(self, inputs):
-        """TRL 1.16's `_compute_loss` multiplies the per-token loss by `inputs["importance_sampling_ratio"]` only
-        under `self.use_vllm and self.vllm_importance_sampling_correction` (grpo_trainer.py L3146; nothing else in
-        it reads the two, tests/test_is_training.py checks its source). On the `generate` path with an IS
-        correction the two are set for this call only: TRL's own multiplication applies our weight."""
-        if not self.plan.weights_is or "importance_sampling_ratio" not in inputs or (
-                self.use_vllm and self.vllm_importance_sampling_correction):
-            yield
-            return
-        saved = self.use_vllm, self.vllm_importance_sampling_correction
-        self.use_vllm = self.vllm_importance_sampling_correction = True
-        try:
-            yield
-        finally:
-            self.use_vllm, self.vllm_importance_sampling_correction = saved
 
     def _update_diagnostics(self, micro_batch: MicroBatchRecord) -> None:
         if self._first_inner_step() and micro_batch.train_logps is not None:
@@ -530,3 +477,46 @@ class RatioGRPOTrainer(GRPOTrainer):
             routes = self.routing.metrics(lambda v: self.accelerator.reduce(v, "sum"), self.accelerator.device)
             for key, value in (self.diagnostics.flush() | routes).items():
                 self._metrics["train"][key].append(value)
+
+
+class RatioGRPOTrainer(RatioHooks, GRPOTrainer):
+    """Drop-in replacement for `trl.GRPOTrainer` (same constructor), configured by [`RatioGRPOConfig`].
+
+    Example:
+        ```python
+        from grpo_ratio import RatioGRPOConfig, RatioGRPOTrainer
+
+        args = RatioGRPOConfig(output_dir="out", old_logprob_mode="fp16_clone")
+        trainer = RatioGRPOTrainer(model="HuggingFaceTB/SmolLM2-135M-Instruct", reward_funcs=my_reward,
+                                   args=args, train_dataset=dataset)
+        trainer.train()
+        ```
+
+    Raises:
+        TypeError: `args` is a plain `GRPOConfig` (use `RatioGRPOConfig`, which has every GRPOConfig field).
+        ValueError: `guided_fp32_layers` names a layer the model does not have; an empty `train_dataset`, or one
+            without a `prompt` column (`grpo_ratio.checks.check_train_dataset`).
+        OSError: a model id that neither the hub, its cache nor (SmolLM2-135M-Instruct) the GGUF fallback provides
+            (`grpo_ratio.models.trainer_model_source`).
+        NotImplementedError: a sharded combination a mode cannot be exact in (`grpo_ratio.checks.check_sharded_mode`:
+            FSDP1, PEFT or fp16 under FSDP2/ZeRO-3, parameter offload).
+    """
+
+    _tag_names = ["trl", "grpo", "grpo-ratio"]
+
+    def __init__(self, model, reward_funcs=None, args: RatioGRPOConfig | None = None, *pargs, **kwargs):
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path
+            args = RatioGRPOConfig(f"{str(name).split('/')[-1]}-GRPO-ratio")
+        if not isinstance(args, RatioGRPOConfig):
+            raise TypeError(
+                f"RatioGRPOTrainer needs args=RatioGRPOConfig(...), got {type(args).__name__}; RatioGRPOConfig accepts "
+                f"every GRPOConfig field plus old_logprob_mode, guided_fp32_layers, ..."
+            )
+        if isinstance(model, str):  # resolved as the command line resolves it (offline: the converted SmolLM2)
+            model = trainer_model_source(model, (args.model_init_kwargs or {}).get("revision"))
+        check_train_dataset(kwargs["train_dataset"] if "train_dataset" in kwargs else (pargs[0] if pargs else None))
+        engine_kwargs = colocate_engine_kwargs(args, kept_set_origin(args) == VLLM_MASKS)  # what TRL does not pass
+        with vllm_engine_kwargs(**engine_kwargs) if engine_kwargs else contextlib.nullcontext():
+            super().__init__(model, reward_funcs, args, *pargs, **kwargs)
+        self._init_ratio(args)

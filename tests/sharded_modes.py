@@ -24,9 +24,9 @@ from trainer_fixtures import tiny_grpo_args, tiny_trainer, trl_logged_values
 from trl import GRPOTrainer
 
 from grpo_ratio import RatioGRPOTrainer
-from grpo_ratio.sharding_fsdp2 import fp32_logprob_output, fsdp_state_owning
+from grpo_ratio.old_pass.sharding.fsdp2 import fp32_logprob_output, fsdp_state_owning
 from grpo_ratio.testing import letter_reward, tiny_model, tiny_prompts, tiny_tokenizer
-from grpo_ratio.testing_sharded import (
+from grpo_ratio.testing.sharded import (
     full_fp32_weights,
     patch_accelerate_for_cpu_sharding,
     replica_scorer,

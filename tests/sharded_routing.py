@@ -19,9 +19,9 @@ from routing_fixtures import ReplayLog, near_tie_model, rows_of
 from trainer_fixtures import tiny_grpo_args
 
 from grpo_ratio import RatioGRPOTrainer
-from grpo_ratio import metric_keys as keys
+from grpo_ratio.diagnostics import metric_keys as keys
 from grpo_ratio.testing import letter_reward, tiny_prompts, tiny_tokenizer
-from grpo_ratio.testing_sharded import patch_accelerate_for_cpu_sharding, sharding_evidence
+from grpo_ratio.testing.sharded import patch_accelerate_for_cpu_sharding, sharding_evidence
 
 
 RUNS = [(mode, "R3") for mode in ("bf16", "fp32_clone", "fp16_clone", "fp32_head", "guided_fp32", "sampler")]

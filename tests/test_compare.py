@@ -16,7 +16,7 @@ RECIPES = Path(__file__).parents[1] / "recipes" / "smollm2-135m"
 
 @pytest.fixture
 def compare():
-    from grpo_ratio.scripts import compare
+    from grpo_ratio.cli import compare
 
     return compare
 
@@ -69,7 +69,7 @@ def test_two_arms_match_step_one_and_summarize(compare, tmp_path):
     assert verdict["verdict"] in ("unknown", "not diverged yet") and verdict["reason"]
 
     # the machine each run trained on, in run.json and (without the load) in the summary and its markdown
-    from grpo_ratio.memory import describe_machine, machine_record
+    from grpo_ratio.machine import describe_machine, machine_record
 
     machine = json.loads((tmp_path / "cmp" / "bf16-s0" / "run.json").read_text())["machine"]
     assert {k: v for k, v in machine.items() if k != "load_before"} == {
@@ -198,7 +198,7 @@ def test_summary_says_how_many_steps_it_averaged(compare):
 
 
 def test_plots_show_the_correction_and_the_band(tmp_path):
-    from grpo_ratio.plots import plot_metrics
+    from grpo_ratio.analysis.plots import plot_metrics
 
     rows = [{"step": s, "reward": 0.2, "ratio/old_sampler/oob_rate": 0.7, "ratio/old_sampler_corrected/oob_rate": 0.05,
              "ratio/kept_mass_mean": 0.86, "ratio/new_old/p1": 0.95, "ratio/new_old/p99": 1.04} for s in (1, 2, 3)]
@@ -223,7 +223,7 @@ def test_summary_printed_to_a_log_file_is_never_cut(compare, tmp_path, capsys):
 
 def test_comparison_plot_keeps_equal_arms_visible_and_legends_off_the_data(compare):
     # the issue: arms whose lines equal the baseline's were hidden under it, and legends covered the data
-    from grpo_ratio.plots import comparison_styles, draw_runs
+    from grpo_ratio.analysis.plots import comparison_styles, draw_runs
 
     rows = [{"step": s, "reward": 0.1 * s, "ratio/new_old/oob_rate": 0.0, "ratio/new_old/p1": 0.9,
              "ratio/new_old/p99": 1.1} for s in (1, 2, 3)]

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from grpo_ratio import RatioGRPOConfig
-from grpo_ratio.layer_spec import parse_layer_spec
+from grpo_ratio.old_pass.layer_spec import parse_layer_spec
 
 
 def _cfg(tmp_path, **kw):
@@ -139,7 +139,7 @@ def test_fields_are_cli_flags_and_yaml_keys(tmp_path):
 
 def test_correction_without_truncation_warns(tmp_path):
     # the check needs the sampling settings generate really uses (the model's generation_config fills unset fields),
-    # so it runs when the trainer is built (grpo_ratio/lints.py)
+    # so it runs when the trainer is built (grpo_ratio/checks.py)
     from trainer_fixtures import tiny_trainer
 
     with pytest.warns(UserWarning, match="has no effect: sampling is not truncated"):
@@ -157,12 +157,20 @@ def test_kept_set_source_without_a_correction_warns(tmp_path, recwarn):
 
 
 def test_the_early_command_line_checks_agree_with_the_config(tmp_path):
-    # grpo_ratio/precheck.py refuses what RatioGRPOConfig refuses, before the heavy imports
-    from grpo_ratio.precheck import RANGES, ConfigError, check_flags
+    # grpo_ratio/cli/precheck.py refuses what RatioGRPOConfig refuses, before the heavy imports
+    from grpo_ratio.checks import TRL_FIELD_RULES
+    from grpo_ratio.cli.precheck import RANGES, ConfigError, check_flags
 
     cases = {"top_p": ([0.0, 1.5], [1.0, 0.5]), "temperature": ([0.0, -0.5], [0.7]), "top_k": ([-2, 2.5], [0, 50]),
-             "min_p": ([-0.1, 1.5], [0.0, 1.0])}
-    assert set(cases) == set(RANGES)
+             "min_p": ([-0.1, 1.5], [0.0, 1.0]),
+             # TRL's fields that fail late (grpo_ratio.checks.check_trl_fields); good values fit the defaults
+             # (per_device_train_batch_size=8, num_generations=8: TRL's divisibility rule)
+             "num_generations": ([0, 1, -2, 2.5], [2, 8]), "learning_rate": ([-1.0, -1e-6], [0.0, 1e-6]),
+             "max_completion_length": ([0, -1, 2.5], [1, 64]), "per_device_train_batch_size": ([0, -8], [8, 16]),
+             "gradient_accumulation_steps": ([0, -1], [1, 2]), "num_iterations": ([0, -1], [1, 2]),
+             "steps_per_generation": ([0, -1], [1, 2]), "generation_batch_size": ([0, -8], [8, 16]),
+             "max_steps": ([0, -2, 2.5], [-1, 1, 10])}
+    assert set(cases) == set(RANGES) and set(TRL_FIELD_RULES) <= set(RANGES)
     for name, (bad_values, good_values) in cases.items():
         for bad in bad_values:
             with pytest.raises(ConfigError):
@@ -172,6 +180,59 @@ def test_the_early_command_line_checks_agree_with_the_config(tmp_path):
         for good in good_values:
             check_flags([f"--{name}", str(good)])
             assert getattr(RatioGRPOConfig(output_dir=str(tmp_path), use_cpu=True, **{name: good}), name) == good
+
+
+def test_the_early_checks_and_the_config_agree_on_none(tmp_path):
+    # a recipe's `null` (or "none" for an `int | None` field) passes the parser as None: allowed by both or by neither
+    from grpo_ratio.cli.precheck import RANGES, ConfigError, check_recipe
+
+    recipe = tmp_path / "r.yaml"
+    for name, (inside, _) in RANGES.items():
+        recipe.write_text(f"{name}: null\n")
+        if inside(None):
+            check_recipe(str(recipe))
+            RatioGRPOConfig(output_dir=str(tmp_path), use_cpu=True, **{name: None})  # TRL may fill it in
+        else:
+            with pytest.raises(ConfigError, match=f"{name}=None is outside the allowed range"):
+                check_recipe(str(recipe))
+            with pytest.raises(ValueError, match=f"{name}=None is not allowed"):
+                RatioGRPOConfig(output_dir=str(tmp_path), use_cpu=True, **{name: None})
+
+
+@pytest.mark.parametrize("kw,match", [
+    # the issue: TRL's ZeroDivisionError (it divides by num_generations before it checks it), torch's optimizer error
+    # at the first step, transformers' max_new_tokens error at the first generate; now one line naming the field
+    (dict(num_generations=0), r"^num_generations=0 is not allowed; allowed: an integer >= 2 \(GRPO's advantage "
+                              r"compares the completions of one prompt\)$"),
+    (dict(learning_rate=-1), r"^learning_rate=-1 is not allowed; allowed: a number >= 0 \(torch's optimizers refuse a "
+                             r"negative one\)$"),
+    (dict(max_completion_length=0), r"^max_completion_length=0 is not allowed; allowed: an integer >= 1, or None$"),
+    (dict(num_generations=1), "num_generations=1 is not allowed"),
+    (dict(per_device_train_batch_size=0), "per_device_train_batch_size=0 is not allowed; allowed: an integer >= 1"),
+    (dict(gradient_accumulation_steps=0), "gradient_accumulation_steps=0 is not allowed"),
+    (dict(num_iterations=0), "num_iterations=0 is not allowed"),
+    (dict(max_steps=0), r"max_steps=0 is not allowed; allowed: -1 \(train num_train_epochs\) or an integer >= 1"),
+    (dict(steps_per_generation=0), "steps_per_generation=0 is not allowed"),
+    (dict(generation_batch_size=0), "generation_batch_size=0 is not allowed"),
+    (dict(learning_rate="1e-5"), "learning_rate='1e-5' is not allowed; allowed: a number >= 0"),
+])
+def test_trl_fields_that_fail_late_are_refused_at_config_time(tmp_path, kw, match):
+    with pytest.raises(ValueError, match=match):
+        _cfg(tmp_path, **kw)
+
+
+def test_a_late_failing_trl_field_is_one_line_on_the_command_line_too(capsys, tmp_path):
+    # past the early check (trainers/grpo.py and `grpo-ratio train` run it; cli_main alone does not): the config's line
+    from pathlib import Path
+
+    from grpo_ratio.cli.train import cli_main
+
+    recipe = Path(__file__).parents[1] / "recipes" / "smollm2-135m" / "quickstart_cpu.yaml"
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["--config", str(recipe), "--num_generations", "0", "--output_dir", str(tmp_path)])
+    assert exit_info.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("grpo-ratio train: error: num_generations=0 is not allowed; allowed: an integer >= 2")
 
 
 @pytest.mark.parametrize("version", ["1.15.2", "1.17.0", "2.0.0"])

@@ -7,8 +7,8 @@ Run: pytest tests/test_copy_storage.py
 import pytest
 import torch
 
-from grpo_ratio.copies import PerLayerCast
-from grpo_ratio.scoring import OldLogprobScorer
+from grpo_ratio.old_pass.copies import PerLayerCast
+from grpo_ratio.old_pass.scorer import OldLogprobScorer
 from grpo_ratio.testing import ARCHITECTURES, tiny_model
 
 
@@ -84,7 +84,7 @@ def test_non_persistent_buffers_come_from_a_fresh_module():
     ids, mask = _batch()
     with rounded.active(), torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=T + 1, use_cache=False).logits
-    from grpo_ratio.scoring import completion_logprobs_from_logits
+    from grpo_ratio.old_pass.scorer import completion_logprobs_from_logits
 
     assert not torch.equal(completion_logprobs_from_logits(logits, ids[:, -T:], 1.0), expected)
 

@@ -98,14 +98,14 @@ def test_wandb_offline_and_tensorboard_hold_the_keys(tmp_path, monkeypatch):
 
 def test_diagnostics_report_vllm_importance_sampling_masking(tmp_path):
     # vLLM's IS correction cannot run on CPU; feed RatioDiagnostics the micro-batch TRL would build with it on.
-    from trainer_fixtures import tiny_grpo_args
+    from trainer_fixtures import config_plan, tiny_grpo_args
 
-    from grpo_ratio.diagnostics import RatioDiagnostics
+    from grpo_ratio.diagnostics.ratio_diagnostics import RatioDiagnostics
     from grpo_ratio.records import MicroBatchRecord
 
     args = tiny_grpo_args(tmp_path)  # TRL defaults: sequence_mask, clip_max 3.0, clip_min None
     diag = RatioDiagnostics(args, accelerator=type("Acc", (), {"num_processes": 1, "device": "cpu"})(),
-                            eos_token_ids=[1])
+                            eos_token_ids=[1], plan=config_plan(args))
     old = torch.zeros(2, 3)
     # row 0: sampler log-probs log(1/2) each -> product of ratios 2^3 = 8 > 3: the whole sequence is masked;
     # row 1: ratios 1 -> kept. 3 valid tokens per row.

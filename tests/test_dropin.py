@@ -18,8 +18,8 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from trainer_fixtures import tiny_trainer
 
-from grpo_ratio.copies import WeightsVersion, WeightsVersionCallback, merged_state_dict
-from grpo_ratio.scoring import OldLogprobScorer, completion_logprobs_from_logits
+from grpo_ratio.old_pass.copies import WeightsVersion, WeightsVersionCallback, merged_state_dict
+from grpo_ratio.old_pass.scorer import OldLogprobScorer, completion_logprobs_from_logits
 from grpo_ratio.testing import tiny_model
 
 
@@ -246,9 +246,9 @@ def test_absolute_positions_are_warned(tmp_path):
 
 
 def test_public_functions_accept_empty_input():
-    from grpo_ratio import kept_logprobs as K
-    from grpo_ratio import ratios as R
-    from grpo_ratio.kept_sets import KeptSets
+    from grpo_ratio.corrections import kept_logprobs as K
+    from grpo_ratio.corrections.kept_sets import KeptSets
+    from grpo_ratio.diagnostics import ratios as R
 
     logits = torch.randn(2, 3, 5)  # (B, T, V)
     tokens = torch.zeros(2, 3, dtype=torch.long)
@@ -263,8 +263,8 @@ def test_public_functions_accept_empty_input():
     assert kept.select_rows([]).num_rows == 0 and no_rows.resize_steps(3).sizes.shape == (0, 3)
     assert R.RatioStats().update(zeros, nothing).as_metrics("ratio/new_old") == {}
     assert R.clip_flips(zeros, zeros, torch.ones(2), nothing, 0.2, 0.2).as_metrics() == {}
-    from grpo_ratio.is_correction import ISCorrection, importance_weights
-    from grpo_ratio.mismatch import ISWeightStats, MismatchStats
+    from grpo_ratio.corrections.is_correction import ISCorrection, importance_weights
+    from grpo_ratio.diagnostics.mismatch import ISWeightStats, MismatchStats
 
     trl_default = ISCorrection.from_trl("sequence_mask", None, 3.0)
     assert ISWeightStats.of(trl_default).update(importance_weights(zeros, nothing, trl_default)).as_metrics() == {}
@@ -272,7 +272,7 @@ def test_public_functions_accept_empty_input():
 
 
 def test_a_copy_of_a_tied_model_keeps_one_embedding():
-    from grpo_ratio.copies import ModuleCopy
+    from grpo_ratio.old_pass.copies import ModuleCopy
 
     model = tiny_model("llama", tie_word_embeddings=True)
     copy_ = ModuleCopy(model, torch.float16, whole_model=True)

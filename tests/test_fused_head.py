@@ -1,5 +1,5 @@
 """`fp32_head` with no pass of the body in TRL's on-policy default: each micro-batch's old log-probs are the fp32 norm and
-head applied to its own training-forward hidden states (grpo_ratio/fused_head.py). Counted and compared bitwise with
+head applied to its own training-forward hidden states (grpo_ratio/old_pass/fused_head.py). Counted and compared bitwise with
 the separate pass; the fallback cases keep the separate pass and say why once.
 
 Run: pytest tests/test_fused_head.py
@@ -14,7 +14,7 @@ from torch import nn
 from trainer_fixtures import tiny_grpo_args, tiny_trainer
 
 from grpo_ratio import RatioGRPOTrainer
-from grpo_ratio.fused_head import fused_head_fallback
+from grpo_ratio.old_pass.fused_head import fused_head_fallback
 from grpo_ratio.testing import letter_reward, tiny_model, tiny_prompts, tiny_tokenizer
 
 

@@ -1,4 +1,4 @@
-"""The tolerance gate (grpo_ratio/gate.py): check parsing and scopes on literal log histories, the real
+"""The tolerance gate (grpo_ratio/diagnostics/gate.py): check parsing and scopes on literal log histories, the real
 `grpo-ratio report --check` command's exit codes, and the callback stopping a real tiny training.
 
 Run: pytest tests/test_gate.py -q
@@ -14,9 +14,9 @@ import pytest
 from trainer_fixtures import tiny_trainer
 
 from grpo_ratio import RatioGRPOConfig
-from grpo_ratio.gate import Check, collect_checks, evaluate, parse_check, read_thresholds
-from grpo_ratio.gate_callback import RatioGateCallback
-from grpo_ratio.report import main
+from grpo_ratio.analysis.report import main
+from grpo_ratio.diagnostics.gate import Check, collect_checks, evaluate, parse_check, read_thresholds
+from grpo_ratio.diagnostics.gate_callback import RatioGateCallback
 
 
 # four logged steps and TRL's final summary row (never judged)

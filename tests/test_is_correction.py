@@ -1,4 +1,4 @@
-"""Tests of grpo_ratio.is_correction: IS weights, bounds and rejection on literal tensors, against direct formulas.
+"""Tests of grpo_ratio.corrections.is_correction: IS weights, bounds and rejection on literal tensors, against direct formulas.
 
 Run: pytest tests/test_is_correction.py -q
 """
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from grpo_ratio.is_correction import (
+from grpo_ratio.corrections.is_correction import (
     PRESETS,
     TRL_MODES,
     ISCorrection,
@@ -19,7 +19,7 @@ from grpo_ratio.is_correction import (
     preset,
     sequence_log_weights,
 )
-from grpo_ratio.ratios import importance_sampling_weights
+from grpo_ratio.diagnostics.ratios import importance_sampling_weights
 
 
 def _log(values):
@@ -178,7 +178,7 @@ def test_correction_validation_names_the_allowed_values():
 
 
 def test_resolve_correction_from_config_fields():
-    from grpo_ratio.is_correction import resolve_correction
+    from grpo_ratio.corrections.is_correction import resolve_correction
 
     assert resolve_correction(None) is None and resolve_correction("icepop") == preset("icepop")
     custom = resolve_correction("custom", "sequence_geometric", "truncate", None, 2.0, "seq_max_k3<=0.5", 1e-4)

@@ -13,11 +13,11 @@ from trainer_fixtures import tiny_trainer
 from trl import GRPOTrainer
 
 from grpo_ratio import RatioGRPOConfig
-from grpo_ratio.diagnostics import FULL_VOCAB_KEYS
-from grpo_ratio.is_correction import PRESETS, importance_weights
-from grpo_ratio.mismatch import full_vocab_divergence
-from grpo_ratio.ratios import valid_token_mask
-from grpo_ratio.scoring import OldLogprobScorer
+from grpo_ratio.corrections.is_correction import PRESETS, importance_weights
+from grpo_ratio.diagnostics.mismatch import full_vocab_divergence
+from grpo_ratio.diagnostics.ratio_diagnostics import FULL_VOCAB_KEYS
+from grpo_ratio.diagnostics.ratios import valid_token_mask
+from grpo_ratio.old_pass.scorer import OldLogprobScorer
 from grpo_ratio.testing import tiny_model
 
 

@@ -1,4 +1,4 @@
-"""Start-up lints that catch a sampler/trainer mismatch before it costs a run (grpo_ratio/lints.py), and the IS
+"""Start-up lints that catch a sampler/trainer mismatch before it costs a run (grpo_ratio/checks.py), and the IS
 weights logged under `lift_sampler`. The end-to-end versions against a real vLLM engine are in tests/vllm_lane.
 
 Run: pytest tests/test_lints.py
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from grpo_ratio import RatioGRPOConfig
-from grpo_ratio.lints import check_calibration, check_vllm, old_body_dtype, old_side_dtype
+from grpo_ratio.checks import check_calibration, check_vllm, old_body_dtype, old_side_dtype
 from grpo_ratio.testing import tiny_model
 
 
@@ -107,10 +107,12 @@ def test_vllm_dtype_is_validated(kw, match):
 def test_logged_is_weights_are_trls_formula(level):
     from accelerate import Accelerator
 
-    from grpo_ratio.diagnostics import RatioDiagnostics
+    from grpo_ratio.diagnostics.ratio_diagnostics import RatioDiagnostics
 
     args = _vllm_args()
-    diagnostics = RatioDiagnostics(args, Accelerator(cpu=True), eos_token_ids=[1])
+    from trainer_fixtures import config_plan
+
+    diagnostics = RatioDiagnostics(args, Accelerator(cpu=True), eos_token_ids=[1], plan=config_plan(args))
     mask = torch.tensor([[True, True, False], [True, False, False]])
     if level == "token":
         weights = torch.tensor([[0.5, 2.0, 9.0], [1.0, 9.0, 9.0]])  # 9.0 only on masked cells
@@ -196,3 +198,29 @@ def test_a_scoring_mode_in_an_fp32_run_is_said(tmp_path, caplog, mode):
         tiny_trainer(tmp_path / "bf16", mode, model=tiny_model("qwen2"), bf16=True, max_steps=1)
         tiny_trainer(tmp_path / "w", mode, model=tiny_model("qwen2", dtype=torch.bfloat16), bf16=False, max_steps=1)
         assert not [m for m in caplog.messages if "with a training forward in fp32" in m]
+
+
+def test_an_empty_dataset_is_said_to_be_empty_not_missing_its_prompt_column(tmp_path):
+    # the issue: a dataset built from no rows has no columns either, and was reported as "no 'prompt' column"
+    from datasets import Dataset
+    from trainer_fixtures import tiny_grpo_args
+
+    from grpo_ratio import RatioGRPOTrainer
+    from grpo_ratio.checks import check_train_dataset
+    from grpo_ratio.testing import letter_reward, tiny_tokenizer
+
+    emptied = Dataset.from_dict({"prompt": ["a"], "answer": ["b"]}).filter(lambda row: False)
+    for dataset, columns in ((Dataset.from_list([]), "no columns"),
+                             (Dataset.from_dict({"prompt": []}), "columns 'prompt'"),
+                             (emptied, "columns 'prompt', 'answer'")):
+        with pytest.raises(ValueError, match=rf"^train_dataset is empty \(0 rows\): there is nothing to train on "
+                                             rf"\({columns}\)"):
+            check_train_dataset(dataset)
+    with pytest.raises(ValueError, match=r"^train_dataset is empty \(0 rows\): there is nothing to train on \(no "):
+        RatioGRPOTrainer(model=tiny_model("qwen2"), reward_funcs=letter_reward, args=tiny_grpo_args(tmp_path),
+                         train_dataset=Dataset.from_list([]), processing_class=tiny_tokenizer())
+    # a dataset with rows but no prompts is still the missing column, and rows with prompts pass
+    with pytest.raises(ValueError, match="no 'prompt' column"):
+        check_train_dataset(Dataset.from_dict({"question": ["2+2?"]}))
+    check_train_dataset(Dataset.from_dict({"prompt": ["2+2?"]}))
+    check_train_dataset(Dataset.from_dict({"prompt": ["2+2?"]}).to_iterable_dataset())  # streamed: length unknown

@@ -1,4 +1,4 @@
-"""What each setting does to the loss, as the README states it (issue 24: "what the corrections do to the loss is
+"""What each setting does to the loss, as docs/truncation.md states it (issue 24: "what the corrections do to the loss is
 hidden"): on a real RatioGRPOTrainer against stock `trl.GRPOTrainer`, tiny model, transformers `generate` (no vLLM).
 
 - `lift_sampler` changes only the diagnostics: TRL's logged metrics and the trained weights equal stock TRL's;

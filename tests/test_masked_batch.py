@@ -15,8 +15,8 @@ from trainer_fixtures import peaked_model, tiny_trainer, trl_logged_values
 from trl import GRPOTrainer
 
 from grpo_ratio.config import SCORING_MODES, TRUNCATION_CORRECTIONS
-from grpo_ratio.kept_logprobs import kept_set_logprobs
-from grpo_ratio.kept_sets import KeptSets
+from grpo_ratio.corrections.kept_logprobs import kept_set_logprobs
+from grpo_ratio.corrections.kept_sets import KeptSets
 
 
 SETTINGS = dict(max_steps=2, max_completion_length=4, mask_truncated_completions=True, top_k=5)

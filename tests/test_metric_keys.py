@@ -1,4 +1,4 @@
-"""The metric-key table (`grpo_ratio.metric_keys`) against what a real run emits and what docs/metrics.md lists.
+"""The metric-key table (`grpo_ratio.diagnostics.metric_keys`) against what a real run emits and what docs/metrics.md lists.
 
 Run: pytest tests/test_metric_keys.py
 """
@@ -8,7 +8,7 @@ from pathlib import Path
 
 from trainer_fixtures import tiny_trainer
 
-from grpo_ratio import metric_keys as keys
+from grpo_ratio.diagnostics import metric_keys as keys
 
 
 METRICS_MD = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
@@ -75,7 +75,7 @@ def test_route_keys_of_an_moe_run_are_in_the_table_and_the_docs(tmp_path):
 
 
 def test_every_key_has_its_row_of_peer_keys():
-    from grpo_ratio.metric_peers import PEERS
+    from grpo_ratio.analysis.metric_peers import PEERS
 
     assert set(PEERS) == set(keys.TABLE)
     assert all(len(row) == 4 and all(cell for cell in row) for row in PEERS.values())

@@ -1,4 +1,4 @@
-"""Tests of grpo_ratio.mismatch: KL estimates, PPL, chi-square, ESS, IS-weight shares and the exact full-vocabulary
+"""Tests of grpo_ratio.diagnostics.mismatch: KL estimates, PPL, chi-square, ESS, IS-weight shares and the exact full-vocabulary
 divergences, each against a direct computation on literal tensors (to 1e-6), split- and process-invariant.
 
 Run: pytest tests/test_mismatch.py -q
@@ -14,8 +14,8 @@ import pytest
 import torch
 from test_ratios import _free_port
 
-from grpo_ratio.is_correction import ISCorrection, importance_weights, parse_rejections
-from grpo_ratio.mismatch import FullVocabStats, ISWeightStats, MismatchStats, full_vocab_divergence
+from grpo_ratio.corrections.is_correction import ISCorrection, importance_weights, parse_rejections
+from grpo_ratio.diagnostics.mismatch import FullVocabStats, ISWeightStats, MismatchStats, full_vocab_divergence
 
 
 # log r = logp_p - logp_q per token; row 1 has a NaN (no sampler log-prob), rows are padded differently

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from grpo_ratio.scoring import OldLogprobScorer, completion_logprobs_from_logits
+from grpo_ratio.old_pass.scorer import OldLogprobScorer, completion_logprobs_from_logits
 from grpo_ratio.testing import tiny_model
 
 

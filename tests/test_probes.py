@@ -1,4 +1,4 @@
-"""Tests of `grpo-ratio probe ...` (grpo_ratio/cli.py, grpo_ratio/probes/): each probe on a tiny random model in
+"""Tests of `grpo-ratio probe ...` (grpo_ratio/cli/__init__.py, grpo_ratio/probes/): each probe on a tiny random model in
 seconds, the pure pieces on literal tensors, the error cases; one slow test on SmolLM2-135M."""
 
 import copy

@@ -19,8 +19,9 @@ from trainer_fixtures import peaked_model, tiny_grpo_args, tiny_trainer
 from transformers import GenerationMixin
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from grpo_ratio.processors import PROCESSORS, VLLM_PROCESSORS, RepetitionPenalty, check_processors
-from grpo_ratio.rollouts import settings_from_config
+from grpo_ratio.checks import check_processors
+from grpo_ratio.corrections.processors import PROCESSORS, VLLM_PROCESSORS, RepetitionPenalty
+from grpo_ratio.sampler.settings import settings_from_config
 
 
 ROOT = Path(__file__).resolve().parents[1]

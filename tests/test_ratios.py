@@ -1,4 +1,4 @@
-"""Tests of grpo_ratio.ratios: literal tensors with the expected values derived in comments.
+"""Tests of grpo_ratio.diagnostics.ratios: literal tensors with the expected values derived in comments.
 
 Run: /work/venv/bin/pytest tests/test_ratios.py -q
 """
@@ -14,15 +14,9 @@ import sys
 import pytest
 import torch
 
-from grpo_ratio.is_correction import ISCorrection, importance_weights
-from grpo_ratio.mismatch import ISWeightStats
-from grpo_ratio.ratios import (
-    FlipStats,
-    RatioStats,
-    clip_flips,
-    ppo_clip_active,
-    valid_token_mask,
-)
+from grpo_ratio.corrections.is_correction import ISCorrection, importance_weights
+from grpo_ratio.diagnostics.mismatch import ISWeightStats
+from grpo_ratio.diagnostics.ratios import FlipStats, RatioStats, clip_flips, ppo_clip_active, valid_token_mask
 
 
 def _log(values):
@@ -272,7 +266,7 @@ def _synthetic_batch():
 
 
 def _is_stats(log_ratio, mask, mode, clip_min, clip_max) -> ISWeightStats:
-    """`ISWeightStats` of TRL's vLLM IS correction in `mode` (grpo_ratio.mismatch, reduced like the rest)."""
+    """`ISWeightStats` of TRL's vLLM IS correction in `mode` (grpo_ratio.diagnostics.mismatch, reduced like the rest)."""
     correction = ISCorrection.from_trl(mode, clip_min, clip_max)
     return ISWeightStats.of(correction).update(importance_weights(log_ratio, mask, correction))
 

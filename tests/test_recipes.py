@@ -22,7 +22,7 @@ CHAT_TEMPLATE = (
 
 @pytest.fixture
 def grpo():
-    from grpo_ratio.scripts import train
+    from grpo_ratio.cli import train
 
     return train
 
@@ -168,7 +168,7 @@ def test_main_runs_a_recipe_on_a_tiny_model(grpo, tiny_dir, tmp_path):
     # run.json tells `grpo-ratio report` the arm: its findings depend on the mode
     config = json.loads((out / "run.json").read_text())["config"]
     assert config["old_logprob_mode"] == "fp32_clone" and config["max_steps"] == 1
-    from grpo_ratio.report import load_runs
+    from grpo_ratio.analysis.report import load_runs
 
     ((name, rows, read_config),) = load_runs(out)
     assert name == "run" and read_config == config and len(rows) == len(history)
@@ -236,7 +236,7 @@ def test_quickstart_on_a_tiny_model_shows_the_kept_mass_and_its_correction(grpo,
 def test_bf16_on_a_cpu_without_native_bf16_is_said_once(monkeypatch, caplog):
     from types import SimpleNamespace
 
-    from grpo_ratio import lints
+    from grpo_ratio import checks as lints
 
     monkeypatch.setattr(lints, "_said_cpu_precision", False)
     monkeypatch.setattr(lints, "cpu_has_native_bf16", lambda: False)

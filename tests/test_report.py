@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from grpo_ratio.analysis.report import findings, load_runs, main, render_comparison, summarize_history
 from grpo_ratio.config import SCORING_MODES, TRUNCATION_CORRECTIONS
-from grpo_ratio.report import findings, load_runs, main, render_comparison, summarize_history
 
 
 def _history(**series):
@@ -85,7 +85,7 @@ def test_report_reads_trl_trainer_state_of_a_script_of_your_own(tmp_path, capsys
 
 
 def test_report_reads_the_config_of_a_script_of_your_own_from_its_checkpoint(tmp_path, capsys):
-    # no run.json (only grpo-ratio train and compare write one): the Trainer's own training_args.bin gives the config
+    # no run.json (a trl.GRPOTrainer script writes none): the Trainer's own training_args.bin gives the config
     import torch
 
     from grpo_ratio import RatioGRPOConfig
@@ -109,7 +109,7 @@ def test_comparison_section_says_why_unknown_one_seed_and_unmatched_rollouts():
     # 2 logged steps (the issue: every arm "unknown" and nothing said why)
     summary = {"last_k": 4, "last_k_used": 2, "baseline": "bf16", "matched_first_rollouts": {"0": False}, "arms": {
         "bf16": {"num_seeds": 1}, "sampler": {"num_seeds": 1}}}
-    from grpo_ratio.verdict import run_series
+    from grpo_ratio.analysis.verdict import run_series
 
     series = [run_series("bf16", 0, _history(reward=[0.1, 0.2])), run_series("sampler", 0, _history(reward=[0.1, 0.4]))]
     text = render_comparison(summary, series)

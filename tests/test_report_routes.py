@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from grpo_ratio import metric_keys as keys
-from grpo_ratio.report import RUN_FIELDS, main, route_findings, run_config, summarize_history
+from grpo_ratio.analysis.report import RUN_FIELDS, main, route_findings, run_config, summarize_history
+from grpo_ratio.diagnostics import metric_keys as keys
 
 
 SAMPLER_OLD = keys.route_key("sampler_old", "any_layer")

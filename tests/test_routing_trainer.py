@@ -10,11 +10,13 @@ import torch
 from routing_fixtures import ReplayLog, near_tie_model, rows_of
 from trainer_fixtures import tiny_trainer
 
-from grpo_ratio import metric_keys as keys
+from grpo_ratio.checks import check_run
+from grpo_ratio.corrections.kept_sets import SamplingSettings
+from grpo_ratio.diagnostics import metric_keys as keys
 from grpo_ratio.plan import RunPlan
-from grpo_ratio.rollouts import SamplingSettings, VLLMOutputCapture
 from grpo_ratio.routing import NO_ROUTE, moe_layout
 from grpo_ratio.routing.replay import GenerationRoutes, RoutingReplay
+from grpo_ratio.sampler.vllm import VLLMOutputCapture
 from grpo_ratio.testing import tiny_model
 
 
@@ -97,7 +99,7 @@ def test_every_scoring_mode_replays_r3_routes(tmp_path, monkeypatch, mode, extra
     trainer.train()
     log.assert_served_as_given(trainer.routing.hooks.layout.top_k)
     # fp32_head in TRL's on-policy default runs no old pass: its old log-probs come from the update's own forward
-    # (grpo_ratio.fused_head), which replays the sampler's routes, so the old side is on them too
+    # (grpo_ratio.old_pass.fused_head), which replays the sampler's routes, so the old side is on them too
     assert trainer.plan.fused_head == (mode == "fp32_head")
     old_pass = mode in ("fp32_clone", "fp16_clone", "guided_fp32")
     assert len(log.sessions) == (2 if old_pass else 1)  # (the old pass and) the update
@@ -155,10 +157,10 @@ def test_plan_refuses_r3_where_the_sampler_routes_cannot_be_recorded(tmp_path):
     from grpo_ratio import RatioGRPOConfig
 
     args = RatioGRPOConfig(output_dir=str(tmp_path), use_cpu=True, routing_replay="R3")
-    with pytest.raises(ValueError, match="continuous batching"):
-        RunPlan.resolve(args, SamplingSettings(), backend="continuous_batching")
+    with pytest.raises(ValueError, match="continuous batching"):  # refused before the plan resolves
+        check_run(args, SamplingSettings(), "continuous_batching", multi_turn=False)
     with pytest.raises(ValueError, match="tools or environment_factory"):
-        RunPlan.resolve(args, SamplingSettings(), multi_turn=True)
+        check_run(args, SamplingSettings(), "generate", multi_turn=True)
     assert RunPlan.resolve(args, SamplingSettings(), backend="vllm").sampler_routes == "vllm"
     none = RatioGRPOConfig(output_dir=str(tmp_path), use_cpu=True)
     assert RunPlan.resolve(none, SamplingSettings()).sampler_routes == "generate"  # measured by default

@@ -1,4 +1,4 @@
-"""Tests of grpo_ratio.kept_sets and grpo_ratio.rollouts: kept sets, the sampler-logprob recorder and the truncation corrections.
+"""Tests of grpo_ratio.corrections.kept_sets and grpo_ratio.sampler.generate: kept sets, the sampler-logprob recorder and the truncation corrections.
 
 Run: /work/venv/bin/pytest tests/test_sampling.py -q
 Hand-derived constants (V = 4 logits [2, 1, 0, -1]):
@@ -12,9 +12,15 @@ import torch
 from fixtures_vllm import RequestOutput, completion
 from transformers import LogitsProcessorList
 
-from grpo_ratio.kept_logprobs import DEFAULT_CHUNK_CELLS, is_top_prefix, kept_set_logprobs, lift_sampler_logprobs
-from grpo_ratio.kept_sets import KeptSets
-from grpo_ratio.rollouts import SamplerLogprobRecorder, kept_sets_from_vllm, recording_sampler
+from grpo_ratio.corrections.kept_logprobs import (
+    DEFAULT_CHUNK_CELLS,
+    is_top_prefix,
+    kept_set_logprobs,
+    lift_sampler_logprobs,
+)
+from grpo_ratio.corrections.kept_sets import KeptSets
+from grpo_ratio.sampler.generate import SamplerLogprobRecorder, recording_sampler
+from grpo_ratio.sampler.vllm import kept_sets_from_vllm
 from grpo_ratio.testing import tiny_model
 
 

@@ -6,7 +6,7 @@ Run: pytest tests/test_scoring.py
 import pytest
 import torch
 
-from grpo_ratio.scoring import (
+from grpo_ratio.old_pass.scorer import (
     OldLogprobScorer,
     completion_logprobs_from_logits,
     model_anatomy,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_ratio.testing_sharded import cpu_launch_config
+from grpo_ratio.testing.sharded import cpu_launch_config
 
 
 ROOT = Path(__file__).resolve().parents[1]

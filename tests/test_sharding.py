@@ -1,4 +1,4 @@
-"""Start-up refusals and single-process pieces of grpo_ratio.sharding (no launch; the sharded runs themselves are in
+"""Start-up refusals and single-process pieces of grpo_ratio.old_pass.sharding.engines (no launch; the sharded runs themselves are in
 tests/test_sharded.py).
 
 Run: pytest tests/test_sharding.py
@@ -11,7 +11,9 @@ import torch
 from accelerate.utils import DistributedType
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
-from grpo_ratio.sharding import check_sharded_mode, class_forward, engine_of
+from grpo_ratio.checks import check_sharded_mode
+from grpo_ratio.old_pass.sharding.base import class_forward
+from grpo_ratio.old_pass.sharding.engines import engine_of
 from grpo_ratio.testing import tiny_model
 
 

@@ -95,8 +95,7 @@ def test_the_machine_is_recorded_and_named_in_the_header(result):
 
     import torch
 
-    from grpo_ratio.lints import cpu_has_native_bf16
-    from grpo_ratio.memory import machine_record
+    from grpo_ratio.machine import cpu_has_native_bf16, machine_record
 
     machine = machine_record()
     assert machine["cores"] == os.cpu_count() and machine["native_bf16"] == cpu_has_native_bf16()

@@ -9,7 +9,7 @@ from trainer_fixtures import tiny_trainer
 from trl import GRPOConfig, GRPOTrainer
 
 from grpo_ratio import RatioGRPOTrainer
-from grpo_ratio.scoring import completion_logprobs_from_logits
+from grpo_ratio.old_pass.scorer import completion_logprobs_from_logits
 from grpo_ratio.testing import letter_reward, tiny_model, tiny_prompts, tiny_tokenizer
 
 

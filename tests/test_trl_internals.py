@@ -20,7 +20,7 @@ def test_every_wrapped_hook_is_a_grpo_trainer_method_we_override():
     assert len(TRL_HOOKS) == 4
     for name in TRL_HOOKS:
         assert callable(getattr(GRPOTrainer, name)), name
-        assert name in RatioGRPOTrainer.__dict__, name  # overridden, calling super()
+        assert getattr(RatioGRPOTrainer, name) is not getattr(GRPOTrainer, name), name  # overridden, calling super()
 
 
 def test_every_listed_attribute_global_and_batch_key_exists(tmp_path):
@@ -37,3 +37,14 @@ def test_every_listed_attribute_global_and_batch_key_exists(tmp_path):
     always = {key for key, present in TRL_BATCH_KEYS.items() if present}
     assert always <= set(out)
     assert out["completion_ids"].shape == out["completion_mask"].shape == (4, 8) and torch.is_tensor(out["advantages"])
+
+
+def test_trls_old_pass_comes_before_its_reference_pass():
+    # _compat.TRL_CONDITIONS: the trainer takes the first no-grad call on the policy inside a generation batch for
+    # TRL's old pass; with PEFT and beta > 0 the reference pass also calls self.model, so the order must hold
+    source = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    old = source.index("old_per_token_logps, _, _ = self._get_per_token_logps_and_entropies(")
+    refs = [m.start() for m in re.finditer(r"ref_per_token_logps, _, _ = self._get_per_token_logps_and_entropies\(",
+                                           source)]
+    assert len(refs) == 2 and old < min(refs)
+    assert source.count("self._get_per_token_logps_and_entropies(") == 3

@@ -8,8 +8,8 @@ import pytest
 import torch
 from trainer_fixtures import tiny_trainer
 
-from grpo_ratio.kept_logprobs import kept_set_logprobs
-from grpo_ratio.scoring import completion_logprobs_from_logits
+from grpo_ratio.corrections.kept_logprobs import kept_set_logprobs
+from grpo_ratio.old_pass.scorer import completion_logprobs_from_logits
 from grpo_ratio.testing import tiny_model
 
 
@@ -122,7 +122,7 @@ def test_vllm_output_capture_gives_kept_sets():
     # The engine's generate is wrapped on the instance; the RequestOutputs (vLLM's real field names) give the sets.
     from fixtures_vllm import CompletionOutput, RequestOutput, SamplingMask
 
-    from grpo_ratio.rollouts import VLLMOutputCapture
+    from grpo_ratio.sampler.vllm import VLLMOutputCapture
 
     outputs = [RequestOutput(request_id="0", prompt=None, prompt_token_ids=[5, 6], prompt_logprobs=None,
                              outputs=[CompletionOutput(index=0, text="", token_ids=[7, 1], cumulative_logprob=None,
@@ -143,7 +143,7 @@ def test_vllm_output_capture_gives_kept_sets():
 
 
 def test_importance_sampling_weights_match_trl_modes():
-    from grpo_ratio.ratios import importance_sampling_weights
+    from grpo_ratio.diagnostics.ratios import importance_sampling_weights
 
     # log r = [[log 4, log 0.5]] on two valid tokens; sequence modes: product 2.0; clip_max 3.0
     log_ratio = torch.log(torch.tensor([[4.0, 0.5]]))
@@ -176,8 +176,8 @@ def _probs(logits):
     (dict(temperature=2.0, top_p=0.8), [0, 1, 2]),  # T=2 flattens: 0.427, 0.259, 0.157 -> 0.843 >= 0.8
 ])
 def test_recomputed_kept_sets_on_literal_logits(kept_filter, expected):
-    from grpo_ratio.kept_logprobs import recompute_kept_sets
-    from grpo_ratio.rollouts import SamplingSettings
+    from grpo_ratio.corrections.kept_logprobs import recompute_kept_sets
+    from grpo_ratio.corrections.kept_sets import SamplingSettings
 
     assert _probs([2.0, 1.0, 0.0, -1.0, -2.0])[0] == pytest.approx(0.6364, abs=1e-4)
     logits = torch.tensor([[[2.0, 1.0, 0.0, -1.0, -2.0]]])  # (1, 1, 5)
@@ -186,8 +186,8 @@ def test_recomputed_kept_sets_on_literal_logits(kept_filter, expected):
 
 
 def test_a_sampled_token_outside_the_recomputed_set_is_added_and_reported():
-    from grpo_ratio.kept_logprobs import recompute_kept_sets
-    from grpo_ratio.rollouts import SamplingSettings
+    from grpo_ratio.corrections.kept_logprobs import recompute_kept_sets
+    from grpo_ratio.corrections.kept_sets import SamplingSettings
 
     logits = torch.tensor([[[2.0, 1.0, 0.0, -1.0, -2.0], [0.0, 0.0, 0.0, 0.0, 0.0]]])  # (1, 2, 5)
     kept, added = recompute_kept_sets(logits, torch.tensor([[4, 3]]), SamplingSettings(top_k=2))

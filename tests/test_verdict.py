@@ -1,4 +1,4 @@
-"""The comparison verdict (grpo_ratio/verdict.py): t quantiles, the two intervals, divergence, and each verdict on
+"""The comparison verdict (grpo_ratio/analysis/verdict.py): t quantiles, the two intervals, divergence, and each verdict on
 literal reward series.
 
 Run: pytest tests/test_verdict.py
@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from grpo_ratio.verdict import (
+from grpo_ratio.analysis.verdict import (
     MIN_BOOTSTRAP_STEPS,
     RunSeries,
     arm_verdict,

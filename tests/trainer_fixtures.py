@@ -81,3 +81,12 @@ def peaked_model(arch: str = "qwen2", scale: float = 50.0, eos_token_id: int = 1
         if never_eos:
             head[eos_token_id] = 0.0
     return model
+
+
+def config_plan(args):
+    """The `RunPlan` of a config alone (a diagnostics test without a trainer): the config's sampling settings and
+    backend, as the trainer resolves them for vLLM or `generate`."""
+    from grpo_ratio.plan import GENERATE, VLLM, RunPlan
+    from grpo_ratio.sampler.settings import settings_from_config
+
+    return RunPlan.resolve(args, settings_from_config(args), VLLM if args.use_vllm else GENERATE)

@@ -4,16 +4,16 @@
     python trainers/grpo.py --config recipes/smollm2-135m/arithmetic/bf16.yaml --max_steps 3 --seed 1
     accelerate launch --multi_gpu --num_processes 2 trainers/grpo.py --config recipes/smollm2-135m/gsm8k/fp16_clone.yaml
 
-The same as `grpo-ratio train ...`; the logic lives in `grpo_ratio/scripts/train.py` (`--help` lists every flag).
+The same as `grpo-ratio train ...`; the logic lives in `grpo_ratio/cli/train.py` (`--help` lists every flag).
 """
 
 import sys
 
-from grpo_ratio.precheck import run_or_exit
+from grpo_ratio.cli.precheck import run_or_exit
 
 
 if __name__ == "__main__":
     run_or_exit("train", sys.argv[1:])  # recipe keys and flags, before the heavy imports
-    from grpo_ratio.scripts.train import cli_main
+    from grpo_ratio.cli.train import cli_main
 
     cli_main()

@@ -23,7 +23,8 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from ..scoring import score_completion_logprobs
+from ..modes import BF16
+from ..old_pass.scorer import score_completion_logprobs
 from . import common
 from .common import (
     CPU_TIMING,
@@ -49,7 +50,7 @@ def score_native(model, data: Completions, batch_size: int, autocast: bool = Fal
     """(B, T) fp32 log-probs of the completion tokens with `model` run in its own weight dtype (no autocast; with
     `autocast`, fp32 weights under bf16 autocast as TRL trains), rows chunked by `batch_size` in order (TRL's old
     pass)."""
-    return score_completion_logprobs(model, data.input_ids, data.attention_mask, data.logits_to_keep, mode="bf16",
+    return score_completion_logprobs(model, data.input_ids, data.attention_mask, data.logits_to_keep, mode=BF16.name,
                                      batch_size=batch_size, policy_autocast=None if autocast else contextlib.nullcontext)
 
 
@@ -58,7 +59,7 @@ def score_native_alone(model, data: Completions, autocast: bool = False) -> torc
     `autocast`, fp32 weights under bf16 autocast)."""
     context = None if autocast else contextlib.nullcontext
     return score_alone(lambda ids, mask, t: score_completion_logprobs(
-        model, ids, mask, t, mode="bf16", policy_autocast=context), data)
+        model, ids, mask, t, mode=BF16.name, policy_autocast=context), data)
 
 
 def run_batch(model, data: Completions, batch_sizes=(8,), dtypes=("bf16", "fp16", "fp32"), rerun_dtype="bf16",

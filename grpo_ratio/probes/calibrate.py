@@ -17,7 +17,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from ..scoring import OldLogprobScorer
+from ..modes import FP32_HEAD, GUIDED_FP32
+from ..old_pass.scorer import OldLogprobScorer
 from . import common
 from .common import (
     CPU_TIMING,
@@ -68,14 +69,14 @@ def run_calibrate(model, data: Completions, ranking: list[int], target: float, b
     limit = len(ranking) if max_layers is None else min(max_layers, len(ranking))
     for k in tqdm(range(limit + 1), desc="calibrate: layers", disable=not progress):
         layers = sorted(ranking[:k])
-        res = measure(model, data, "guided_fp32" if k else "fp32_head", layers, batch_size)
+        res = measure(model, data, GUIDED_FP32.name if k else FP32_HEAD.name, layers, batch_size)
         steps.append({"k": k, "layers": layers, **res, "time_vs_bf16": res["seconds"] / base["seconds"]})
         if res["oob_rate"] <= target:
             reached = True
             break
     chosen = steps[-1]["layers"]
     return {"bf16": base, "steps": steps, "reached": reached, "target": target, "guided_fp32_layers": chosen,
-            "recommended_mode": "guided_fp32" if chosen else "fp32_head"}
+            "recommended_mode": GUIDED_FP32.name if chosen else FP32_HEAD.name}
 
 
 def plot_payload(payload: dict, path) -> bool:
@@ -134,7 +135,7 @@ def recommendation(payload: dict) -> list[str]:
         caveats.append(f"The 95% interval of the chosen set reaches {pct(hi)}, above the target: on "
                        f"{last['num_tokens']} held-out tokens the target is met by the estimate, not beyond doubt; "
                        "more prompts (--num-prompts) decide.")
-    caveats += load_caveat({("+".join(map(str, st["layers"])) or "fp32_head"): st["time_vs_bf16"]
+    caveats += load_caveat({("+".join(map(str, st["layers"])) or FP32_HEAD.name): st["time_vs_bf16"]
                             for st in r["steps"]})
     caveats.append(CPU_TIMING)
     return recommendation_block(sentences, caveats)

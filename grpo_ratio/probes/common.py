@@ -7,7 +7,7 @@ Method (the batch-logprob-gap report, github.com/GuoCheng24/batch-logprob-gap, s
 - they are scored teacher-forced, completion tokens only, `log_softmax(logits.float())`, so only the reductions
   inside the forward pass differ between two scorings;
 - r = exp(logp_a - logp_b) is out of band when r < 0.9 or r > 1.1 (strict); a non-finite log-ratio is out of band;
-  the rate is pooled over valid tokens (`grpo_ratio.ratios.valid_token_mask`), with a Wilson 95% interval.
+  the rate is pooled over valid tokens (`grpo_ratio.diagnostics.ratios.valid_token_mask`), with a Wilson 95% interval.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..ratios import RatioStats, valid_token_mask
+from ..diagnostics.ratios import RatioStats, valid_token_mask
 
 
 TINY = "tiny"
@@ -487,8 +487,8 @@ def is_gsm8k(args) -> bool:
 
 def guided_layers(spec, model) -> list[int] | None:
     """--layers (indices or calibration JSON) checked against the model's decoder layers."""
-    from ..layer_spec import parse_layer_spec
-    from ..scoring import check_layer_indices, model_anatomy
+    from ..old_pass.layer_spec import parse_layer_spec
+    from ..old_pass.scorer import check_layer_indices, model_anatomy
 
     try:
         layers = parse_layer_spec(spec)

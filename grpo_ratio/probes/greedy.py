@@ -30,7 +30,7 @@ import statistics
 import torch
 from tqdm.auto import tqdm
 
-from ..forward import logit_transforms
+from ..old_pass.forward import logit_transforms
 from . import common
 from .common import (
     DTYPES,

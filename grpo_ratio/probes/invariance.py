@@ -3,7 +3,7 @@ zero-tolerance test harness, "Eliminating Nondeterminism in LLM Inference with I
 vs random co-prompts, prefill vs token-by-token; logits chain-hashed).
 
 Completions are sampled once (`common.sample_completions`), then, for each `old_logprob_mode` of
-`grpo_ratio.scoring.OldLogprobScorer` on an fp32-weights model (TRL's regime: `bf16` = bf16 autocast), the fp32
+`grpo_ratio.old_pass.scorer.OldLogprobScorer` on an fp32-weights model (TRL's regime: `bf16` = bf16 autocast), the fp32
 log-probs of the completion tokens are compared BIT FOR BIT (not within a tolerance) in three checks:
 
 - rerun: each sequence scored alone (batch 1, no padding) twice;
@@ -29,9 +29,9 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from .. import scoring
-from ..config import PRECISION_MODES
-from ..scoring import OldLogprobScorer
+from ..modes import GUIDED_FP32, PRECISION_MODES
+from ..old_pass import scorer as scoring
+from ..old_pass.scorer import OldLogprobScorer
 from . import common
 from .common import Completions, compare, layout_trl, recommendation_block, score_alone
 
@@ -148,11 +148,11 @@ def _cache_kwarg(model) -> str:
 
 def _decode_forward(model, input_ids, attention_mask, logits_to_keep: int, generation_positions: bool = True
                     ) -> torch.Tensor:
-    """Drop-in for `scoring._plain_forward` on one unpadded row: the first S - logits_to_keep tokens prefilled with
+    """Drop-in for `scoring.plain_forward` on one unpadded row: the first S - logits_to_keep tokens prefilled with
     the KV cache, then each of the last `logits_to_keep` tokens fed alone with the cache.
 
     input_ids (1, S) -> logits (1, logits_to_keep + 1, V) at the positions the teacher-forced pass returns (the
-    `_plain_forward` contract: one more than the completion, the last is dropped by the caller). One unpadded row:
+    `plain_forward` contract: one more than the completion, the last is dropped by the caller). One unpadded row:
     positions are 0..S-1 whether or not they are counted from the mask (`generation_positions` is moot here).
     """
     if input_ids.size(0) != 1 or not bool(attention_mask.all()):
@@ -173,16 +173,16 @@ def decoding():
     """Within this context `OldLogprobScorer.score` decodes token by token with the KV cache instead of one
     teacher-forced pass.
 
-    Every mode reaches the model through `scoring._plain_forward`, inside the mode's own precision context (its
+    Every mode reaches the model through `scoring.plain_forward`, inside the mode's own precision context (its
     autocast, its fp16 copy, its patched fp32 layers/norm/head); swapping that one function keeps the context exactly
     and changes only prefill-at-once into prefill-then-decode. Restored on exit.
     """
-    original = scoring._plain_forward
-    scoring._plain_forward = _decode_forward
+    original = scoring.plain_forward
+    scoring.plain_forward = _decode_forward
     try:
         yield
     finally:
-        scoring._plain_forward = original
+        scoring.plain_forward = original
 
 
 def score_decode(scorer: OldLogprobScorer, data: Completions) -> torch.Tensor:
@@ -200,7 +200,7 @@ def run_mode(model, data: Completions, mode: str, layers: list[int] | None, grou
     """The three checks for one mode. Returns {"rerun", "co_batch_{k}" for each k, "decode": bitwise_equal(...) each
     (decode: or {"supported": False, "reason"}), "chain_hash", "seconds"}."""
     t0 = time.perf_counter()
-    scorer = OldLogprobScorer(model, mode, layers=layers if mode == "guided_fp32" else None)
+    scorer = OldLogprobScorer(model, mode, layers=layers if mode == GUIDED_FP32.name else None)
     alone = score_alone(lambda ids, mask, t: scorer.score(ids, mask, t, batch_size=1).logps, data)  # (B, T)
     res = {"rerun": bitwise_equal(score_alone(lambda ids, mask, t: scorer.score(ids, mask, t, batch_size=1).logps, data),
                                   alone, data.valid)}
@@ -241,7 +241,7 @@ def run_invariance(model, data: Completions, pad_id: int, eos: list[int], layers
     groups = {k: co_batch_groups(B, k, seed + k) for k in co_batch_sizes}
     results = {}
     for mode in tqdm(modes, desc="invariance: modes", disable=not progress):
-        if mode == "guided_fp32" and not layers:
+        if mode == GUIDED_FP32.name and not layers:
             results[mode] = {"skipped": "no --layers given"}
             continue
         results[mode] = run_mode(model, data, mode, layers, groups, pad_id, eos)

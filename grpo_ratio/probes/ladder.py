@@ -1,7 +1,7 @@
 """`grpo-ratio probe ladder`: the precision ladder of the old-logprob scoring modes (the batch-logprob-gap report,
 tables T7/T7b).
 
-Every scoring mode of `grpo_ratio.scoring.OldLogprobScorer` scores the same sampled completions at batch 1 (each
+Every scoring mode of `grpo_ratio.old_pass.scorer.OldLogprobScorer` scores the same sampled completions at batch 1 (each
 sequence alone, unpadded) and at batch 8 (the right-padded batch in TRL's layout), on a model with fp32 weights
 (TRL's default regime: fp32 weights, bf16 autocast, so `bf16` is the trainer's own pass). Reported per mode: the
 out-of-band rate of exp(logp_b8 - logp_b1) with a Wilson 95% interval, max |dlogp|, the time of the batch-8 pass
@@ -16,8 +16,8 @@ import time
 
 from tqdm.auto import tqdm
 
-from ..config import PRECISION_MODES
-from ..scoring import OldLogprobScorer
+from ..modes import GUIDED_FP32, PRECISION_MODES
+from ..old_pass.scorer import OldLogprobScorer
 from . import common
 from .common import (
     CPU_TIMING,
@@ -48,8 +48,8 @@ def run_ladder(model, data: Completions, batch_size: int = 8, layers: list[int] 
         {mode: {**compare(b{batch_size}, b1), "seconds": median s of the batch-size pass, "time_vs_bf16",
         "extra_bytes", "extra_vs_bf16_model"}} in ladder order.
     """
-    modes = [m for m in modes if m != "guided_fp32" or layers]
-    scorers = {m: OldLogprobScorer(model, m, layers=layers if m == "guided_fp32" else None) for m in modes}
+    modes = [m for m in modes if m != GUIDED_FP32.name or layers]
+    scorers = {m: OldLogprobScorer(model, m, layers=layers if m == GUIDED_FP32.name else None) for m in modes}
     args = (data.input_ids, data.attention_mask, data.logits_to_keep)
     b1 = {}
     for mode, scorer in tqdm(scorers.items(), desc="ladder: batch 1", disable=not progress):

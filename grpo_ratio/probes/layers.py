@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ..scoring import OldLogprobScorer, model_anatomy
+from ..old_pass.scorer import OldLogprobScorer, model_anatomy
 from . import common
 from .common import Completions, recommendation_block
 

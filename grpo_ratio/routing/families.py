@@ -140,23 +140,23 @@ class MoeLayout:
         return mask
 
 
-def _base_model(model: nn.Module) -> nn.Module:
+def peft_base_model(model: nn.Module) -> nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder layers of a transformers causal LM (`model.get_decoder().layers`)."""
-    decoder = _base_model(model).get_decoder()
+    decoder = peft_base_model(model).get_decoder()
     layers = getattr(decoder, "layers", None)
     if layers is None:
-        raise ValueError(f"{type(_base_model(model)).__name__}: no decoder `layers` to find the MoE routers in")
+        raise ValueError(f"{type(peft_base_model(model)).__name__}: no decoder `layers` to find the MoE routers in")
     return layers
 
 
 def is_moe_model(model: nn.Module) -> bool:
     """Whether a model (any family) routes tokens to experts: a config that counts experts (> 0) or a router /
     experts module. Dense models give False."""
-    config = _base_model(model).config
+    config = peft_base_model(model).config
     for name in _EXPERT_COUNT_FIELDS:
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:
@@ -171,7 +171,7 @@ def moe_layout(model: nn.Module) -> MoeLayout | None:
         ValueError: an MoE family that is not supported (the message lists `SUPPORTED_FAMILIES`), or a supported
             family whose MoE layers disagree on the number of experts or top-k.
     """
-    base = _base_model(model)
+    base = peft_base_model(model)
     model_type = getattr(base.config, "model_type", None)
     family = FAMILIES.get(model_type)
     if family is None:

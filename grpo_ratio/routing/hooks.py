@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .families import MoeLayout, _base_model, decoder_layers, moe_layout
+from .families import MoeLayout, decoder_layers, moe_layout, peft_base_model
 from .layout import ROUTE_DTYPE, decode_routes, no_routes
 
 
@@ -106,7 +106,7 @@ class RouteHooks:
     def __init__(self, model: nn.Module):
         layout = moe_layout(model)
         if layout is None:
-            raise ValueError(f"routing replay: {type(_base_model(model)).__name__} has no MoE layers (no MoE)")
+            raise ValueError(f"routing replay: {type(peft_base_model(model)).__name__} has no MoE layers (no MoE)")
         self.layout: MoeLayout = layout
         self._layers = decoder_layers(model)
         self._session: RouteRecording | None = None
@@ -135,7 +135,7 @@ class RouteHooks:
             if set(routers) != set(self.layout.routers):
                 raise ValueError(f"routing: the copy's MoE layers {sorted(routers)} differ from the model's "
                                  f"{self.layout.moe_layers}")
-            decoder = _base_model(module).get_decoder()
+            decoder = peft_base_model(module).get_decoder()
             self._handles.append(decoder.register_forward_pre_hook(self._on_forward, with_kwargs=True))
         else:
             name = self.layout.family.router_class

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..metric_keys import route_key
+from ..diagnostics.metric_keys import route_key
 from .agreement import RouteAgreement, route_agreement, scored_positions
 from .families import moe_layout
 from .hooks import RouteHooks
@@ -36,7 +36,7 @@ from .layout import relayout_routes, vllm_routes
 
 
 ROUTING_REPLAY_MODES = ("none", "R2", "R3")
-PAIRS = ("sampler_old", "old_new")  # the two comparisons of `ratio/route/*` (grpo_ratio.metric_keys.ROUTE_PAIRS)
+PAIRS = ("sampler_old", "old_new")  # the two comparisons of `ratio/route/*` (grpo_ratio.diagnostics.metric_keys.ROUTE_PAIRS)
 
 
 @dataclass

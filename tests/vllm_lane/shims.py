@@ -90,7 +90,7 @@ def colocate_engine_kwargs(**extra):
     """Within the block TRL builds its colocate engine as `vllm.LLM(..., **extra)`: TRL passes a fixed argument
     list without `dtype` or `enforce_eager`, so this is the only way to set `enforce_eager` from a test (the package's
     own `vllm_engine_kwargs`, which the `vllm_dtype` field uses too)."""
-    from grpo_ratio.rollouts import vllm_engine_kwargs
+    from grpo_ratio.sampler.vllm import vllm_engine_kwargs
 
     return vllm_engine_kwargs(**extra)
 

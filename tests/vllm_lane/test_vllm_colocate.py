@@ -125,7 +125,7 @@ def test_colocate_corrections_with_recomputed_kept_sets(correction, mode, tmp_pa
 @pytest.mark.parametrize("correction", ["renormalize", "lift_sampler"])
 def test_colocate_models_the_repetition_penalty(correction, tmp_path, tiny_llama_peaked_dir):
     """vLLM applies `repetition_penalty` to prompt and output tokens before temperature and top_k; the correction
-    re-applies it to the old policy's logits (grpo_ratio.processors), so on a peaked model the corrected old/sampler
+    re-applies it to the old policy's logits (grpo_ratio.corrections.processors), so on a peaked model the corrected old/sampler
     ratio stays at 1 (fp32 engine and trainer)."""
     with shims.colocate_engine_kwargs(enforce_eager=True), shims.cpu_colocate_weight_sync():
         trainer = _trainer(tmp_path, tiny_llama_peaked_dir, old_logprob_mode="fp32_clone", top_p=1.0, top_k=20,

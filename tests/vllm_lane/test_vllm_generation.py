@@ -121,8 +121,8 @@ def _kept_sets_from_processed_logprobs(outputs):
 def test_kept_sets_and_kept_mass_from_real_vllm_outputs(model, sampling, request, capsys):
     from transformers import AutoTokenizer
 
-    from grpo_ratio.kept_logprobs import is_top_prefix, kept_set_logprobs
-    from grpo_ratio.rollouts import kept_sets_from_vllm
+    from grpo_ratio.corrections.kept_logprobs import is_top_prefix, kept_set_logprobs
+    from grpo_ratio.sampler.vllm import kept_sets_from_vllm
 
     if model == "tiny_llama":
         model_dir, texts, tol = request.getfixturevalue("tiny_llama_dir"), TINY_TEXTS, 1e-5

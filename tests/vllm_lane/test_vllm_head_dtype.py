@@ -44,7 +44,7 @@ def _engine_logprobs(llm, seqs) -> torch.Tensor:
 def test_head_dtype_override_puts_the_lm_head_in_fp32_on_smollm2(smollm2_dir, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from grpo_ratio.scoring import OldLogprobScorer
+    from grpo_ratio.old_pass.scorer import OldLogprobScorer
 
     hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     seqs = _sequences(hf, AutoTokenizer.from_pretrained(smollm2_dir))

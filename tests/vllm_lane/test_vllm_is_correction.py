@@ -32,7 +32,7 @@ CI_PRESETS = ("trl_sequence_mask", "tis", "icepop", "k3_rs")
 
 
 def _settings():
-    from grpo_ratio.is_correction import PRESETS
+    from grpo_ratio.corrections.is_correction import PRESETS
 
     every = os.environ.get("VLLM_LANE_ALL_PRESETS") == "1"
     names = [name for name in PRESETS if every or name in CI_PRESETS]
@@ -45,7 +45,7 @@ def test_colocate_trains_each_is_correction(overrides, tmp_path, tiny_llama_dir,
     from trl import GRPOTrainer
 
     from grpo_ratio import RatioGRPOTrainer
-    from grpo_ratio.is_correction import importance_weights
+    from grpo_ratio.corrections.is_correction import importance_weights
     from grpo_ratio.testing import letter_reward, tiny_prompts, tiny_tokenizer
 
     calls = []

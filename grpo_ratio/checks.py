@@ -1,0 +1,836 @@
+"""Every refusal and warning of grpo_ratio, by what it needs: "is X allowed with Y?" has its answer here.
+
+1. The config alone: `check_trl_fields` (TRL's own fields that would fail later without naming themselves, run
+   before TRL's `__post_init__`) and `check_config` (allowed values, ranges, types and combinations of the new fields
+   and the TRL fields they meet), both called by `RatioGRPOConfig.__post_init__`.
+2. The model and the trainer: `check_train_dataset`, `check_run` (the backend and the sampling generation really
+   uses, before the plan resolves), `lint_trainer` (its `check_*`), `check_sharded_mode` and `check_old_pass`, called
+   by `RatioGRPOTrainer.__init__` once the model, the generation backend and accelerate's engine are known.
+(`grpo-ratio train` checks flags and recipe keys before the heavy imports: `grpo_ratio/cli/precheck.py`.)
+
+Each check either refuses a setup that cannot work or would be silently wrong (`ValueError` or `NotImplementedError`
+naming the field, the value and what works) or warns about one that makes the ratio measure something the user may
+not expect (`UserWarning` or the `grpo_ratio` logger, naming the fields and the fix). docs/compatibility.md lists them.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+from trl import GRPOConfig
+
+from .corrections.is_correction import resolve_correction
+from .corrections.kept_sets import SamplingSettings
+from .corrections.processors import MASKS, MODELLED, NO_EFFECT, PROCESSORS, VLLM_PROCESSORS, Processor
+from .diagnostics.gate import training_checks
+from .machine import cpu_has_native_bf16
+from .modes import (
+    COPY_MODES,
+    FP16_CLONE,
+    FP32_CLONE,
+    FP32_HEAD,
+    GUIDED_FP32,
+    MODES,
+    SAMPLER_MODE,
+    SCORER_MODES,
+    SCORING_MODES,
+)
+from .old_pass.adapters import has_adapters
+from .old_pass.copies import COPY_STORAGES
+from .old_pass.forward import active_dropout, logit_transforms, model_anatomy
+from .old_pass.layer_spec import resolve_layer_spec
+from .old_pass.scorer import check_scorer_setup
+from .old_pass.sharding.engines import engine_of
+from .plan import CONTINUOUS_BATCHING, GENERATE, RECORDED, VLLM, kept_set_origin
+from .routing.replay import ROUTING_REPLAY_MODES
+
+
+TRUNCATION_CORRECTIONS = ("none", "renormalize", "lift_sampler")
+KEPT_SET_SOURCES = ("auto", "recorded", "recompute")
+VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# vLLM's `vllm serve` flag (also `trl vllm-serve`, which passes it through) for the engine's LM head in fp32
+VLLM_FP32_HEAD_FLAG = """--hf-overrides '{"head_dtype": "float32"}'"""
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 1. the config alone (RatioGRPOConfig.__post_init__)
+
+
+def check_config(args) -> None:
+    """Every refusal and warning that needs the config alone (`RatioGRPOConfig.__post_init__` calls it): allowed
+    values, ranges and types of the new fields, and which combinations can work. Also resolves what the checks parse:
+    `args.guided_fp32_layer_ids`, `args.guided_fp32_calibration`, `args.is_correction_spec`, a single `ratio_gate`
+    string into a list, and turns TRL's vLLM IS correction off under `old_logprob_mode="sampler"` (warned).
+
+    Raises:
+        ValueError: naming the field, the value and the allowed values or the setting that works.
+    """
+    if args.old_logprob_mode not in SCORING_MODES:
+        raise ValueError(
+            f"old_logprob_mode={args.old_logprob_mode!r} is not a scoring mode; allowed: {', '.join(SCORING_MODES)}"
+        )
+    if args.kept_set_source not in KEPT_SET_SOURCES:
+        raise ValueError(f"kept_set_source={args.kept_set_source!r} is not allowed; allowed: "
+                         f"{', '.join(KEPT_SET_SOURCES)}")
+    _check_sampling_fields(args)
+    if args.vllm_dtype is not None and args.vllm_dtype not in VLLM_DTYPES:
+        raise ValueError(f"vllm_dtype={args.vllm_dtype!r} is not allowed; allowed: {', '.join(VLLM_DTYPES)}")
+    if args.vllm_dtype is not None and not (args.use_vllm and args.vllm_mode == "colocate"):
+        raise ValueError(f"vllm_dtype={args.vllm_dtype!r} sets TRL's colocate engine, but use_vllm="
+                         f"{args.use_vllm}, vllm_mode={args.vllm_mode!r}; for a server start `trl vllm-serve "
+                         f"--dtype {args.vllm_dtype}`")
+    _check_copy_storage(args)
+    if not isinstance(args.vllm_lm_head_fp32, bool):
+        raise ValueError(f"vllm_lm_head_fp32 must be True or False, got {args.vllm_lm_head_fp32!r}")
+    if args.vllm_lm_head_fp32 and not (args.use_vllm and args.vllm_mode == "colocate"):
+        raise ValueError(f"vllm_lm_head_fp32=True sets TRL's colocate engine, but use_vllm={args.use_vllm}, "
+                         f"vllm_mode={args.vllm_mode!r}; for a server start `trl vllm-serve` (or `vllm serve`) "
+                         f"with {VLLM_FP32_HEAD_FLAG}")
+    if args.truncation_correction not in TRUNCATION_CORRECTIONS:
+        raise ValueError(
+            f"truncation_correction={args.truncation_correction!r} is not allowed; allowed: "
+            f"{', '.join(TRUNCATION_CORRECTIONS)}"
+        )
+    layers, args.guided_fp32_calibration = resolve_layer_spec(args.guided_fp32_layers)
+    mode = MODES[args.old_logprob_mode]
+    if mode.fp32_layers and not layers:
+        raise ValueError(
+            "old_logprob_mode='guided_fp32' needs guided_fp32_layers: decoder-layer indices such as '0,1,27' or a "
+            "calibration JSON from `grpo-ratio probe layers` (with no layers use old_logprob_mode='fp32_head')"
+        )
+    if not mode.fp32_layers and layers:
+        raise ValueError(
+            f"guided_fp32_layers is only used by old_logprob_mode='guided_fp32', but old_logprob_mode="
+            f"{args.old_logprob_mode!r}; remove guided_fp32_layers or switch the mode"
+        )
+    # resolved list (None unless guided_fp32), checked against the model's layers when the trainer starts; a
+    # calibration file's metadata (`calibration_metadata`) too, for `grpo_ratio.checks.check_calibration`
+    args.guided_fp32_layer_ids = layers
+    if not 0.0 < args.ratio_band_low < 1.0 < args.ratio_band_high:
+        raise ValueError(
+            f"ratio band must satisfy 0 < ratio_band_low < 1 < ratio_band_high, got "
+            f"[{args.ratio_band_low}, {args.ratio_band_high}]"
+        )
+    for name in ("record_sampler_logprobs", "sampler_logprobs_in_loss", "ratio_diagnostics", "ratio_full_vocab"):
+        if not isinstance(getattr(args, name), bool):
+            raise ValueError(f"{name} must be True or False, got {getattr(args, name)!r}")
+    if isinstance(args.clip_flip_every, bool) or not isinstance(args.clip_flip_every, int) or args.clip_flip_every < 0:
+        raise ValueError(f"clip_flip_every must be an integer >= 0 (0 = never), got {args.clip_flip_every!r}")
+    _check_truncation(args)
+    _check_is_correction(args)  # before _check_sampler_mode, which may turn TRL's vLLM correction off
+    _check_sampler_mode(args)
+    _check_routing_replay(args)
+    _check_gate(args)
+    if args.ratio_full_vocab and args.old_logprob_mode not in SCORER_MODES:
+        raise ValueError(f"ratio_full_vocab=True compares a scoring mode's old distribution with the policy's "
+                         f"own, but old_logprob_mode={args.old_logprob_mode!r} (bf16: the old pass is the policy's "
+                         f"own; sampler: no old distribution); use one of {', '.join(SCORER_MODES)}")
+    if args.sampler_logprobs_in_loss and not args.record_sampler_logprobs:
+        raise ValueError("sampler_logprobs_in_loss=True needs record_sampler_logprobs=True (the log-probs it hands "
+                         "to TRL are the recorded ones)")
+    if args.sampler_logprobs_in_loss and args.use_vllm:
+        warnings.warn("sampler_logprobs_in_loss=True has no effect with use_vllm=True: TRL always receives vLLM's "
+                      "log-probs as sampling_per_token_logps", stacklevel=4)
+
+
+def _check_sampling_fields(args) -> None:
+    """The sampler's temperature / top_p / top_k / min_p, as fields or in `generation_kwargs` (which override
+    them): TRL passes any value through, and the kept sets and the corrections are computed from them. Out of
+    range, transformers fails at the first generate (temperature <= 0, top_k < 0) or keeps a degenerate set
+    silently (top_p = 0 keeps one token, min_p > 1 keeps only the argmax); vLLM reads temperature = 0 as greedy
+    decoding, which makes every completion of a group the same (zero advantage).
+
+    Raises:
+        ValueError: a value out of range, naming the field (or `generation_kwargs[...]`) and the allowed range.
+    """
+    gen = args.generation_kwargs if isinstance(args.generation_kwargs, dict) else {}
+    allowed = {
+        "temperature": ("> 0 (GRPO samples; greedy decoding gives every completion of a group the same reward)",
+                        lambda v: v > 0),
+        "top_p": ("0 < top_p <= 1 (1 = no truncation)", lambda v: 0.0 < v <= 1.0),
+        # vLLM also reads -1 as "all tokens"; transformers' TopKLogitsWarper refuses it at the first generate
+        "top_k": ("an integer >= 0 (0 = no top-k truncation" + (", as is -1 with vLLM)" if args.use_vllm else
+                                                                "; -1 only with vLLM)"),
+                  lambda v: isinstance(v, int) and v >= (-1 if args.use_vllm else 0)),
+        "min_p": ("0 <= min_p <= 1, or None (no min-p truncation)", lambda v: v is None or 0.0 <= v <= 1.0),
+    }
+    for name, (rule, ok) in allowed.items():
+        where, value = (f"generation_kwargs[{name!r}]", gen[name]) if name in gen else (name, getattr(args, name))
+        if value is None and name != "min_p":
+            continue  # TRL's own default then applies
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not (number or value is None) or not ok(value):
+            raise ValueError(f"{where}={value!r} is not allowed; allowed: {rule}")
+
+
+def _check_copy_storage(args) -> None:
+    """`copy_storage`: one of `COPY_STORAGES`, and `"per_layer"` only where a whole-model copy can exist.
+
+    Raises:
+        ValueError: an unknown value, or `"per_layer"` with a mode that holds no whole-model copy.
+    """
+    if args.copy_storage not in COPY_STORAGES:
+        raise ValueError(f"copy_storage={args.copy_storage!r} is not allowed; allowed: {', '.join(COPY_STORAGES)}")
+    if args.copy_storage == "per_layer" and args.old_logprob_mode not in COPY_MODES:
+        raise ValueError(f"copy_storage='per_layer' is only used by old_logprob_mode in {', '.join(COPY_MODES)} "
+                         f"(the modes with a whole-model copy), but old_logprob_mode={args.old_logprob_mode!r}; "
+                         f"remove copy_storage or switch the mode")
+
+
+def _check_is_correction(args) -> None:
+    """Resolve `is_correction` (+ `is_correction_*`) into `args.is_correction_spec` (`ISCorrection` or None).
+
+    Raises:
+        ValueError: an invalid setting (`is_correction.resolve_correction`); with the sampler arm (old is the
+            sampler: the weight is 1); with vLLM, `vllm_importance_sampling_correction=False` (TRL's switch for
+            applying the weight) or TRL's `vllm_importance_sampling_mode` / clip fields moved off their
+            defaults (they would be silently unused); without vLLM, no recorded sampler log-probs; a
+            sequence-level correction with `loss_type="vespo"` (TRL's own rule for VESPO).
+    """
+    args.is_correction_spec = spec = resolve_correction(
+        args.is_correction, args.is_correction_level, args.is_correction_action, args.is_correction_low,
+        args.is_correction_high, args.is_correction_rejection, args.is_correction_veto)
+    if spec is None:
+        return
+    name = f"is_correction={args.is_correction!r}"
+    if args.old_logprob_mode == SAMPLER_MODE:
+        raise ValueError(f"{name} with old_logprob_mode='sampler': the old log-probs are the sampler's, so the "
+                         f"IS weight old/sampler is 1; unset is_correction or choose a precision mode")
+    if args.use_vllm:
+        if not args.vllm_importance_sampling_correction:
+            raise ValueError(f"{name} needs vllm_importance_sampling_correction=True with vLLM (TRL's switch for "
+                             f"its old pass and for applying the weight in the loss)")
+        trl = GRPOConfig.__dataclass_fields__
+        moved = [f for f in ("vllm_importance_sampling_mode", "vllm_importance_sampling_clip_min",
+                             "vllm_importance_sampling_clip_max") if getattr(args, f) != trl[f].default]
+        if moved:
+            raise ValueError(f"{name} replaces TRL's vLLM correction, so {', '.join(moved)} would be unused; "
+                             f"leave them at TRL's defaults (or unset is_correction to use TRL's modes)")
+    elif args.use_transformers_continuous_batching or not args.record_sampler_logprobs:
+        raise ValueError(f"{name} without vLLM needs the sampler's log-probs recorded during generate: "
+                         f"record_sampler_logprobs=True and use_transformers_continuous_batching=False")
+    if args.loss_type == "vespo" and spec.sequence_level:
+        raise ValueError(f"{name} is sequence-level ({spec}); loss_type='vespo' needs a token-level weight, as "
+                         f"TRL requires token_* modes for VESPO")
+
+
+def _check_gate(args) -> None:
+    """`ratio_gate`: a list of checks (a single string is one check); errors as `gate.training_checks`."""
+    if isinstance(args.ratio_gate, str):
+        args.ratio_gate = [args.ratio_gate]
+    checks = training_checks(args.ratio_gate or [], args.ratio_gate_patience, args.ratio_gate_action)
+    ratio_keys = [str(c) for c in checks if c.key.startswith("ratio/")]
+    if ratio_keys and not args.ratio_diagnostics:
+        raise ValueError(f"ratio_gate checks {', '.join(ratio_keys)} but ratio_diagnostics=False: no ratio/* key "
+                         f"is logged; set ratio_diagnostics=True")
+
+
+def _check_sampler_mode(args) -> None:
+    """`old_logprob_mode="sampler"`: the rollout's sampler log-probs anchor the ratio, so they must exist.
+
+    Raises:
+        ValueError: no sampler log-probs on the transformers path (`record_sampler_logprobs=False`), or
+            `truncation_correction="lift_sampler"` (it needs the old policy's kept mass, i.e. an old pass; with
+            `renormalize` both sides are on the kept set already).
+    Warns (UserWarning): vLLM's importance-sampling correction is turned off (old == sampler: its ratio is 1).
+    """
+    if not MODES[args.old_logprob_mode].is_sampler:
+        return
+    if not args.use_vllm and not args.record_sampler_logprobs:
+        raise ValueError("old_logprob_mode='sampler' needs the sampler's log-probs: set "
+                         "record_sampler_logprobs=True (transformers generate) or use_vllm=True")
+    if args.truncation_correction == "lift_sampler":
+        raise ValueError("old_logprob_mode='sampler' with truncation_correction='lift_sampler': lifting needs the "
+                         "old policy's kept mass, which only an old pass gives; use truncation_correction="
+                         "'renormalize' (new and sampler log-probs both on the kept set)")
+    if args.use_vllm and args.vllm_importance_sampling_correction:
+        warnings.warn("old_logprob_mode='sampler': vllm_importance_sampling_correction turned off; the old "
+                      "log-probs are the sampler's, so TRL's importance-sampling ratio old/sampler is 1 by "
+                      "construction", stacklevel=4)
+        args.vllm_importance_sampling_correction = False
+
+
+def _check_routing_replay(args) -> None:
+    """Config-only checks of `routing_replay` (the model's family and the generation backend are checked when the
+    trainer starts: `grpo_ratio.plan`, `grpo_ratio.routing`).
+
+    Raises:
+        ValueError: a value outside `ROUTING_REPLAY_MODES`; R2 with `old_logprob_mode="sampler"` (no old pass
+            whose routes could be replayed; verl refuses R2 with its bypass mode, volcengine/verl#7805); R3 with
+            vLLM server mode (TRL's `/v1/completions` client does not return vLLM's `routed_experts`) or vLLM
+            tensor parallelism > 1 (the captured outputs would hold other ranks' rows).
+    """
+    mode = args.routing_replay
+    if mode not in ROUTING_REPLAY_MODES:
+        raise ValueError(f"routing_replay={mode!r} is not allowed; allowed: {', '.join(ROUTING_REPLAY_MODES)}")
+    if mode == "R2" and args.old_logprob_mode == SAMPLER_MODE:
+        raise ValueError("routing_replay='R2' replays the old pass's routes, but old_logprob_mode='sampler' runs "
+                         "no old pass (verl refuses R2 with its bypass mode for the same reason); use "
+                         "routing_replay='R3' (the sampler's routes) or a precision mode")
+    if mode == "R3" and args.use_vllm and args.vllm_mode != "colocate":
+        raise ValueError("routing_replay='R3' with vllm_mode='server': TRL's client calls vLLM's /v1/completions, "
+                         "whose response carries no routed_experts; use vllm_mode='colocate' (the engine returns "
+                         "them with enable_return_routed_experts) or transformers generate")
+    if mode == "R3" and args.use_vllm and args.vllm_tensor_parallel_size != 1:
+        raise ValueError(f"routing_replay='R3' with vLLM colocate supports vllm_tensor_parallel_size=1, got "
+                         f"{args.vllm_tensor_parallel_size}")
+
+
+def _check_truncation(args) -> None:
+    """Config-only checks of `truncation_correction` against the generation backend and the sampling fields.
+
+    Raises:
+        ValueError: a correction without recorded kept sets (`record_sampler_logprobs=False` on the
+            transformers path); with vLLM, server mode (TRL calls vLLM's OpenAI `/v1/completions`, whose response
+            carries no sampling mask) or tensor parallelism > 1 (the captured outputs would hold other ranks'
+            rows).
+    Warns (UserWarning): vLLM with top_k = 0 (vLLM returns sampling masks only for requests with top_k > 0); a
+        `kept_set_source` other than "auto" without a correction (it has no effect).
+
+    Checks that need the sampling settings generation really uses (on the transformers path the model's own
+    `generation_config` fills unset fields) run when the trainer is built (`grpo_ratio.checks`).
+    """
+    correction = args.truncation_correction
+    if correction == "none" and args.kept_set_source != "auto":
+        warnings.warn(f"kept_set_source={args.kept_set_source!r} has no effect with truncation_correction='none': "
+                      f"it chooses where a correction's kept sets come from; set truncation_correction="
+                      f"'renormalize' or 'lift_sampler', or leave kept_set_source='auto'", stacklevel=4)
+    if correction == "none" or args.resolved_kept_set_source == "recompute":
+        return  # recomputed kept sets need nothing from the engine
+    if not args.use_vllm:
+        if not args.record_sampler_logprobs:
+            raise ValueError(f"truncation_correction={correction!r} needs the kept sets recorded during "
+                             f"generation: set record_sampler_logprobs=True")
+        return
+    if args.vllm_mode != "colocate":
+        raise ValueError(
+            f"truncation_correction={correction!r} with kept_set_source='recorded' and vllm_mode="
+            f"{args.vllm_mode!r}: TRL talks to the vLLM server through /v1/completions, which returns no kept "
+            f"sets. Use kept_set_source='recompute' (or 'auto'), or vllm_mode='colocate'."
+        )
+    if args.vllm_tensor_parallel_size != 1:
+        raise ValueError(f"truncation_correction with vLLM colocate supports vllm_tensor_parallel_size=1, got "
+                         f"{args.vllm_tensor_parallel_size}")
+    top_k = (args.generation_kwargs or {}).get("top_k", args.top_k)
+    if not top_k or top_k < 0:
+        warnings.warn("vLLM returns sampling masks only for requests with top_k > 0; set top_k (e.g. 1024) with "
+                      "top_p", stacklevel=4)
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# TRL fields that TRL takes unchecked and that fail later, far from their cause: num_generations=0 is a
+# ZeroDivisionError in GRPOConfig.__post_init__ (which needs >= 2 but divides by it first), learning_rate < 0 torch's
+# AdamW error at the first step, max_completion_length=0 transformers' max_new_tokens error at the first generate, a
+# batch size, accumulation or generation batch of 0 an empty batch, max_steps=0 whole epochs (transformers reads
+# max_steps <= 0 as "train num_train_epochs"). {field: (allowed, test)}; grpo_ratio/cli/precheck.py `RANGES` refuses
+# the same on the command line (tests/test_config.py keeps them in agreement).
+TRL_FIELD_RULES = {
+    "num_generations": ("an integer >= 2 (GRPO's advantage compares the completions of one prompt)",
+                        lambda v: _whole(v) and v >= 2),
+    "learning_rate": ("a number >= 0 (torch's optimizers refuse a negative one)", lambda v: _number(v) and v >= 0),
+    "max_completion_length": ("an integer >= 1, or None", lambda v: v is None or (_whole(v) and v >= 1)),
+    "per_device_train_batch_size": ("an integer >= 1", lambda v: _whole(v) and v >= 1),
+    "gradient_accumulation_steps": ("an integer >= 1", lambda v: _whole(v) and v >= 1),
+    "num_iterations": ("an integer >= 1 (optimizer updates per generation batch)", lambda v: _whole(v) and v >= 1),
+    "steps_per_generation": ("an integer >= 1, or None (= gradient_accumulation_steps)",
+                             lambda v: v is None or (_whole(v) and v >= 1)),
+    "generation_batch_size": ("an integer >= 1, or None (= the effective training batch)",
+                              lambda v: v is None or (_whole(v) and v >= 1)),
+    "max_steps": ("-1 (train num_train_epochs) or an integer >= 1", lambda v: _whole(v) and (v == -1 or v >= 1)),
+}
+
+
+def check_trl_fields(args) -> None:
+    """TRL's own fields that TRL, transformers or torch accept here and fail on later with a traceback that does not
+    name them (`TRL_FIELD_RULES`: num_generations, learning_rate, max_completion_length, batch sizes, steps).
+    `RatioGRPOConfig.__post_init__` runs it before TRL's own `__post_init__`, whose arithmetic would fail first.
+
+    Raises:
+        ValueError: `<field>=<value> is not allowed; allowed: <rule>`, for the first field out of its rule.
+    """
+    for name, (rule, ok) in TRL_FIELD_RULES.items():
+        value = getattr(args, name)
+        if not ok(value):
+            raise ValueError(f"{name}={value!r} is not allowed; allowed: {rule}")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 2. the model and the trainer (RatioGRPOTrainer.__init__)
+
+
+# module names of learned absolute position embeddings (GPT-2 `wpe`, OPT/BART `embed_positions`, BERT-style)
+_ABSOLUTE_POSITION_MODULES = ("wpe", "embed_positions", "position_embeddings")
+
+
+def check_sampling(args, sampling: SamplingSettings) -> None:
+    """Truncated sampling against `truncation_correction`, with the settings generation really uses (`sampling`:
+    on the transformers path unset fields come from the model's `generation_config`, e.g. a shipped `min_p`).
+
+    (Beam search or greedy decoding with a correction is refused before the plan resolves, `check_run`.)
+
+    Warns (UserWarning): a correction where sampling is neither truncated nor processed otherwise (it changes
+        nothing; logits processors are `check_processors`'s); truncation that feeds
+        the importance ratio (vLLM IS correction, `off_policy_mask_threshold` with `sampler_logprobs_in_loss`)
+        uncorrected; truncation with no correction at all (the diagnostics will show the kept mass).
+    """
+    correction = args.truncation_correction
+    if correction != "none" and not sampling.truncated and not sampling.processors:
+        warnings.warn(f"truncation_correction={correction!r} has no effect: sampling is not truncated "
+                      f"(top_p=1, top_k=0, no min_p in the {sampling.source}); ratio/kept_mass_mean will be 1",
+                      stacklevel=3)
+        return
+    if correction != "none" or not sampling.truncated:
+        return
+    sampler_in_loss = (args.use_vllm and args.vllm_importance_sampling_correction) or (
+        args.off_policy_mask_threshold is not None and (args.use_vllm or args.sampler_logprobs_in_loss))
+    where = "sampler log-probs feed the importance ratio" if sampler_in_loss else "ratio/old_sampler/* will show it"
+    warnings.warn(f"sampling is truncated ({sampling.describe()}, from the {sampling.source}) but "
+                  f"truncation_correction='none': the sampler's log-probs are renormalised over the kept tokens, the "
+                  f"trainer's are not, so old/sampler carries the kept mass ({where}; at top_p=0.8 about half the "
+                  f"tokens leave [0.9, 1.1]). Set truncation_correction='renormalize' or 'lift_sampler'.", stacklevel=3)
+
+
+def check_train_dataset(dataset) -> None:
+    """Refuse a training set TRL would mishandle: an empty one (TRL trains 0 steps and exits 0; checked first, since a
+    dataset built from no rows has no columns either) and one without a `prompt` column (TRL fails with a KeyError
+    deep inside a step). Streamed datasets whose length or columns are unknown, and anything without
+    `column_names`/`len` (TRL's own errors apply), pass.
+
+    Raises:
+        ValueError: "train_dataset is empty (0 rows)", or no `prompt` column (naming the columns the dataset has).
+    """
+    try:
+        rows = len(dataset)
+    except TypeError:  # a streamed dataset (or None): its length is not known
+        rows = None
+    columns = getattr(dataset, "column_names", None)
+    if rows == 0:
+        has = f"columns {', '.join(map(repr, columns))}" if isinstance(columns, list) and columns else "no columns"
+        raise ValueError(f"train_dataset is empty (0 rows): there is nothing to train on ({has}); check what built it "
+                         f"(a filter or select that kept no rows, an empty data file)")
+    if isinstance(columns, list) and "prompt" not in columns:
+        raise ValueError(f"train_dataset has no 'prompt' column (GRPO reads the prompts from it); its columns are: "
+                         f"{', '.join(map(repr, columns)) or 'none'}. Rename one, e.g. dataset.rename_column("
+                         f"'question', 'prompt'), or map your rows to {{'prompt': ...}}")
+
+
+def check_dropout(args, model: nn.Module) -> None:
+    """Warn when dropout is active in training (TRL's `disable_dropout=False`): the training forward samples dropout
+    masks, so new/old at the first inner step measures dropout noise, not precision. grpo_ratio's scoring modes
+    compute old log-probs without dropout (deterministic); TRL's own pass (`bf16` with an old pass) samples it."""
+    if args.disable_dropout:
+        return
+    dropout = active_dropout(model)
+    if dropout:
+        warnings.warn(f"dropout is active during training ({', '.join(dropout)}) and disable_dropout=False: the "
+                      f"training forward draws dropout masks, so new/old at the first inner step carries dropout noise "
+                      f"(grpo_ratio's scoring modes score without dropout). Set disable_dropout=True for a ratio that "
+                      f"measures precision only.", stacklevel=3)
+
+
+def uses_absolute_positions(model: nn.Module) -> bool:
+    """Whether the model adds learned absolute position embeddings (GPT-2 `wpe`, OPT `embed_positions`, ...)."""
+    return any(isinstance(m, nn.Embedding) and name.split(".")[-1] in _ABSOLUTE_POSITION_MODULES
+               for name, m in model.named_modules())
+
+
+def check_positions(args, model: nn.Module) -> None:
+    """Warn for models with absolute position embeddings: TRL passes no `position_ids`, so with left-padded prompts
+    its own forward (the training forward, and the old pass of `bf16`) puts a completion at positions shifted by
+    its prompt's padding, unlike `generate`. grpo_ratio's modes use generate's positions, so new/old shows it."""
+    if uses_absolute_positions(model):
+        warnings.warn(f"{type(model).__name__} uses absolute position embeddings and TRL passes no position_ids: with "
+                      f"left-padded prompts TRL's training forward (and old_logprob_mode='bf16') scores completions at "
+                      f"positions shifted by their prompt's padding, while generate and grpo_ratio's other scoring "
+                      f"modes count positions from the attention mask. Expect new/old to show this; prompts of one "
+                      f"length (no left padding) avoid it (docs/compatibility.md).", stacklevel=3)
+
+
+def old_side_dtype(args, trainer_dtype: torch.dtype) -> torch.dtype:
+    """The precision of the old log-probs' LM head: fp32 for the fp32 modes, fp16 for `fp16_clone`, the training
+    forward's for `bf16` and `sampler` (whose new side is the training forward)."""
+    if args.old_logprob_mode in (FP32_CLONE.name, FP32_HEAD.name, GUIDED_FP32.name) or args.cast_lm_head_to_fp32:
+        return torch.float32
+    return torch.float16 if args.old_logprob_mode == FP16_CLONE.name else trainer_dtype
+
+
+def old_body_dtype(args, trainer_dtype: torch.dtype) -> torch.dtype:
+    """The precision of the old log-probs' body (the decoder layers): fp32 for `fp32_clone`, fp16 for `fp16_clone`,
+    the training forward's otherwise (`fp32_head` and `guided_fp32` upcast only the head and a few layers)."""
+    return {FP32_CLONE.name: torch.float32, FP16_CLONE.name: torch.float16}.get(args.old_logprob_mode, trainer_dtype)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def check_vllm(args, engine_dtype: torch.dtype | None, trainer_dtype: torch.dtype,
+               engine_head_dtype: torch.dtype | None = None) -> None:
+    """Sampler/trainer mismatches that cost a run before it starts, with vLLM.
+
+    Args:
+        engine_dtype: the colocate engine's `model_config.dtype`; None in server mode (unknown here).
+        engine_head_dtype: its `model_config.head_dtype` (fp32 with `vllm_lm_head_fp32`); None = `engine_dtype`.
+
+    Warns (UserWarning): the engine's body samples in another dtype than the trainer's old log-probs (TRL passes
+    none: vLLM downcasts an fp32 checkpoint; on SmolLM2 a bf16 engine is 0.26 nats off an fp32 trainer, an fp32
+    engine 3e-5); with the bodies alike, an fp32 LM head on one side only (the trainer's `fp32_head`/`guided_fp32`/
+    `cast_lm_head_to_fp32`, or the sampler's `vllm_lm_head_fp32`): it moves the old/sampler gap rather than closing it
+    (NeMo-RL #3936; prime-rl runs both heads in fp32), and the message names the other side's switch;
+    `lift_sampler` with TRL's own `sampling/importance_sampling_ratio/*`, which TRL computes before the lift (the
+    weights the loss uses are logged as `ratio/importance_sampling_ratio/*`); server mode, where the engine's dtypes
+    cannot be read here (the message names the `vllm serve` flags).
+    """
+    if not args.use_vllm:
+        return
+    body, head = old_body_dtype(args, trainer_dtype), old_side_dtype(args, trainer_dtype)
+    if engine_dtype is not None and engine_dtype != body:
+        warnings.warn(f"vLLM samples in {engine_dtype} but the old log-probs are computed in {body} "
+                      f"(old_logprob_mode={args.old_logprob_mode!r}, bf16={args.bf16}): old/sampler and TRL's "
+                      f"importance-sampling ratio carry that precision gap. Set vllm_dtype={_name(body)!r} to sample "
+                      f"in the same dtype.", stacklevel=3)
+    if engine_dtype is None and args.vllm_mode == "server":
+        head_flag = f" {VLLM_FP32_HEAD_FLAG}" if head == torch.float32 and body != torch.float32 else ""
+        warnings.warn(f"vLLM server mode: the engine's dtype is set where the server starts; start it with `trl "
+                      f"vllm-serve --dtype {_name(body)}{head_flag}` so that the sampler matches the old log-probs "
+                      f"({body} body, {head} LM head)", stacklevel=3)
+    engine_head = engine_head_dtype or engine_dtype
+    if engine_dtype is None or engine_dtype != body or engine_head == head:
+        pass  # no engine to compare, the body lint above already names the fix, or the heads agree
+    elif head == torch.float32:
+        warnings.warn(f"an fp32 LM head on the trainer side only (old_logprob_mode={args.old_logprob_mode!r}, "
+                      f"cast_lm_head_to_fp32={args.cast_lm_head_to_fp32}) while vLLM runs its head in {engine_head}: "
+                      f"an fp32 head on one side moves the old/sampler gap rather than closing it. Set "
+                      f"vllm_lm_head_fp32=True (a server: {VLLM_FP32_HEAD_FLAG}) for the sampler-side twin",
+                      stacklevel=3)
+    elif engine_head == torch.float32:
+        warnings.warn(f"an fp32 LM head on the sampler side only (vllm_lm_head_fp32=True) while the old log-probs "
+                      f"use a {head} head (old_logprob_mode={args.old_logprob_mode!r}): an fp32 head on one side "
+                      f"moves the old/sampler gap rather than closing it. Set old_logprob_mode='fp32_head' (or "
+                      f"cast_lm_head_to_fp32=True) for the trainer-side twin", stacklevel=3)
+    if args.truncation_correction == "lift_sampler" and args.vllm_importance_sampling_correction:
+        warnings.warn("truncation_correction='lift_sampler': TRL computes its logged sampling/importance_sampling_"
+                      "ratio/* before the lift (it still carries the kept mass); the lifted weights the loss uses "
+                      "are logged as ratio/importance_sampling_ratio/*", stacklevel=3)
+
+
+def _model_key(name: str) -> str:
+    """A model's name without owner or location, lower-cased, so that a hub id, its hub-cache snapshot
+    (`.../models--Owner--Name/snapshots/<hash>`) and a converted copy (`~/.cache/grpo_ratio/Name`) compare equal."""
+    hub_cache = re.search(r"models--([^/\\]+)", name)
+    if hub_cache:
+        name = hub_cache.group(1).replace("--", "/")
+    return Path(name.rstrip("/\\")).name.lower()
+
+
+def check_calibration(args, model: nn.Module) -> None:
+    """A `guided_fp32_layers` calibration file against the model being trained (`args.guided_fp32_calibration`,
+    kept by `RatioGRPOConfig` when `guided_fp32_layers` is a file; nothing to check otherwise).
+
+    Raises:
+        ValueError: the file was measured on a model with another number of decoder layers: its layer choice (and
+            even its indices) belong to another architecture.
+    Warns (UserWarning): the file names another model (same layer count): the layers that carry the batch-shape
+        divergence differ between models, so its choice may not be the right one for this model.
+    """
+    calibration = getattr(args, "guided_fp32_calibration", None)
+    if not calibration:
+        return
+    num_layers = len(model_anatomy(model).layers)
+    path, recorded = calibration["path"], calibration.get("model")
+    fix = (f"measure this model with `grpo-ratio probe calibrate --model <it> --calibration-out FILE` and pass FILE, "
+           f"or pass layer indices (guided_fp32_layers='0,{num_layers - 1}')")
+    if calibration.get("num_layers") is not None and calibration["num_layers"] != num_layers:
+        raise ValueError(f"guided_fp32_layers={path!r} is a calibration for {recorded or 'another model'} with "
+                         f"{calibration['num_layers']} decoder layers, but the trained model has {num_layers}; "
+                         f"{fix}")
+    name = getattr(getattr(model, "config", None), "name_or_path", "") or ""
+    if recorded and name and _model_key(recorded) != _model_key(name):
+        warnings.warn(f"guided_fp32_layers={path!r} is a calibration for model {recorded!r}, but the trained model is "
+                      f"{name!r}: the layers that carry the bf16 batch-shape divergence differ between models, so its "
+                      f"choice {args.guided_fp32_layer_ids} may not suit this one; {fix}", stacklevel=3)
+
+
+def colocate_engine_dtypes(trainer) -> tuple:
+    """(dtype, LM head dtype) of a trainer's colocate vLLM engine (vLLM's resolved `model_config.dtype`,
+    `.head_dtype`), or (None, None) without one (server mode: unknown here)."""
+    if not (trainer.use_vllm and trainer.vllm_mode == "colocate"):
+        return None, None
+    config = trainer.vllm_generation.llm.llm_engine.model_config
+    return config.dtype, getattr(config, "head_dtype", config.dtype)
+
+
+def training_dtype(args, policy: nn.Module) -> torch.dtype:
+    """The dtype the training forward computes in: the autocast dtype (TRL's `bf16`/`fp16`), else the weights'."""
+    if args.bf16:
+        return torch.bfloat16
+    if args.fp16:
+        return torch.float16
+    return next(policy.parameters()).dtype
+
+
+def check_fsdp2_rounding(engine: str, args, anchor_is_policy: bool) -> None:
+    """Warn that FSDP2 with a bf16 mixed-precision policy rounds TRL's per-token log-probs to bf16 where the old side
+    is the policy's own pass (`bf16`, `sampler`); the other modes return fp32 (docs/distributed.md)."""
+    if engine == "fsdp2" and args.bf16 and anchor_is_policy:
+        warnings.warn("FSDP2 with a bf16 mixed-precision policy returns TRL's per-token log-probs rounded to bf16 "
+                      "(up to 1.5e-2 nats, on both sides of every ratio). old_logprob_mode='bf16' keeps TRL's numbers "
+                      "bit for bit, rounding included; every other mode returns the training forward's log-probs in "
+                      "fp32 (docs/distributed.md)", stacklevel=4)
+
+
+def check_cpu_precision(args, device_type: str) -> None:
+    """Say before training (a `grpo_ratio` logger warning, once per process; not a Python warning, which test suites
+    turn into errors) when bf16/fp16 autocast runs on a CPU without native bf16: every step is emulated and many times
+    slower than in fp32, which is not the cost a GPU pays."""
+    global _said_cpu_precision
+    if device_type != "cpu" or not (args.bf16 or args.fp16) or _said_cpu_precision or cpu_has_native_bf16():
+        return
+    _said_cpu_precision = True
+    logging.getLogger("grpo_ratio").warning(
+        "%s=True on a CPU without native bf16 (no AVX512-BF16/AMX): autocast is emulated and each step is many times "
+        "slower than in fp32 (times do not carry over to a GPU). The ratio is then measured at that precision, as the "
+        "precision arms intend; for a quick look at the diagnostics use bf16=False "
+        "(recipes/smollm2-135m/quickstart_cpu.yaml)", "bf16" if args.bf16 else "fp16")
+
+
+_said_cpu_precision = False
+
+
+def check_mode_precision(args, trainer_dtype: torch.dtype) -> None:
+    """Say before training (a `grpo_ratio` logger warning, as `check_cpu_precision`) when the scoring mode cannot close
+    a gap because the training forward already runs in fp32 (`bf16=False`, `fp16=False`, fp32 weights): the fp32 modes
+    then compute the policy's own log-probs again (the same up to fp32 rounding: cost, no effect), and `fp16_clone`
+    rounds them to fp16, which opens a gap (new/old out of band, clip flips) instead of closing one."""
+    mode = args.old_logprob_mode
+    if trainer_dtype != torch.float32 or mode not in (FP32_CLONE.name, FP32_HEAD.name, GUIDED_FP32.name, FP16_CLONE.name):
+        return
+    what = ("rounds the old log-probs to fp16: it opens a precision gap (new/old out of band, PPO clip flips) "
+            "instead of closing one" if mode == FP16_CLONE.name else
+            "computes the policy's own fp32 log-probs again: the same up to fp32 rounding, so the mode adds cost "
+            "and no effect")
+    logging.getLogger("grpo_ratio").warning(
+        "old_logprob_mode=%r with a training forward in fp32 (bf16=False, fp16=False, fp32 weights) %s. The scoring "
+        "modes are for bf16/fp16 training; in fp32 use old_logprob_mode='bf16' (TRL's own, r = 1 exactly)", mode, what)
+
+
+def check_r2_has_an_old_pass(plan) -> None:
+    """Warn when `routing_replay="R2"` has nothing to replay: R2 replays the old pass's routes in the updates, and in
+    TRL's on-policy default with `old_logprob_mode="bf16"` (or `fp32_head` fused) no old pass runs; the one update
+    per generation is the old policy's forward itself."""
+    if plan.routing_replay == "R2" and not plan.runs_old_pass:
+        warnings.warn("routing_replay='R2' has nothing to replay in this run: no old pass runs (TRL's on-policy "
+                      "default: num_iterations=1, steps_per_generation == gradient_accumulation_steps, and "
+                      f"old_logprob_mode={plan.scorer_mode or 'bf16'!r} "
+                      "without one), so the only update of each generation routes as the old policy. R2 acts with "
+                      "num_iterations > 1 or a scoring mode's old pass; routing_replay='R3' replays the sampler's "
+                      "routes (docs/moe.md)", stacklevel=4)
+
+
+def lint_trainer(trainer, policy: nn.Module) -> None:
+    """Every start-up check of a `RatioGRPOTrainer` that needs the model (the config-only ones ran in the config):
+    the LM head for a correction, the sampling settings and logits processors the rollouts use, dropout, positions,
+    a calibration file made for another model, the vLLM engine's dtypes, FSDP2's bf16 rounding, a scoring mode in an
+    fp32 run. Warns or raises as each check documents."""
+    args, sampling, plan = trainer.args, trainer.plan.sampling, trainer.plan
+    check_head_is_linear(args.truncation_correction, policy.config)
+    check_sampling(args, sampling)
+    check_processors(dict(sampling.processors), plan.correction, plan.records_kept_sets, sampling.source,
+                     VLLM_PROCESSORS if sampling.engine == "vllm" else PROCESSORS)
+    check_dropout(args, policy)
+    check_positions(args, policy)
+    check_calibration(args, policy)
+    engine_dtype, engine_head_dtype = colocate_engine_dtypes(trainer)
+    trainer_dtype = training_dtype(args, policy)
+    check_vllm(args, engine_dtype, trainer_dtype, engine_head_dtype)
+    check_fsdp2_rounding(engine_of(trainer.accelerator), args, plan.anchor_is_policy)
+    check_cpu_precision(args, trainer.accelerator.device.type)
+    check_mode_precision(args, trainer_dtype)
+    check_r2_has_an_old_pass(plan)
+
+
+def check_sharded_mode(accelerator, model: nn.Module, args) -> None:
+    """Refuse at start-up the sharded combinations in which `args.old_logprob_mode` cannot be made exact.
+
+    `bf16` is TRL's own pass and always allowed. Checked before accelerate wraps the model (in the trainer's
+    `__init__`), from accelerate's state and the config.
+
+    Raises:
+        NotImplementedError: FSDP1 (use `fsdp_version: 2`); a PEFT adapter under FSDP2 or ZeRO-3; fp16 mixed
+            precision (`fp16=True`) under FSDP2 or ZeRO-3; parameter offload to CPU (`fsdp_offload_params`, ZeRO-3
+            `offload_param`); DeepSpeed's `torch_autocast`; under ZeRO-3, frozen parameters where the mode copies
+            from the fp32 masters (bf16 engines, or `fp16_clone`); `copy_storage="per_layer"` (the copies are the
+            engine's sharded shadows). Each message names the combination and what works.
+    """
+    mode = args.old_logprob_mode
+    engine = engine_of(accelerator)
+    if MODES[mode].trl_pass or engine == "none":
+        return
+    name = {"fsdp1": "FSDP1", "fsdp2": "FSDP2", "zero3": "DeepSpeed ZeRO-3"}[engine]
+    if engine == "fsdp1":
+        _refuse(mode, name, "FSDP1 is not supported", "set `fsdp_version: 2` (recipes/accelerate_configs/fsdp2.yaml)")
+    if has_adapters(model):
+        _refuse(mode, name, "a PEFT adapter is not supported there (the shadows would need the adapters merged "
+                "across shards)", "use DDP or ZeRO-2 (parameters replicated), or old_logprob_mode='bf16'")
+    if args.fp16:
+        _refuse(mode, name, "fp16 mixed precision (fp16=True) is not supported", "use bf16=True or bf16=False")
+    if getattr(args, "copy_storage", "resident") == "per_layer":
+        _refuse(mode, name, "copy_storage='per_layer' is not supported (the copies are the engine's sharded shadows)",
+                "use copy_storage='resident'")
+    if engine == "fsdp2":
+        _check_fsdp2(mode, name, accelerator.state.fsdp_plugin)
+    else:
+        _check_zero3(mode, name, accelerator.state.deepspeed_plugin.deepspeed_config, model)
+
+
+def _check_fsdp2(mode: str, name: str, plugin) -> None:
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    if isinstance(plugin.cpu_offload, CPUOffloadPolicy):  # the shadows and policy swaps assume on-device shards
+        _refuse(mode, name, "parameter offload (fsdp_offload_params) is not supported",
+                "turn offload off, or use old_logprob_mode='bf16'")
+
+
+def _check_zero3(mode: str, name: str, ds_config: dict, model: nn.Module) -> None:
+    offload = ds_config.get("zero_optimization", {}).get("offload_param", {}).get("device", "none")
+    if str(offload).lower() not in ("none", "auto"):  # the shadows' refresh reads on-device partitions
+        _refuse(mode, name, "parameter offload (offload_param) is not supported",
+                "turn offload_param off, or use old_logprob_mode='bf16'")
+    if ds_config.get("torch_autocast", {}).get("enabled", False) is True:  # fp32 weights, bf16 compute: untested
+        _refuse(mode, name, "DeepSpeed's torch_autocast is not supported", "use the bf16 section instead")
+    # bf16 engines hold fp32 only as the optimizer's masters; fp16_clone copies from them in any precision
+    needs_master = ds_config.get("bf16", {}).get("enabled", False) is True or MODES[mode].whole_model_dtype == "fp16"
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    if needs_master and frozen:
+        _refuse(mode, name, f"frozen parameters ({frozen[0]}, ...) have no fp32 master partition to copy from",
+                "train every parameter, or use old_logprob_mode='bf16'")
+
+
+def _refuse(mode: str, engine: str, why: str, instead: str):
+    raise NotImplementedError(f"old_logprob_mode={mode!r} under {engine}: {why}; {instead} (docs/distributed.md)")
+
+
+def check_old_pass(policy: nn.Module, args, scorer_mode: str | None) -> None:
+    """What the scoring mode needs of this model (decoder-layer indices, the model's anatomy, the copy storage),
+    checked when the trainer starts rather than at the first old pass; the scorer itself is built on first use, after
+    accelerate wrapped the model (`grpo_ratio.old_pass.scorer.check_scorer_setup`, which its constructor runs too).
+
+    Raises:
+        ValueError, NotImplementedError: as `check_scorer_setup`.
+    """
+    if scorer_mode is not None:
+        check_scorer_setup(policy, scorer_mode, args.guided_fp32_layer_ids, args.copy_storage)
+
+
+def check_run(args, sampling, backend: str, multi_turn: bool) -> None:
+    """What needs the generation backend and the sampling settings generation really uses (on the transformers path
+    the model's own `generation_config` fills unset fields), checked before the trainer resolves its
+    `grpo_ratio.plan.RunPlan`.
+
+    Args:
+        args: the `RatioGRPOConfig`. sampling: its `SamplingSettings`. backend: `plan.GENERATE`,
+            `plan.CONTINUOUS_BATCHING` or `plan.VLLM`. multi_turn: tools or an environment factory.
+    Raises:
+        ValueError: `old_logprob_mode="sampler"` with continuous batching (no sampler log-probs); a truncation
+            correction, `sampler_logprobs_in_loss`, the sampler arm or an IS correction with beam search or greedy
+            decoding (no per-token sampling distribution); recorded kept sets with multi-turn `generate` (turns not
+            stitched); `routing_replay="R3"` where the sampler's routes cannot be had (continuous batching, beam
+            search, multi-turn `generate`).
+    Warns (UserWarning): `record_sampler_logprobs` on with beam search or greedy decoding (nothing recorded).
+    """
+    if backend == CONTINUOUS_BATCHING and MODES[args.old_logprob_mode].is_sampler:
+        raise ValueError("old_logprob_mode='sampler' needs the sampler's log-probs, which transformers continuous "
+                         "batching does not return; use generate (use_transformers_continuous_batching=False) "
+                         "or vLLM")
+    recording = backend == GENERATE and args.record_sampler_logprobs
+    _check_sampled(args, sampling, recording)
+    if recording and (sampling.num_beams > 1 or not sampling.do_sample):
+        warnings.warn(f"record_sampler_logprobs: not recording (num_beams={sampling.num_beams}, do_sample="
+                      f"{sampling.do_sample}): beam search and greedy decoding have no per-token sampling "
+                      f"distribution; ratio/old_sampler/* will be absent", stacklevel=4)
+    if multi_turn and kept_set_origin(args) == RECORDED and backend == GENERATE:
+        raise ValueError("truncation_correction with tools or environment_factory is not supported on the "
+                         "transformers generate path: each tool turn is a separate generate call and the kept sets "
+                         "of the turns are not stitched together; set kept_set_source='recompute'")
+    why = ("transformers continuous batching (its batches are not the trainer's rows)" if backend == CONTINUOUS_BATCHING
+           else f"beam search (num_beams={sampling.num_beams} reorders the rows)" if sampling.num_beams > 1
+           else "tools or environment_factory (each turn is a separate generate call)" if multi_turn else None)
+    if args.routing_replay == "R3" and backend != VLLM and why is not None:
+        raise ValueError(f"routing_replay='R3' needs the sampler's routes, which are not recorded with {why}; use "
+                         f"routing_replay='R2' or generate single-turn rollouts by sampling")
+
+
+def _check_sampled(args, sampling, recording: bool) -> None:
+    """Refuse beam search and greedy decoding where a setting needs the per-token sampling distribution: a
+    truncation correction (any backend), and on a recorded `generate` path `sampler_logprobs_in_loss` or the sampler
+    arm."""
+    if sampling.num_beams == 1 and sampling.do_sample:
+        return
+    needs = [f"truncation_correction={args.truncation_correction!r}"] if args.truncation_correction != "none" else []
+    if recording and args.sampler_logprobs_in_loss:
+        needs.append("sampler_logprobs_in_loss")
+    if recording and MODES[args.old_logprob_mode].is_sampler:
+        needs.append(f"old_logprob_mode={SAMPLER_MODE!r}")
+    if recording and getattr(args, "is_correction_spec", None) is not None:
+        needs.append(f"is_correction={args.is_correction!r}")
+    if needs:
+        raise ValueError(f"{' / '.join(needs)} need sampled rollouts, but generation uses num_beams="
+                         f"{sampling.num_beams}, do_sample={sampling.do_sample} (generation_kwargs); set "
+                         f"truncation_correction='none' and old_logprob_mode to a precision mode, or sample")
+
+
+def check_head_is_linear(correction: str, model_config) -> None:
+    """Raise `ValueError` when a correction is on and the model transforms its logits after the LM head
+    (softcapping, logit scaling): there head(hidden) is not the logits the kept-set log-probs need."""
+    if correction == "none":
+        return
+    transformed = logit_transforms(model_config)
+    if transformed:
+        raise ValueError(f"truncation_correction={correction!r} does not support models whose logits "
+                         f"are transformed after the LM head ({', '.join(transformed)})")
+
+
+def check_processors(processors: Mapping[str, object], correction: str, recorded_kept_sets: bool,
+                     source: str, table: Mapping[str, Processor] = PROCESSORS) -> list[str]:
+    """Warn (UserWarning, one warning) for every active processor the run does not model; returns the fields named.
+
+    Args:
+        processors: the active processor fields and values (`active_processors`; `repetition_penalty` included).
+        correction: `truncation_correction`.
+        recorded_kept_sets: the kept sets are the `generate` recording's (then removal-only processors are modelled).
+        source: where the settings were read ("generation config" or "config"), for the message.
+        table: `PROCESSORS` (generate) or `VLLM_PROCESSORS` (vLLM).
+    """
+    named = []
+    for name in processors:
+        kind = table[name].kind
+        if kind == NO_EFFECT or (correction != "none" and (kind == MODELLED or (kind == MASKS and recorded_kept_sets))):
+            continue
+        named.append(name)
+    if not named:
+        return named
+    parts = "; ".join(f"{n}={processors[n]!r} {table[n].effect}" for n in named)
+    if correction == "none":
+        why = ("with truncation_correction='none' the old/sampler ratio (ratio/old_sampler/*, and TRL's IS weights "
+               "with vLLM) carries what they change; a correction models repetition_penalty, and with kept sets "
+               "recorded during generate the processors that only remove tokens")
+    else:
+        why = (f"truncation_correction={correction!r} does not model them: the corrected old/sampler ratio "
+               f"(ratio/old_sampler_corrected/*) carries their factor and leaves 1 where they act (a removed token's "
+               f"mass stays in the trainer's kept set; a reweighting is not undone)")
+    warnings.warn(f"the sampler applies logits processors that reshape its distribution ({parts}; from the "
+                  f"{source}); {why} (docs/truncation.md, 'Logits processors').", stacklevel=3)
+    return named

@@ -1,0 +1,479 @@
+"""Importance-sampling (IS) corrections of the sampler/trainer mismatch: pure functions over (B, T) log-probs.
+
+The rollout tokens were drawn from the sampler q (vLLM, or `generate` under its own precision and truncation); the
+loss is computed under the trainer's old policy p. The IS weight of token t is r_t = p(g_t) / q(g_t) =
+exp(log_ratio_t), log_ratio = logp_old - logp_sampler. TRL 1.16 multiplies its per-token loss by a weight built from
+r (`importance_sampling_ratio`, `grpo_trainer.py` L2659-2707 and L3146-3147); this module builds that weight for
+every correction the peers offer, so the trainer can hand it to TRL's loss through the same input.
+
+An `ISCorrection` is three independent parts, applied in this order:
+
+1. The weight (`level`): `"token"` w_t = r_t (TIS, IcePop); `"sequence_product"` w_b = prod_t r_t = exp(sum_t
+   log_ratio_t) (TRL's `sequence_*` modes, verl `rollout_is: sequence`); `"sequence_geometric"` w_b = exp(mean_t
+   log_ratio_t), the geometric mean, which does not shrink or grow with the completion's length (AReaL `agg: mean`,
+   GSPO's sequence ratio, arXiv 2507.18071); `"none"` w = 1 (rejection only, verl `rollout_is: null`).
+2. The bounds (`action`, `low`, `high`) on that weight: `"truncate"` clamps it into [low, high] (TIS: Yao et al.,
+   "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training", https://fengyao.notion.site/off-policy-rl);
+   `"mask"` sets it to 0 outside [low, high] (IcePop: Ling Team, "Every Step Evolves: Scaling Reinforcement Learning
+   for Trillion-Scale Thinking Model", arXiv 2510.18855, Sec. IcePop: M(k) = k on [alpha, beta], 0 elsewhere).
+3. Rejection (`rejections`, `veto`): tokens or whole sequences whose divergence statistic leaves its bounds get weight
+   0 (verl `rollout_rs`, AReaL `rejection_sampling`, NeMo-RL `seq_logprob_error_threshold`; Liu, Li et al., "When
+   Speed Kills Stability", https://richardli.xyz/rl-collapse). `veto` rejects every sequence holding a token with
+   r_t < veto (verl's former `rollout_token_veto_threshold`, slime `rs_veto_threshold`).
+
+A rejected token keeps counting in TRL's loss normaliser (its weight is 0, its mask is not changed), exactly as in
+TRL's own `*_mask` modes; verl and SkyRL remove rejected tokens from the normaliser instead (they edit the response
+mask). With TRL's default `loss_type="dapo"` the difference is a rescaling of the step by the kept share.
+
+Rejection statistics, per token, with x_t = log_ratio_t (samples from q, KL(q||p) the divergence estimated):
+`ratio` r_t (sequence aggregates in log space: sum -> the product, mean -> the geometric mean, max -> max r_t);
+`k1` = -x_t (unbiased for KL(q||p); verl's sign; AReaL's `kl_k1` is +x_t); `k2` = x_t^2 / 2; `k3` = r_t - 1 - x_t
+(Schulman, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html); `prob_error` = exp(|x_t|) (NeMo-RL
+`token_mult_prob_error`). Rules are named as verl's: `token_k1`, `seq_sum_k1`, `seq_mean_k3`, `seq_max_k2`, and
+written with their bounds, `"seq_mean_k3<=0.01"`, `"0.999<=seq_mean_ratio<=1.002"` (`parse_rejections`).
+
+Conventions shared with TRL: a position outside `mask` or with a NaN log-ratio (no sampler log-prob) has weight
+exactly 1 and is never rejected; NaN log-ratios are left out of sequence sums and means (TRL's product treats them as
+0, which is the same for a sum). Math in fp32; weights in fp32, shape (B, T), or (B, 1) when every part is
+sequence-level (TRL's own shapes, which `loss_type="vespo"` relies on). Presets for the peers' recipes: `PRESETS`.
+Metrics of the weights: `grpo_ratio.diagnostics.mismatch`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+
+LEVELS = ("token", "sequence_product", "sequence_geometric", "none")
+ACTIONS = ("truncate", "mask")
+REJECTION_METRICS = ("ratio", "k1", "k2", "k3", "prob_error")
+REJECTION_AGGS = ("sum", "mean", "max")
+TRL_MODES = {"token_truncate": ("token", "truncate"), "token_mask": ("token", "mask"),
+             "sequence_truncate": ("sequence_product", "truncate"), "sequence_mask": ("sequence_product", "mask")}
+_NONNEGATIVE = ("k2", "k3", "prob_error")  # statistics >= 0 (prob_error >= 1): a lower bound would reject on-policy
+
+
+def _check_pair(log_ratio: torch.Tensor, mask: torch.Tensor) -> None:
+    if log_ratio.dim() != 2 or tuple(log_ratio.shape) != tuple(mask.shape):
+        raise ValueError(f"expected (B, T) log_ratio and mask of one shape, got {tuple(log_ratio.shape)} and "
+                         f"{tuple(mask.shape)}")
+
+
+def _check_bounds(name: str, low: float | None, high: float | None, positive: bool) -> None:
+    if low is not None and high is not None and not low < high:
+        raise ValueError(f"{name}: low ({low}) must be < high ({high})")
+    if positive and any(b is not None and b <= 0 for b in (low, high)):
+        raise ValueError(f"{name}: ratio bounds must be > 0, got low={low}, high={high}")
+
+
+@dataclass(frozen=True)
+class RejectionRule:
+    """Reject (weight 0) tokens, or whole sequences, whose divergence statistic leaves [low, high].
+
+    Attributes:
+        metric (`str`): one of `REJECTION_METRICS` (module docstring). Bounds are in the metric's own units: ratio
+            bounds are ratios (> 0), k1 bounds are nats (signed), k2 / k3 / prob_error take only `high`.
+        level (`str`): `"token"` (each token judged alone) or `"sequence"` (the aggregate decides for every token).
+        agg (`str`): sequence aggregate, one of `REJECTION_AGGS`; `None` at token level.
+        low, high (`float`, *optional*): kept when low <= statistic <= high (a `None` bound is no bound).
+
+    Raises:
+        ValueError: an unknown metric/level/agg, no bound, low >= high, a non-positive ratio bound, or a lower bound
+            on a non-negative metric.
+    """
+
+    metric: str
+    level: str = "token"
+    agg: str | None = None
+    low: float | None = None
+    high: float | None = None
+
+    def __post_init__(self):
+        if self.metric not in REJECTION_METRICS:
+            raise ValueError(f"rejection metric {self.metric!r} is not allowed; allowed: {', '.join(REJECTION_METRICS)}")
+        if self.level not in ("token", "sequence"):
+            raise ValueError(f"rejection level {self.level!r} is not allowed; allowed: token, sequence")
+        if (self.level == "sequence") != (self.agg is not None) or (self.agg and self.agg not in REJECTION_AGGS):
+            raise ValueError(f"rejection agg {self.agg!r}: a sequence rule needs one of {', '.join(REJECTION_AGGS)}, "
+                             f"a token rule none")
+        if self.low is None and self.high is None:
+            raise ValueError(f"rejection rule {self.name} needs a bound (low and/or high)")
+        if self.metric in _NONNEGATIVE and self.low is not None:
+            raise ValueError(f"rejection rule {self.name}: {self.metric} is >= {int(self.metric == 'prob_error')}; "
+                             f"give only an upper bound")
+        _check_bounds(f"rejection rule {self.name}", self.low, self.high, positive=self.metric == "ratio")
+
+    @property
+    def name(self) -> str:
+        """verl-style name: `token_k3`, `seq_mean_k1`, `seq_max_ratio`."""
+        return f"token_{self.metric}" if self.level == "token" else f"seq_{self.agg}_{self.metric}"
+
+    def __str__(self) -> str:
+        low = "" if self.low is None else f"{self.low:g}<="
+        high = "" if self.high is None else f"<={self.high:g}"
+        return f"{low}{self.name}{high}"
+
+
+_RULE = re.compile(r"^\s*(?:(?P<low>[-+.0-9][^<>=\s]*)\s*<=\s*)?(?P<name>[a-z0-9_]+)\s*(?:<=\s*(?P<high>[^<>=\s]+))?\s*$")
+_NAME = re.compile(r"^(?:token_(?P<tmetric>[a-z0-9_]+)|seq_(?P<agg>sum|mean|max)_(?P<smetric>[a-z0-9_]+))$")
+
+
+def parse_rejection(text: str) -> RejectionRule:
+    """One rule from `"[LOW<=]NAME[<=HIGH]"`, NAME = `token_METRIC` or `seq_{sum,mean,max}_METRIC`.
+
+    Examples: `"seq_mean_k3<=0.01"` (verl `decoupled_k3_rs`), `"0.999<=seq_mean_ratio<=1.002"` (NeMo-RL
+    `seq-mask-tis`), `"-0.1<=token_k1<=0.1"`.
+
+    Raises:
+        ValueError: the text does not have that form, or the rule is invalid (`RejectionRule`).
+    """
+    match = _RULE.match(text)
+    name = _NAME.match(match["name"]) if match else None
+    if name is None:
+        raise ValueError(f"rejection rule {text!r}: expected [LOW<=]NAME[<=HIGH] with NAME token_METRIC or "
+                         f"seq_{{sum,mean,max}}_METRIC, METRIC one of {', '.join(REJECTION_METRICS)}")
+    try:
+        low, high = (None if match[k] is None else float(match[k]) for k in ("low", "high"))
+    except ValueError:
+        raise ValueError(f"rejection rule {text!r}: a bound is not a number") from None
+    if name["tmetric"]:
+        return RejectionRule(name["tmetric"], "token", None, low, high)
+    return RejectionRule(name["smetric"], "sequence", name["agg"], low, high)
+
+
+def parse_rejections(text: str | None) -> tuple[RejectionRule, ...]:
+    """Comma-separated rules (`parse_rejection`); `None` or `""` gives none."""
+    return tuple(parse_rejection(part) for part in (text or "").split(",") if part.strip())
+
+
+@dataclass(frozen=True)
+class ISCorrection:
+    """An importance-sampling correction: the weight, its bounds, and rejection (module docstring).
+
+    Attributes:
+        level (`str`): one of `LEVELS`.
+        action (`str`): `"truncate"` or `"mask"`, what happens to a weight outside [low, high].
+        low, high (`float`, *optional*): bounds of the weight (ratios, > 0); `None` = no bound. Refused with
+            `level="none"`.
+        rejections (`tuple[RejectionRule, ...]`): every rule must pass for a token to keep its weight.
+        veto (`float`, *optional*): reject a sequence holding a token with r_t < veto (0 < veto < 1).
+
+    Raises:
+        ValueError: a value outside the allowed ones (named in the message), low >= high, a bound <= 0, bounds with
+            `level="none"`, `"truncate"` without a bound, or a veto outside (0, 1).
+    """
+
+    level: str = "token"
+    action: str = "truncate"
+    low: float | None = None
+    high: float | None = None
+    rejections: tuple[RejectionRule, ...] = field(default_factory=tuple)
+    veto: float | None = None
+
+    def __post_init__(self):
+        if self.level not in LEVELS:
+            raise ValueError(f"IS level {self.level!r} is not allowed; allowed: {', '.join(LEVELS)}")
+        if self.action not in ACTIONS:
+            raise ValueError(f"IS action {self.action!r} is not allowed; allowed: {', '.join(ACTIONS)}")
+        _check_bounds("IS weight bounds", self.low, self.high, positive=True)
+        bounded = self.low is not None or self.high is not None
+        if self.level == "none" and bounded:
+            raise ValueError("IS level 'none' has weight 1 everywhere: bounds (low/high) have nothing to act on")
+        if self.level != "none" and self.action == "truncate" and not bounded:
+            raise ValueError("IS action 'truncate' needs a bound (low and/or high); without one use action 'mask' "
+                             "(the raw, unbounded weights)")
+        if self.veto is not None and not 0 < self.veto < 1:
+            raise ValueError(f"IS veto must be in (0, 1), got {self.veto}")
+        object.__setattr__(self, "rejections", tuple(self.rejections))
+
+    @classmethod
+    def from_trl(cls, mode: str, clip_min: float | None, clip_max: float | None) -> ISCorrection:
+        """TRL 1.16's `vllm_importance_sampling_mode` / `_clip_min` / `_clip_max` as an `ISCorrection`.
+
+        Raises:
+            ValueError: an unknown mode (the allowed ones named), or bounds TRL's config refuses.
+        """
+        if mode not in TRL_MODES:
+            raise ValueError(f"vllm_importance_sampling_mode={mode!r} is not allowed; allowed: {', '.join(TRL_MODES)}")
+        level, action = TRL_MODES[mode]
+        return cls(level, action, clip_min, clip_max)
+
+    @property
+    def sequence_level(self) -> bool:
+        """Every part decides per sequence: the weights have shape (B, 1), as TRL's `sequence_*` modes."""
+        return self.level != "token" and all(r.level == "sequence" for r in self.rejections)
+
+    def __str__(self) -> str:
+        parts = [self.level if self.level == "none" else f"{self.level} {self.action} [{self.low}, {self.high}]"]
+        parts += [str(r) for r in self.rejections] + ([f"veto {self.veto:g}"] if self.veto is not None else [])
+        return ", ".join(parts)
+
+
+@dataclass
+class ISWeights:
+    """What `importance_weights` computed for one batch.
+
+    Attributes:
+        weights (`torch.Tensor`, fp32): the weights for TRL's loss, (B, T), or (B, 1) when the correction is
+            sequence-level (`ISCorrection.sequence_level`); 1 outside the mask.
+        log_raw (`torch.Tensor`, fp32): log of the weight before bounds and rejection: (B, T) for `"token"`, (B, 1)
+            for the sequence levels, `None` for `"none"`.
+        raw_mask (`torch.Tensor`, bool): where `log_raw` holds a real value: (B, T) valid tokens with a log-ratio, or
+            (B, 1) sequences with at least one.
+        truncated, masked, rejected (`torch.Tensor` of shape (B, T), bool): valid tokens whose weight the bounds
+            clamped, the bounds set to 0, or a rejection rule / the veto set to 0 (a token can be both masked and
+            rejected).
+        mask (`torch.Tensor` of shape (B, T), bool): the valid tokens with a log-ratio (NaN log-ratios excluded).
+    """
+
+    weights: torch.Tensor
+    log_raw: torch.Tensor | None
+    raw_mask: torch.Tensor | None
+    truncated: torch.Tensor
+    masked: torch.Tensor
+    rejected: torch.Tensor
+    mask: torch.Tensor
+
+
+def clean_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, has): x = the fp32 log-ratio with 0 outside `mask` or where it is NaN, +-inf -> +-max float (TRL's
+    `nan_to_num`); has = valid tokens with a log-ratio. Both (B, T).
+
+    Raises:
+        ValueError: shapes differ or are not 2-D.
+    """
+    _check_pair(log_ratio, mask)
+    has = mask.bool() & ~torch.isnan(log_ratio)  # (B, T)
+    x = torch.nan_to_num(torch.where(has, log_ratio.float(), 0.0), nan=0.0)  # (B, T)
+    return x, has
+
+
+def sequence_log_weights(log_ratio: torch.Tensor, mask: torch.Tensor, geometric: bool) -> torch.Tensor:
+    """log of the sequence IS weight, (B, 1) fp32: sum_t x_t (the product of token ratios, TRL's `sequence_*`) or
+    its mean over the sequence's tokens with a log-ratio (the geometric mean; 0 for a sequence with none).
+
+    Arguments: `log_ratio` (B, T) logp_old - logp_sampler, any float dtype; `mask` (B, T) bool or 0/1 valid tokens.
+    """
+    x, has = clean_log_ratio(log_ratio, mask)
+    total = x.sum(dim=-1, keepdim=True)  # (B, 1)
+    if not geometric:
+        return total
+    return total / has.sum(dim=-1, keepdim=True).clamp(min=1)  # (B, 1)
+
+
+def apply_bounds(weights: torch.Tensor, low: float | None, high: float | None, action: str):
+    """(bounded weights, affected): `"truncate"` clamps into [low, high], `"mask"` sets weights outside it to 0;
+    affected = weights strictly outside (what `clamp` changes, what the mask zeroes). Any shape; `None` = no bound."""
+    lo = -math.inf if low is None else low
+    hi = math.inf if high is None else high
+    affected = (weights < lo) | (weights > hi)
+    if action == "truncate":
+        return torch.clamp(weights, min=low, max=high), affected
+    return weights.masked_fill(affected, 0.0), affected
+
+
+def token_statistic(x: torch.Tensor, metric: str) -> torch.Tensor:
+    """Per-token rejection statistic (module docstring) from a cleaned log-ratio x (B, T); `ratio` stays in log space
+    (x itself): its aggregates are taken on logs and compared with log bounds."""
+    if metric in ("ratio", "k1"):
+        return x if metric == "ratio" else -x
+    if metric == "k2":
+        return 0.5 * x.square()
+    if metric == "k3":
+        return torch.expm1(x) - x  # r - 1 - log r, without cancellation near r = 1
+    if metric == "prob_error":
+        return torch.exp(x.abs())
+    raise ValueError(f"rejection metric {metric!r} is not allowed; allowed: {', '.join(REJECTION_METRICS)}")
+
+
+def rejected_by(log_ratio: torch.Tensor, mask: torch.Tensor, rule: RejectionRule) -> torch.Tensor:
+    """Valid tokens a rule rejects, (B, T) bool. Sequence rules aggregate over the tokens with a log-ratio; a
+    sequence with none is never rejected.
+
+    Raises:
+        ValueError: shapes differ or are not 2-D.
+    """
+    x, has = clean_log_ratio(log_ratio, mask)
+    stat = token_statistic(x, rule.metric)  # (B, T)
+    if rule.level == "sequence":
+        if rule.agg == "max":
+            stat = stat.masked_fill(~has, -math.inf).amax(dim=-1, keepdim=True)  # (B, 1)
+        else:
+            stat = torch.where(has, stat, 0.0).sum(dim=-1, keepdim=True)  # (B, 1)
+            stat = stat / has.sum(dim=-1, keepdim=True).clamp(min=1) if rule.agg == "mean" else stat
+    low, high = rule.low, rule.high
+    if rule.metric == "ratio":  # compared in log space: exp is monotone, and a huge aggregate does not overflow
+        low, high = (None if b is None else math.log(b) for b in (low, high))
+    out = torch.isnan(stat)  # (B, T) or (B, 1); inf - inf in a sum: no evidence that the sequence is fine
+    if low is not None:
+        out |= stat < low
+    if high is not None:
+        out |= stat > high
+    return out.expand_as(has) & has  # (B, T)
+
+
+def vetoed(log_ratio: torch.Tensor, mask: torch.Tensor, veto: float) -> torch.Tensor:
+    """Valid tokens of sequences holding a token with r_t < veto, (B, T) bool (verl's token veto, slime
+    `rs_veto_threshold`)."""
+    x, has = clean_log_ratio(log_ratio, mask)
+    catastrophic = (x < math.log(veto)) & has  # (B, T)
+    return catastrophic.any(dim=-1, keepdim=True) & has  # (B, T)
+
+
+def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, correction: ISCorrection) -> ISWeights:
+    """The IS weights of `correction` for one batch, with what the bounds and the rejection did.
+
+    Args:
+        log_ratio (`torch.Tensor` of shape (B, T), any float dtype): logp_old - logp_sampler; NaN where the sampler
+            gave no log-prob (TRL pads them so).
+        mask (`torch.Tensor` of shape (B, T), bool or 0/1): valid tokens (TRL: completion_mask x tool_mask).
+        correction (`ISCorrection`): what to compute.
+
+    Returns:
+        `ISWeights`. For TRL's four modes (`ISCorrection.from_trl`) the weights equal TRL 1.16's
+        `importance_sampling_ratio` (tested against `grpo_ratio.diagnostics.ratios.importance_sampling_weights`).
+
+    Raises:
+        ValueError: shapes differ or are not 2-D.
+    """
+    x, has = clean_log_ratio(log_ratio, mask)
+    B, T = x.shape
+    if correction.level == "token":
+        log_raw, raw_mask = x, has  # (B, T)
+    elif correction.level == "none":
+        log_raw, raw_mask = None, None
+    else:
+        log_raw = sequence_log_weights(log_ratio, mask, geometric=correction.level == "sequence_geometric")  # (B, 1)
+        raw_mask = has.any(dim=-1, keepdim=True)  # (B, 1)
+    if log_raw is None:
+        weights, affected = torch.ones(B, 1, device=x.device), torch.zeros(B, 1, dtype=torch.bool, device=x.device)
+    else:
+        weights, affected = apply_bounds(torch.exp(log_raw), correction.low, correction.high, correction.action)
+        weights = torch.where(raw_mask, weights, 1.0)  # (B, T) or (B, 1): neutral where nothing was measured
+        affected = affected & raw_mask
+    rejected = torch.zeros_like(has)  # (B, T)
+    for rule in correction.rejections:
+        rejected |= rejected_by(log_ratio, mask, rule)
+    if correction.veto is not None:
+        rejected |= vetoed(log_ratio, mask, correction.veto)
+    if not correction.sequence_level:
+        weights = weights.expand(B, T).clone()  # (B, T)
+        weights[rejected] = 0.0
+    else:  # every rule is per sequence: a sequence is rejected as a whole, the weight stays (B, 1)
+        weights = weights.masked_fill(rejected.any(dim=-1, keepdim=True), 0.0)  # (B, 1)
+    affected_tokens = affected.expand(B, T) & has  # (B, T)
+    truncate = correction.action == "truncate"
+    return ISWeights(weights=weights, log_raw=log_raw, raw_mask=raw_mask,
+                     truncated=affected_tokens if truncate else torch.zeros_like(has),
+                     masked=torch.zeros_like(has) if truncate else affected_tokens, rejected=rejected, mask=has)
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named peer recipe: the `correction` and where it comes from (`source`)."""
+
+    correction: ISCorrection
+    source: str
+
+
+PRESETS: dict[str, Preset] = {
+    "trl_sequence_mask": Preset(
+        ISCorrection("sequence_product", "mask", None, 3.0),
+        "TRL 1.16 default: vllm_importance_sampling_mode='sequence_mask', clip_max 3.0 (grpo_config.py)"),
+    "tis": Preset(
+        ISCorrection("token", "truncate", None, 2.0),
+        "token TIS, cap 2: Yao et al., https://fengyao.notion.site/off-policy-rl; verl decoupled_token_is(2.0); "
+        "slime --use-tis --tis-clip 2.0; SkyRL tis_ratio_type=token, token_tis_ratio_clip_high 2.0; Oat tis_c=2.0"),
+    "icepop": Preset(
+        ISCorrection("token", "mask", 0.5, 5.0),
+        "IcePop, arXiv 2510.18855 (Ring-1T), bounds 0.5 and 5 as verl decoupled_token_icepop(5.0, 0.5), NeMo-RL "
+        "truncated_importance_sampling_type=icepop and OpenRLHF is_correction_type=icepop (threshold 0.5 5.0)"),
+    "seq_mask_tis": Preset(
+        ISCorrection("token", "mask", None, None, parse_rejections("0.999<=seq_mean_ratio<=1.002")),
+        "NeMo-RL / OpenRLHF seq-mask-tis: raw token weights, sequences whose geometric-mean ratio leaves "
+        "[0.999, 1.002] dropped (NeMo-RL loss_functions.py reference bounds)"),
+    "geo_rs": Preset(
+        ISCorrection("none", rejections=(RejectionRule("k1", "sequence", "mean", math.log(0.999), math.log(1.001)),)),
+        "verl decoupled_geo_rs(): rollout_rs=seq_mean_k1, rollout_rs_threshold='0.999_1.001', no IS weight"),
+    "geometric_mask": Preset(
+        ISCorrection("none", rejections=parse_rejections("0.99<=seq_mean_ratio<=1.01")),
+        "SkyRL sequence_mask_metric=geometric with geo_mask_low/high 0.99/1.01 (its examples' default)"),
+    "geometric_truncate": Preset(
+        ISCorrection("sequence_geometric", "truncate", None, 5.0),
+        "AReaL rejection_sampling level=sequence, metric=ratio, agg=mean, action=clamp, upper 5.0 (its default)"),
+    "k3_rs": Preset(
+        ISCorrection("none", rejections=parse_rejections("seq_mean_k3<=0.01")),
+        "verl decoupled_k3_rs(): rollout_rs=seq_mean_k3, threshold 0.01, no IS weight"),
+    "k3_rs_token_tis": Preset(
+        ISCorrection("token", "truncate", None, 2.0, parse_rejections("seq_mean_k3<=0.01")),
+        "verl decoupled_k3_rs_token_tis(): token IS cap 2.0 plus rollout_rs=seq_mean_k3, threshold 0.01"),
+    "seq_logprob_error": Preset(
+        ISCorrection("none", rejections=parse_rejections("seq_mean_prob_error<=1.5")),
+        "NeMo-RL grpo.seq_logprob_error_threshold=1.5 (its docstring's example; the default is off): sequences "
+        "whose mean exp(abs(log r)) exceeds 1.5 are masked"),
+}
+
+
+def preset(name: str) -> ISCorrection:
+    """The `ISCorrection` of a named preset.
+
+    Raises:
+        ValueError: an unknown name (the allowed ones named).
+    """
+    if name not in PRESETS:
+        raise ValueError(f"IS correction preset {name!r} is not allowed; allowed: {', '.join(PRESETS)}")
+    return PRESETS[name].correction
+
+
+CUSTOM_FIELDS = ("is_correction_level", "is_correction_action", "is_correction_low", "is_correction_high",
+                 "is_correction_rejection", "is_correction_veto")
+
+
+def resolve_correction(name: str | None, level: str | None = None, action: str | None = None,
+                       low: float | None = None, high: float | None = None, rejection: str | None = None,
+                       veto: float | None = None) -> ISCorrection | None:
+    """The `ISCorrection` of `RatioGRPOConfig`'s `is_correction` and `is_correction_*` fields.
+
+    `name=None` (no correction of ours: TRL's behaviour) and a preset name take none of the other fields;
+    `"custom"` takes `level` (required), `action` (required unless level is `"none"`), `low`, `high`, `rejection`
+    (`parse_rejections`) and `veto`.
+
+    Raises:
+        ValueError: an unknown name (the presets and "custom" named), a field set that the name does not use, a
+            missing level or action, or an invalid correction (`ISCorrection`, `parse_rejection`).
+    """
+    given = [f for f, v in zip(CUSTOM_FIELDS, (level, action, low, high, rejection, veto)) if v is not None]
+    if name != "custom":
+        if name is not None and name not in PRESETS:
+            raise ValueError(f"is_correction={name!r} is not allowed; allowed: {', '.join(PRESETS)}, custom (or unset)")
+        if given:
+            raise ValueError(f"{', '.join(given)} only apply with is_correction='custom', but is_correction={name!r}")
+        return None if name is None else PRESETS[name].correction
+    if level is None:
+        raise ValueError(f"is_correction='custom' needs is_correction_level, one of {', '.join(LEVELS)}")
+    if action is None and level != "none":
+        raise ValueError(f"is_correction='custom' with is_correction_level={level!r} needs is_correction_action, "
+                         f"one of {', '.join(ACTIONS)}")
+    return ISCorrection(level, action or "mask", low, high, parse_rejections(rejection), veto)
+
+
+def presets_table() -> str:
+    """Markdown table of `PRESETS` (docs/corrections.md renders it: `python -m grpo_ratio.corrections.is_correction`)."""
+    lines = ["| preset | weight | bounds | rejection | source |", "| --- | --- | --- | --- | --- |"]
+    for name, entry in PRESETS.items():
+        c = entry.correction
+        if c.level == "none" or (c.low is None and c.high is None):
+            bounds = "-" if c.level == "none" else "none (raw weights)"
+        else:
+            bounds = f"{c.action} [{'' if c.low is None else c.low}, {'' if c.high is None else c.high}]"
+        rules = ", ".join(f"`{r}`" for r in c.rejections) + (f", veto {c.veto:g}" if c.veto is not None else "")
+        lines.append(f"| `{name}` | {c.level} | {bounds} | {rules or '-'} | {entry.source} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(presets_table())

@@ -1,0 +1,75 @@
+"""`RatioGateCallback`: the tolerance gate of `grpo_ratio.diagnostics.gate` applied while training runs.
+
+Each log row (`on_log`, what `logging_steps` writes to `trainer.state.log_history`) is checked; a check that fails on
+`patience` consecutive logged steps warns, or stops training (`control.should_training_stop`). Checks, scopes and
+their syntax: `grpo_ratio.diagnostics.gate`.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+from transformers import TrainerCallback
+
+from .gate import Check, training_checks
+
+
+logger = logging.getLogger(__name__)
+
+
+class RatioGateCallback(TrainerCallback):
+    """Warn or stop training when a logged metric leaves its band for `patience` consecutive logged steps.
+
+    Args:
+        checks (`list[str | Check]`): checks with scope `each` (every log row holding the key) or `first` (the first
+            log row holding it); other scopes need the whole run and are refused.
+        patience (`int`, defaults to 1): consecutive failing log rows that trip the gate (a passing row resets the
+            count; rows without the key neither count nor reset).
+        action (`str`, defaults to `"warn"`): `"warn"` (a `UserWarning` and a log line, once per streak) or `"stop"`
+            (also sets `control.should_training_stop`, so training ends after this step; checkpoints and logs of the
+            steps done are kept as for any stop).
+
+    Attributes:
+        tripped (`list[str]`): one message per time the gate tripped, for inspection after training.
+
+    Raises:
+        ValueError: a check with another scope, patience < 1, or an action not in `GATE_ACTIONS`.
+    """
+
+    def __init__(self, checks, patience: int = 1, action: str = "warn"):
+        self.checks = training_checks(checks, patience, action)
+        self.patience, self.action = patience, action
+        self.streaks = [0] * len(self.checks)
+        self.seen = [False] * len(self.checks)
+        self.tripped: list[str] = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        for i, check in enumerate(self.checks):
+            value = (logs or {}).get(check.key)
+            if value is None or isinstance(value, str) or (check.scope == "first" and self.seen[i]):
+                continue
+            self.seen[i] = True
+            self.streaks[i] = 0 if check.holds(float(value)) else self.streaks[i] + 1
+            if self.streaks[i] == self.patience:
+                self._trip(check, float(value), state, control)
+        return control
+
+    def on_train_end(self, args, state, control, **kwargs):
+        never = [str(c) for c, seen in zip(self.checks, self.seen) if not seen]
+        if never:  # a key no log row held: its check was never applied (a key TRL or the diagnostics did not log)
+            message = f"ratio gate: never applied, no logged step held the key of {', '.join(never)}"
+            self.tripped.append(message)
+            logger.warning(message)
+            warnings.warn(message, stacklevel=2)
+        return control
+
+    def _trip(self, check: Check, value: float, state, control) -> None:
+        message = (f"ratio gate: {check.key} = {value:.6g} fails {check} for {self.patience} consecutive logged "
+                   f"step(s), at step {state.global_step}")
+        if self.action == "stop":
+            message += "; stopping training"
+            control.should_training_stop = True
+        self.tripped.append(message)
+        logger.warning(message)
+        warnings.warn(message, stacklevel=2)

@@ -1,0 +1,216 @@
+"""Every `ratio/*` key the diagnostics can log: one table, with when each key is present and what it means.
+
+`grpo_ratio.diagnostics.ratio_diagnostics` emits the keys through these names; `grpo_ratio.analysis` (plots, report) and `grpo_ratio.cli.compare` read
+them through the same names, so a renamed key cannot leave a consumer behind. docs/metrics.md has the formulas and
+renders this table (`python -m grpo_ratio.diagnostics.metric_keys`, a generated block); tests/test_metric_keys.py checks that a
+real training run emits only keys of this table and that the table and docs/metrics.md list the same keys.
+
+Three ratio families share one set of statistics (`ratios.RatioStats.as_metrics`): `NEW_OLD.oob_rate` is
+`"ratio/new_old/oob_rate"`. The other keys are module constants (`KEPT_MASS_MEAN`, ...). TRL's own keys
+(`clip_ratio/*`, `sampling/*`) are not in this table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+PREFIX = "ratio"
+
+# the statistics of every ratio family, in the order `RatioStats.as_metrics` emits them
+FAMILY_STATS = {
+    "num_tokens": "valid tokens scored (all processes)",
+    "oob_rate": "share of valid tokens whose ratio is out of band (non-finite included)",
+    "nonfinite_rate": "share of valid tokens with a NaN/inf log-ratio",
+    "mean_abs_log_ratio": "mean absolute log-ratio over the finite ones (nats)",
+    "mean": "mean r over the finite log-ratios",
+    "p1": "1st percentile of r",
+    "p50": "median of r",
+    "p99": "99th percentile of r",
+}
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    """One row of the table: `present` says when the key is logged, `meaning` what it measures (one line each)."""
+
+    present: str
+    meaning: str
+
+
+@dataclass(frozen=True)
+class RatioFamily:
+    """A ratio family `{prefix}/{stat}` for every stat of `FAMILY_STATS`; `present`/`meaning` as in `KeyInfo`."""
+
+    prefix: str
+    present: str
+    meaning: str
+
+    def key(self, stat: str) -> str:
+        """`{prefix}/{stat}`. Raises KeyError for a stat `RatioStats` does not emit."""
+        if stat not in FAMILY_STATS:
+            raise KeyError(f"{stat!r} is not a ratio-family statistic; allowed: {', '.join(FAMILY_STATS)}")
+        return f"{self.prefix}/{stat}"
+
+    def keys(self) -> dict[str, KeyInfo]:
+        return {self.key(s): KeyInfo(self.present, f"{self.meaning}: {m}") for s, m in FAMILY_STATS.items()}
+
+    num_tokens = property(lambda self: self.key("num_tokens"))
+    oob_rate = property(lambda self: self.key("oob_rate"))
+    nonfinite_rate = property(lambda self: self.key("nonfinite_rate"))
+    mean_abs_log_ratio = property(lambda self: self.key("mean_abs_log_ratio"))
+    mean = property(lambda self: self.key("mean"))
+    p1 = property(lambda self: self.key("p1"))
+    p50 = property(lambda self: self.key("p50"))
+    p99 = property(lambda self: self.key("p99"))
+
+
+NEW_OLD = RatioFamily(f"{PREFIX}/new_old", "ratio_diagnostics on (an update without a valid token: num_tokens = 0 alone)",
+                      "new/old at the first inner step (what the PPO clip reads)")
+OLD_SAMPLER = RatioFamily(f"{PREFIX}/old_sampler", "sampler log-probs exist (vLLM, or generate recorded)",
+                          "old/sampler, raw (what IS correction reads)")
+OLD_SAMPLER_CORRECTED = RatioFamily(f"{PREFIX}/old_sampler_corrected", "a truncation correction with kept sets",
+                                    "old/sampler after the truncation correction")
+FAMILIES = (NEW_OLD, OLD_SAMPLER, OLD_SAMPLER_CORRECTED)
+
+# the KL/PPL/chi-square units of two families (`mismatch.MismatchStats.as_metrics`), in emission order
+MISMATCH_STATS = {
+    "kl_k1": "k1 estimate of KL(q||p), mean over valid tokens of -log r",
+    "kl_k2": "k2 estimate, mean of (log r)^2 / 2",
+    "kl_k3": "k3 estimate of KL(q||p), mean of r - 1 - log r",
+    "chi2_token": "token chi-square, mean of r^2 minus 1",
+    "log_ppl_diff": "log PPL_p - log PPL_q per sequence, averaged over sequences",
+    "log_ppl_abs_diff": "the same, absolute value per sequence",
+    "ppl_ratio": "PPL_p / PPL_q per sequence, averaged over sequences",
+    "chi2_seq": "sequence chi-square, mean over sequences of (prod r)^2 minus 1",
+}
+MISMATCH_FAMILIES = (NEW_OLD, OLD_SAMPLER)
+
+
+def mismatch_key(family: RatioFamily, stat: str) -> str:
+    """`{family.prefix}/{stat}` for a `MISMATCH_STATS` stat. Raises KeyError for another stat."""
+    if stat not in MISMATCH_STATS:
+        raise KeyError(f"{stat!r} is not a mismatch statistic; allowed: {', '.join(MISMATCH_STATS)}")
+    return f"{family.prefix}/{stat}"
+
+KEPT_MASS_MEAN = f"{PREFIX}/kept_mass_mean"
+KEPT_SET_ADDED_RATE = f"{PREFIX}/kept_set_added_rate"
+IS_WEIGHTS_MIN = f"{PREFIX}/importance_sampling_ratio/min"
+IS_WEIGHTS_MEAN = f"{PREFIX}/importance_sampling_ratio/mean"
+IS_WEIGHTS_MAX = f"{PREFIX}/importance_sampling_ratio/max"
+FP16_FALLBACK_ROWS = f"{PREFIX}/fp16_fallback_rows"
+CLIP_FLIP_RATE = f"{PREFIX}/clip_flip_rate"
+CLIP_FLIP_RATE_ADV_WEIGHTED = f"{PREFIX}/clip_flip_rate_adv_weighted"
+IS_TRUNCATED_TOKEN_FRAC = f"{PREFIX}/is_truncated_token_frac"
+IS_TRUNCATED_SEQ_FRAC = f"{PREFIX}/is_truncated_seq_frac"
+IS_MASKED_TOKEN_FRAC = f"{PREFIX}/is_masked_token_frac"
+IS_MASKED_SEQ_FRAC = f"{PREFIX}/is_masked_seq_frac"
+IS_REJECTED_TOKEN_FRAC = f"{PREFIX}/is_rejected_token_frac"
+IS_REJECTED_SEQ_FRAC = f"{PREFIX}/is_rejected_seq_frac"
+IS_WEIGHT_ESS = f"{PREFIX}/is_weight_ess"
+IS_WEIGHT_MEAN = f"{PREFIX}/is_weight_mean"
+IS_WEIGHT_RAW_P1 = f"{PREFIX}/is_weight_raw/p1"
+IS_WEIGHT_RAW_P50 = f"{PREFIX}/is_weight_raw/p50"
+IS_WEIGHT_RAW_P99 = f"{PREFIX}/is_weight_raw/p99"
+FULL_KL = f"{NEW_OLD.prefix}/full_kl"
+FULL_REVERSE_KL = f"{NEW_OLD.prefix}/full_reverse_kl"
+FULL_TV = f"{NEW_OLD.prefix}/full_tv"
+
+_IS_LOSS = "is_correction, or lift_sampler with vLLM's IS correction"
+_IS_ANY = "an IS weight in the loss (vLLM's correction, or is_correction)"
+_IS_RAW = "an IS weight in the loss with a weight level (not is_correction_level='none')"
+_IS_TRUNCATE = "an IS weight in the loss, truncate action (TRL's *_truncate modes)"
+_IS_MASK = "an IS weight in the loss, mask action (TRL's *_mask modes)"
+_IS_REJECT = "is_correction with rejection rules or a veto"
+SINGLE_KEYS = {
+    KEPT_MASS_MEAN: KeyInfo("a truncation correction with kept sets", "mean kept mass under the old policy (1 = "
+                            "untruncated)"),
+    KEPT_SET_ADDED_RATE: KeyInfo('a correction with kept_set_source="recompute"', "share of sampled tokens the "
+                                 "recomputed filter dropped (added back)"),
+    IS_WEIGHTS_MIN: KeyInfo(_IS_LOSS, "smallest IS weight the loss uses (after the lift)"),
+    IS_WEIGHTS_MEAN: KeyInfo(_IS_LOSS, "mean IS weight the loss uses (after the lift)"),
+    IS_WEIGHTS_MAX: KeyInfo(_IS_LOSS, "largest IS weight the loss uses (after the lift)"),
+    FP16_FALLBACK_ROWS: KeyInfo('old_logprob_mode="fp16_clone"', "rows re-scored in fp32 after an fp16 overflow, "
+                                "summed over processes"),
+    CLIP_FLIP_RATE: KeyInfo("a PPO-clip loss, token-level IS, on a clip_flip_every update", "share of tokens whose "
+                            "PPO-clip decision changes with the choice of old log-probs"),
+    CLIP_FLIP_RATE_ADV_WEIGHTED: KeyInfo("as clip_flip_rate, and some valid token with A != 0", "the same, weighted "
+                                         "by the absolute advantage"),
+    IS_TRUNCATED_TOKEN_FRAC: KeyInfo(_IS_TRUNCATE, "share of tokens whose IS weight the bounds clamped"),
+    IS_TRUNCATED_SEQ_FRAC: KeyInfo(_IS_TRUNCATE, "share of sequences touched by the clamp"),
+    IS_MASKED_TOKEN_FRAC: KeyInfo(_IS_MASK, "share of tokens whose IS weight the bounds set to 0"),
+    IS_MASKED_SEQ_FRAC: KeyInfo(_IS_MASK, "share of sequences (partly) masked"),
+    IS_REJECTED_TOKEN_FRAC: KeyInfo(_IS_REJECT, "share of tokens a rejection rule or the veto set to 0"),
+    IS_REJECTED_SEQ_FRAC: KeyInfo(_IS_REJECT, "share of sequences (partly) rejected"),
+    IS_WEIGHT_ESS: KeyInfo(_IS_ANY, "effective sample size of the weights the loss uses, (sum w)^2 / (N sum w^2)"),
+    IS_WEIGHT_MEAN: KeyInfo(_IS_ANY, "mean weight the loss uses, over valid tokens"),
+    IS_WEIGHT_RAW_P1: KeyInfo(_IS_RAW, "1st percentile of the raw weight (before bounds and rejection)"),
+    IS_WEIGHT_RAW_P50: KeyInfo(_IS_RAW, "median raw weight"),
+    IS_WEIGHT_RAW_P99: KeyInfo(_IS_RAW, "99th percentile of the raw weight"),
+    FULL_KL: KeyInfo("ratio_full_vocab with a scoring mode", "exact full-vocabulary KL(old||policy), mean over valid "
+                     "tokens"),
+    FULL_REVERSE_KL: KeyInfo("ratio_full_vocab with a scoring mode", "exact KL(policy||old), mean over valid tokens"),
+    FULL_TV: KeyInfo("ratio_full_vocab with a scoring mode", "exact total variation between the two, mean over valid "
+                     "tokens"),
+}
+
+# the mismatch units of NEW_OLD and OLD_SAMPLER, present with their family
+MISMATCH_KEYS = {mismatch_key(f, stat): KeyInfo(f.present, f"{f.meaning}: {meaning}")
+                 for f in MISMATCH_FAMILIES for stat, meaning in MISMATCH_STATS.items()}
+
+# MoE route agreement (grpo_ratio.routing.replay.RouteTally): two pairs, each with three fixed keys and one key per
+# MoE layer, `ratio/route/<pair>/layer_<i>` (absolute decoder-layer index i)
+ROUTE_PREFIX = f"{PREFIX}/route"
+ROUTE_PAIRS = {
+    "sampler_old": ("an MoE policy, ratio_diagnostics on, sampler routes recorded (generate, or vLLM under R3)",
+                    "sampler vs old pass (or the first update where no old pass runs)"),
+    "old_new": ("an MoE policy, ratio_diagnostics on, an old pass ran", "old pass vs every update forward"),
+}
+ROUTE_STATS = {
+    "any_layer": "share of tokens whose top-k expert set differs at one layer at least, routes the pass used",
+    "native_any_layer": "the same for the routes its routers chose themselves (what replay overrode)",
+    "num_tokens": "tokens routed on both sides at one MoE layer at least (all processes)",
+}
+
+
+def route_key(pair: str, stat: str) -> str:
+    """`ratio/route/{pair}/{stat}`; stat one of `ROUTE_STATS` or `layer_<i>`. Raises KeyError otherwise."""
+    if pair not in ROUTE_PAIRS or not (stat in ROUTE_STATS or _is_layer_stat(stat)):
+        raise KeyError(f"no route key {pair!r}/{stat!r}; pairs {', '.join(ROUTE_PAIRS)}, stats "
+                       f"{', '.join(ROUTE_STATS)} or layer_<i>")
+    return f"{ROUTE_PREFIX}/{pair}/{stat}"
+
+
+def _is_layer_stat(stat: str) -> bool:
+    return stat.startswith("layer_") and stat[len("layer_"):].isdigit()
+
+
+ROUTE_KEYS = {route_key(pair, stat): KeyInfo(present, f"{what}: {meaning}")
+              for pair, (present, what) in ROUTE_PAIRS.items() for stat, meaning in ROUTE_STATS.items()}
+# the per-layer keys, one pattern row per pair (`known` accepts every layer index)
+ROUTE_LAYER_ROWS = {f"{ROUTE_PREFIX}/{pair}/layer_<i>": KeyInfo(present, f"{what}: share of tokens whose top-k set "
+                                                                       f"differs at MoE layer i, routes used")
+                    for pair, (present, what) in ROUTE_PAIRS.items()}
+
+# every key the diagnostics can emit (the per-layer route keys: `known`)
+TABLE: dict[str, KeyInfo] = ({k: v for family in FAMILIES for k, v in family.keys().items()} | MISMATCH_KEYS
+                             | SINGLE_KEYS | ROUTE_KEYS)
+
+
+def known(key: str) -> bool:
+    """Whether the diagnostics can emit `key`: a key of `TABLE`, or a per-layer route key."""
+    if key in TABLE:
+        return True
+    parts = key.split("/")
+    return len(parts) == 4 and parts[:2] == [PREFIX, "route"] and parts[2] in ROUTE_PAIRS and _is_layer_stat(parts[3])
+
+
+def render() -> str:
+    """The table as markdown (docs/metrics.md, "Every key")."""
+    lines = ["| key | present when | meaning |", "| --- | --- | --- |"]
+    lines += [f"| `{key}` | {info.present} | {info.meaning} |" for key, info in (TABLE | ROUTE_LAYER_ROWS).items()]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(render())

@@ -1,0 +1,107 @@
+"""What each `old_logprob_mode` is: one frozen record per mode, the one home of the mode names.
+
+Every other module asks a `ScoringMode` (``MODES[name].whole_model_dtype``, ``.fp32_head``, ``.is_sampler``, ...)
+instead of comparing the mode's name; `tests/test_layout.py` keeps mode-name literals out of the rest of the package.
+No torch here: dtypes are the names `"fp32"` / `"fp16"`, so the command line's early checks can read the table
+before the heavy imports.
+
+Sources: the precision modes are the arms of the batch-logprob-gap report (tables T7/T10); `sampler` is verl's
+`bypass_mode` and slime's `--use-rollout-logprobs` (the rollout's own log-probs anchor the ratio, no old pass).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ScoringMode:
+    """One value of `RatioGRPOConfig.old_logprob_mode`.
+
+    Attributes:
+        name: the config value.
+        summary: one line for tables (`grpo-ratio` help, docs/scoring_modes.md).
+        whole_model_dtype: `"fp32"` or `"fp16"` when the whole forward runs in that dtype (a copy of the policy where
+            its weights are stored in another dtype); None when the body runs at the policy's training precision.
+        fp32_head: the final norm and the LM head run in fp32.
+        fp32_layers: the `guided_fp32_layers` decoder layers run in fp32 (they must be given).
+        trl_pass: the old log-probs are TRL's own pass, bit for bit (no scorer).
+        is_sampler: the sampler's recorded log-probs are the old log-probs: no old pass at all.
+        trl_layout: the mode's forward passes no position ids, as TRL's own pass does (the others count positions as
+            `generate` does), so its log-probs can equal TRL's training forward bitwise.
+        overflows: fp16 activations can overflow: rows with a non-finite log-prob are re-scored in fp32
+            (`ratio/fp16_fallback_rows`).
+    """
+
+    name: str
+    summary: str
+    whole_model_dtype: str | None = None
+    fp32_head: bool = False
+    fp32_layers: bool = False
+    trl_pass: bool = False
+    is_sampler: bool = False
+    trl_layout: bool = False
+    overflows: bool = False
+
+    @property
+    def has_scorer(self) -> bool:
+        """An `OldLogprobScorer` computes the old log-probs in place of TRL's pass."""
+        return not (self.trl_pass or self.is_sampler)
+
+    @property
+    def is_precision_mode(self) -> bool:
+        """The old log-probs come from a forward pass of the policy at some precision (every mode but `sampler`)."""
+        return not self.is_sampler
+
+    @property
+    def may_copy_whole_model(self) -> bool:
+        """The mode may hold a whole-model copy (`copy_storage` applies): the whole forward in another dtype."""
+        return self.whole_model_dtype is not None
+
+    @property
+    def runs_fp32_modules(self) -> bool:
+        """Single modules (final norm, head, guided layers) run in fp32 inside a policy at its training precision."""
+        return self.whole_model_dtype is None and self.fp32_head
+
+    @property
+    def computes_in_fp32(self) -> bool:
+        """At least the LM head computes in fp32: against an fp32 training forward the mode changes nothing."""
+        return self.fp32_head
+
+
+BF16 = ScoringMode("bf16", "the policy's own pass at its training precision: TRL's behaviour, bit for bit",
+                   trl_pass=True, trl_layout=True)
+FP32_CLONE = ScoringMode("fp32_clone", "the whole policy in fp32 (its own weights when stored in fp32, else a copy)",
+                         whole_model_dtype="fp32", fp32_head=True)
+FP16_CLONE = ScoringMode("fp16_clone", "the whole policy in fp16 (a copy), rows that overflow re-scored in fp32",
+                         whole_model_dtype="fp16", overflows=True)
+FP32_HEAD = ScoringMode("fp32_head", "final norm and LM head in fp32 on the training-precision body",
+                        fp32_head=True, trl_layout=True)
+GUIDED_FP32 = ScoringMode("guided_fp32", "the guided_fp32_layers decoder layers, final norm and LM head in fp32",
+                          fp32_head=True, fp32_layers=True)
+SAMPLER = ScoringMode("sampler", "the sampler's recorded log-probs (generate recording or vLLM): no old pass",
+                      is_sampler=True)
+
+# every value of `old_logprob_mode`, in the order the docs and tables list them
+MODES: dict[str, ScoringMode] = {m.name: m for m in (BF16, FP32_CLONE, FP16_CLONE, FP32_HEAD, GUIDED_FP32, SAMPLER)}
+SCORING_MODES = tuple(MODES)
+# the modes whose old log-probs come from a forward pass (OldLogprobScorer runs each, bf16 as TRL's pass does)
+PRECISION_MODES = tuple(n for n, m in MODES.items() if m.is_precision_mode)
+# the modes an OldLogprobScorer computes in place of TRL's pass
+SCORER_MODES = tuple(n for n, m in MODES.items() if m.has_scorer)
+# the modes that may hold a whole-model copy (fp16_clone always, fp32_clone on bf16/fp16-stored weights)
+COPY_MODES = tuple(sorted(n for n, m in MODES.items() if m.may_copy_whole_model))
+# the mode that keeps TRL's numbers (the default, and every comparison's baseline)
+TRL_MODE = BF16.name
+SAMPLER_MODE = SAMPLER.name
+
+
+def mode_of(name: str) -> ScoringMode:
+    """The record of `name`.
+
+    Raises:
+        ValueError: `name` is not an `old_logprob_mode`, naming the allowed values.
+    """
+    if name not in MODES:
+        raise ValueError(f"old_logprob_mode={name!r} is not allowed; allowed: {', '.join(MODES)}")
+    return MODES[name]

@@ -1,0 +1,356 @@
+"""Low-precision and fp32 copies of the policy (or of some of its modules), kept in step with it.
+
+A copy is only built when the scoring mode needs weights in a dtype the policy does not store: TRL keeps the policy
+in fp32 and trains under bf16 autocast by default, so the fp32 modes run the policy's own weights with no copy;
+an fp16 copy, or fp32 copies of a bf16-stored policy, are what this module makes.
+
+Rules (from the fp32/fp16 clones of the batch-logprob-gap report's GRPO runs, and TRL 1.16's `GRPOTrainer`, whose
+fused LM head patches `forward`):
+- never `copy.deepcopy` a policy TRL has patched (its fused-head `forward` closure keeps calling the original model):
+  a whole-model copy is built from the config and loaded from the policy's state dict;
+- a copy carries a version (the `WeightsVersion` it was synced at: it moves whenever the policy's weights may have
+  changed); `ModuleCopy.get(version)` refreshes a stale copy before use, so a stale copy is never used;
+- a copy never runs dropout (eval mode), and PEFT adapters are merged by PEFT's own `merge()` (DoRA, IA3, ...);
+- the policy is never modified: no mode switch, no re-tying, no merging of adapters in place, and no hook outlives
+  the old pass that needed it.
+
+Two ways to hold a whole-model copy (`copy_storage`): `ModuleCopy` keeps it resident (2 bytes per parameter in fp16)
+and refreshes it after every optimizer step; `PerLayerCast` keeps nothing and casts each module's weights just before
+it runs in the old pass. Per optimizer step with k old passes, the resident copy costs k passes + 1 refresh, the casts
+k passes whose every module pays its cast: the casts win at small k, and hold only the largest module at any time
+(docs/benchmarks.md, "Copies").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy as _copy
+import time
+
+import torch
+from torch import nn
+from transformers import TrainerCallback
+
+from .adapters import base_model, has_adapters
+
+
+# how a whole-model copy is held: resident between passes, or cast module by module during the pass (`PerLayerCast`)
+COPY_STORAGES = ("resident", "per_layer")
+
+
+def _adapter_layers(base: nn.Module) -> tuple[dict[str, nn.Module], dict[str, nn.Module]]:
+    """The PEFT tuner layers (LoRA, DoRA, IA3, LoHa, LoKr, OFT, ...: `BaseTunerLayer` with a `base_layer`) and the
+    `modules_to_save` wrappers of `base`, by qualified name; both empty without PEFT."""
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+        from peft.utils import ModulesToSaveWrapper
+    except ImportError:  # no PEFT installed: no adapters
+        return {}, {}
+    tuners, saved = {}, {}
+    for name, sub in base.named_modules():
+        if any(name.startswith(f"{outer}.") for outer in (*tuners, *saved)):
+            continue  # inside a wrapper (lora_A, the base layer, a saved copy): handled with its wrapper
+        if isinstance(sub, ModulesToSaveWrapper):
+            saved[name] = sub
+        elif isinstance(sub, BaseTunerLayer) and hasattr(sub, "base_layer"):
+            tuners[name] = sub
+    return tuners, saved
+
+
+@torch.no_grad()
+def _merged_layer_state(layer: nn.Module) -> dict[str, torch.Tensor]:
+    """PEFT's own merge of one tuner layer (`layer.merge()`: LoRA, DoRA's magnitude, IA3, LoHa, ...), done on an
+    fp32 copy of the layer so that the policy's layer is never touched and the merge rounds once: the merged base
+    layer's tensors, keyed as in the base model (`weight`, `bias`)."""
+    if getattr(layer, "merged", False) or getattr(layer, "disable_adapters", False) or not layer.active_adapters:
+        merged = layer.get_base_layer()  # already merged in place, or adapters off: the base layer is the weight
+    else:
+        copy = _copy.deepcopy(layer).float()
+        copy.merge(adapter_names=list(layer.active_adapters))
+        merged = copy.get_base_layer()
+    return {k: v.detach() for k, v in merged.state_dict().items()}
+
+
+def merged_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's weights as plain tensors with its active PEFT adapters merged by PEFT itself (what
+    `merge_and_unload()` would give, in fp32 for merged layers), without touching the module. For a non-PEFT module
+    this is `module.state_dict()` (tensors shared, not copied).
+
+    Keys are those of the base model (PEFT's `base_model.model.` prefix, `.base_layer` and the `modules_to_save`
+    wrappers removed): a `modules_to_save` module (e.g. a trained `lm_head`) contributes its active adapter's copy.
+
+    Raises:
+        ValueError: a layer PEFT cannot merge (PEFT's own error, re-raised with the layer's name).
+    """
+    base = base_model(module)
+    if base is module:
+        return module.state_dict()
+    tuners, saved = _adapter_layers(base)
+    state = {}
+    for name, layer in tuners.items():
+        try:
+            merged = _merged_layer_state(layer)
+        except (ValueError, NotImplementedError, TypeError) as err:
+            raise ValueError(f"copy refresh: PEFT cannot merge the adapter of {name!r} ({type(layer).__name__}): "
+                             f"{err}") from err
+        state.update({f"{name}.{k}": v for k, v in merged.items()})
+    for name, wrapper in saved.items():
+        adapter = wrapper.active_adapters[0] if wrapper.active_adapters else None
+        active = wrapper.original_module if wrapper.disable_adapters or adapter is None else (
+            wrapper.modules_to_save[adapter])
+        state.update({f"{name}.{k}": v.detach() for k, v in active.state_dict().items()})
+    wrapped = tuple(f"{n}." for n in (*tuners, *saved))
+    for key, value in base.state_dict().items():
+        if not key.startswith(wrapped):
+            state[key] = value
+    return state
+
+
+class WeightsVersion:
+    """A counter that moves whenever the policy's weights may have changed, so that copies are refreshed then and
+    never otherwise. The trainer moves it (`RatioGRPOTrainer`'s callback)
+    - after every optimizer step of the training loop that was applied: transformers' `on_optimizer_step` event,
+      which every engine passes through (a torch optimizer, accelerate's `AcceleratedOptimizer`, DeepSpeed ZeRO,
+      whose engine steps inside `accelerator.backward`), unless accelerate reports the step skipped
+      (`optimizer_step_was_skipped`: the fp16 gradient scaler or DeepSpeed's loss scaler on inf/NaN gradients), and
+    - whenever training starts (`on_train_begin`: a second `train()`, a resume that loaded a checkpoint).
+
+    An optimizer step taken outside the training loop (a user's own `optimizer.step()`) is not seen: call `bump()`
+    after it. An optimizer hook cannot serve instead: DeepSpeed's ZeRO optimizers are not torch optimizers and have
+    no `register_step_post_hook` (grpo_ratio issue 20: ZeRO-3 crashed at the first step). `state.global_step` cannot
+    serve either: it restarts at 0 on a second `train()` while the weights went on (a copy kept the step-0 weights and
+    new/old left the band for 75% of tokens).
+    """
+
+    def __init__(self):
+        self.value = 0
+
+    def bump(self) -> None:
+        """Record that the weights may have changed: every copy synced at an older value is stale."""
+        self.value += 1
+
+
+def _strip_instance_patches(module: nn.Module) -> None:
+    # accelerate (autocast wrapper) and TRL (fused head) patch `forward` on the instance; a copy must not inherit them
+    for m in module.modules():
+        m.__dict__.pop("forward", None)
+        m.__dict__.pop("_original_forward", None)
+
+
+def empty_model_like(model: nn.Module) -> nn.Module:
+    """A new model of the same class and config (a PEFT model's base model's) with uninitialised weights (fast: no
+    random init) and its head tied as the config says (a tied head stays one tensor with the embedding)."""
+    from transformers.initialization import no_init_weights
+
+    base = base_model(model)
+    with no_init_weights():
+        fresh = type(base)(base.config)
+    fresh.tie_weights()  # a tied head stays one tensor (else the copy holds the embedding twice)
+    return fresh
+
+
+class VersionedCopy:
+    """What every copy shares (`ModuleCopy` here, the sharded shadows of `grpo_ratio.old_pass.sharding.engines`): a `module` kept in
+    step with a `source` by `refresh_weights()`, and the `WeightsVersion` value it was last synced at.
+
+    Subclasses set `source`, `dtype`, `module` (in eval mode: old log-probs never see dropout) and implement
+    `refresh_weights()` and `num_bytes()`.
+    """
+
+    version: int | None = None
+    num_refreshes: int = 0
+
+    def refresh_weights(self) -> None:
+        raise NotImplementedError
+
+    def refresh(self, version: int) -> None:
+        """Copy the source's current weights into the copy and record `version`."""
+        with torch.no_grad():
+            self.refresh_weights()
+        self.version = version
+        self.num_refreshes += 1
+
+    def get(self, version: int) -> nn.Module:
+        """The copy, synced at `version` (a `WeightsVersion` value); refreshed first when stale."""
+        if self.version != version:
+            self.refresh(version)
+        return self.module
+
+
+class ModuleCopy(VersionedCopy):
+    """A copy of `source` (a whole causal LM, or one submodule such as a decoder layer or the LM head) in `dtype`.
+
+    Args:
+        source: the policy module to mirror. Parameters may be in any float dtype; PEFT adapters are merged.
+        dtype: dtype of the copy's parameters (`torch.float32` or `torch.float16`).
+        whole_model: build the copy from the model's config (for a `PreTrainedModel`); otherwise `copy.deepcopy`
+            of a plain submodule (safe: submodules are not patched by TRL or accelerate).
+
+    The copy lives on the source's device, has no gradients, and stays in eval mode: old log-probs are a
+    deterministic function of the weights and tokens (no dropout), whatever mode the policy trains in.
+    """
+
+    def __init__(self, source: nn.Module, dtype: torch.dtype, whole_model: bool = False):
+        self.source = source
+        self.dtype = dtype
+        if whole_model:
+            module = empty_model_like(source)
+        else:
+            module = _copy.deepcopy(source)
+            _strip_instance_patches(module)
+        device = next(source.parameters()).device
+        self.module = module.to(device=device, dtype=dtype).requires_grad_(False).eval()
+
+    def refresh_weights(self) -> None:
+        """Copy the source's current weights (PEFT adapters merged) into the copy, cast to `self.dtype` by `copy_`."""
+        state = merged_state_dict(self.source)
+        own = self.module.state_dict()
+        missing = [k for k in own if k not in state]
+        if missing:
+            raise RuntimeError(f"copy refresh: the policy has no tensor for {missing[:5]} (architecture changed?)")
+        for key, dst in own.items():
+            dst.copy_(state[key])
+
+    def num_bytes(self) -> int:
+        """Bytes held by the copy's parameters and buffers (what the copy costs in memory)."""
+        tensors = {t.data_ptr(): t.numel() * t.element_size() for t in self.module.state_dict().values()}
+        return sum(tensors.values())
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# per-layer casts: the copy's weights made module by module during the old pass, none kept in between
+
+
+
+def _owns_tensors(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters(recurse=False)) or any(
+        b is not None and b.is_floating_point() for b in module.buffers(recurse=False))
+
+
+def _fresh_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The non-persistent floating buffers of `module` as a newly built instance computes them (a rotary embedding's
+    `inv_freq`), which is what a whole-model copy built from the config holds: the policy's own may have been rounded
+    by a `.to(bfloat16)`. Empty when the module cannot be rebuilt from its `config` attribute."""
+    names = [n for n in getattr(module, "_non_persistent_buffers_set", ()) if getattr(module, n, None) is not None
+             and getattr(module, n).is_floating_point()]
+    config = getattr(module, "config", None)
+    if not names or config is None:
+        return {}
+    try:
+        fresh = type(module)(config)
+    except TypeError:  # another constructor: keep the policy's buffers (cast like any other)
+        return {}
+    device = getattr(module, names[0]).device
+    return {n: getattr(fresh, n).detach().to(device) for n in names}
+
+
+def check_per_layer_cast(model: nn.Module) -> None:
+    """Raise `ValueError` when `model` carries PEFT adapters: `PerLayerCast` casts the tuner layers' weights as they
+    are, and a merged adapter (what a resident copy holds) is a different computation."""
+    if has_adapters(model):
+        raise ValueError("copy_storage='per_layer' does not support PEFT adapters (a resident copy merges them "
+                         "with PEFT's merge()); use copy_storage='resident'")
+
+
+class PerLayerCast:
+    """The weights of a whole-model copy in `dtype` (what `ModuleCopy(model, dtype, whole_model=True)` holds), made one
+    module at a time while the old pass runs: each module that owns parameters or floating buffers gets them cast to
+    `dtype` just before its forward and dropped right after, so no copy outlives its module's call and nothing needs a
+    refresh after an optimizer step (the casts read the policy's current weights). The policy's parameters are put
+    back after each call; the policy is never left modified.
+
+    Args:
+        model: the policy (a transformers causal LM). PEFT adapters are refused (a merged adapter is a different
+            computation from the tuner layer's forward).
+        dtype: the copy's dtype (`torch.float16` for `fp16_clone`, `torch.float32` for `fp32_clone` on bf16 weights).
+
+    Non-persistent buffers (rotary `inv_freq`) come from a fresh instance of their module, as in a copy built from the
+    config. The same forward then computes the same numbers as the resident copy: bitwise equal log-probs
+    (tests/test_copies.py). Costs: one cast of every weight per old pass (a tied embedding/head is cast twice, once per
+    module) instead of one `copy_` per optimizer step; `peak_bytes` is the most cast bytes alive at once (the largest
+    module, usually the embedding or the LM head).
+
+    Raises:
+        ValueError: `model` carries PEFT adapters.
+    """
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype):
+        check_per_layer_cast(model)
+        self.model = model
+        self.dtype = dtype
+        self.owners = [m for m in model.modules() if _owns_tensors(m)]
+        self._fresh = {id(m): _fresh_buffers(m) for m in self.owners}
+        self._saved: dict[int, tuple[nn.Module, dict, dict]] = {}  # id(module) -> (module, params, buffers)
+        self.num_casts = 0  # module casts over this object's life
+        self.cast_seconds = 0.0  # wall seconds spent casting and restoring, over this object's life
+        self.peak_bytes = 0  # most cast bytes alive at once
+        self._live_bytes = 0
+
+    def _cast_in(self, module, args):
+        start = time.perf_counter()
+        params, buffers = dict(module._parameters), dict(module._buffers)
+        fresh = self._fresh[id(module)]
+        with torch.no_grad():
+            for name, p in params.items():
+                if p is not None:
+                    module._parameters[name] = p.detach().to(self.dtype)
+            for name, b in buffers.items():
+                if b is not None and b.is_floating_point():
+                    module._buffers[name] = fresh.get(name, b).to(self.dtype)
+        self._saved[id(module)] = (module, params, buffers)
+        cast = [t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]
+        self._live_bytes += sum(t.numel() * t.element_size() for t in cast)
+        self.peak_bytes = max(self.peak_bytes, self._live_bytes)
+        self.num_casts += 1
+        self.cast_seconds += time.perf_counter() - start
+
+    def _restore(self, module) -> None:
+        start = time.perf_counter()
+        saved = self._saved.pop(id(module), None)
+        if saved is None:
+            return
+        _, params, buffers = saved
+        cast = [t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]
+        self._live_bytes -= sum(t.numel() * t.element_size() for t in cast)
+        module._parameters.update(params)
+        module._buffers.update(buffers)
+        self.cast_seconds += time.perf_counter() - start
+
+    def _cast_out(self, module, args, output):
+        self._restore(module)
+
+    @contextlib.contextmanager
+    def active(self):
+        """Within the block every forward of the policy runs on `dtype` casts of its weights (hooks removed after)."""
+        handles = []
+        for module in self.owners:
+            handles.append(module.register_forward_pre_hook(self._cast_in))
+            handles.append(module.register_forward_hook(self._cast_out, always_call=True))
+        try:
+            yield self.model
+        finally:
+            for handle in handles:
+                handle.remove()
+            for module, _, _ in list(self._saved.values()):  # a forward that raised half-way
+                self._restore(module)
+            self._live_bytes = 0
+
+    def num_bytes(self) -> int:
+        """Bytes held between old passes: none (the casts live only while their module runs; see `peak_bytes`)."""
+        return 0
+
+
+class WeightsVersionCallback(TrainerCallback):
+    """Moves the trainer's `WeightsVersion` when training starts (a second `train()`, a resume that loaded weights)
+    and after every applied optimizer step (`on_optimizer_step`: the same event under DDP, FSDP2 and DeepSpeed)."""
+
+    def __init__(self, version: WeightsVersion, accelerator):
+        self.version = version
+        self.accelerator = accelerator
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.version.bump()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if not self.accelerator.optimizer_step_was_skipped:  # a loss-scaler skip leaves the weights as they were
+            self.version.bump()

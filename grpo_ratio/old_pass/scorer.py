@@ -1,0 +1,454 @@
+"""Old-logprob scoring modes: the numbers the importance ratio is anchored to.
+
+Shapes: B = sequences, P = prompt tokens, T = completion tokens, V = vocabulary, L = decoder layers.
+
+Every mode scores the completion tokens of `input_ids` (B, P+T) teacher-forced, where TRL does
+(`_get_per_token_logps_and_entropies`): rows chunked by `batch_size` in order, the same padding,
+`log_softmax(logits / temperature)` of the next-token logits, gathered at the completion ids. Two deliberate
+differences from TRL's own pass: in every mode but `bf16` (which reproduces that pass) the forward runs in eval mode
+(no dropout): the old log-probs are a function of the weights and tokens only; and in every mode but `bf16` and
+`fp32_head` positions are counted from the attention mask as `generate` counts them (TRL passes none, so with absolute
+position embeddings its log-probs move with the left padding). `fp32_head` keeps TRL's layout (no position ids) so
+that its body is TRL's training forward bit for bit: inside the trainer its old log-probs are then the fp32 norm and
+head applied to the training forward's own hidden states, with no pass of the body at all (`grpo_ratio.old_pass.fused_head`).
+The modes differ only in the precision of the forward pass (the batch-logprob-gap report, tables T7/T10):
+
+| mode          | forward                                                                  | log-softmax |
+|---------------|--------------------------------------------------------------------------|-------------|
+| `bf16`        | the policy as it trains (its weights, under the trainer's autocast)     | fp32        |
+| `fp32_clone`  | all in fp32, no autocast (the policy's own weights when stored in fp32) | fp32        |
+| `fp16_clone`  | an fp16 copy, no autocast; rows with non-finite logits re-scored in fp32 | fp32        |
+| `fp32_head`   | as `bf16` up to the final norm (TRL's positions); final norm, LM head fp32 | fp32        |
+| `guided_fp32` | as `fp32_head`, plus the chosen decoder layers in fp32                   | fp32        |
+
+Inside RatioGRPOTrainer the `bf16` mode is never run by this module: TRL's own pass is used, bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..corrections.kept_logprobs import KeptLogprobs, logprobs_on_kept_sets
+from ..corrections.kept_sets import KeptSets, SamplingSettings, concat_kept_sets
+from ..corrections.processors import RepetitionPenalty
+from ..diagnostics.mismatch import full_vocab_divergence
+from ..modes import MODES, PRECISION_MODES
+from .copies import COPY_STORAGES, ModuleCopy, PerLayerCast, check_per_layer_cast
+from .forward import (
+    check_layer_indices,
+    completion_logprobs_from_logits,
+    eval_mode,
+    forward_kwargs,
+    fp32_forward,
+    model_anatomy,
+    patched_forward,
+    plain_forward,
+    rope_fp32_forward,
+)
+from .sharding.base import ShardedPolicy
+
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the scorer
+
+
+@dataclass
+class ScoreResult:
+    """What `OldLogprobScorer.score` returns.
+
+    Fields:
+        logps (`torch.Tensor`, (B, T) fp32): full-vocabulary log-probs of the completion tokens.
+        fallback_rows (`int`): `fp16_clone` rows with non-finite fp16 log-probs, re-scored in fp32 in this call (0
+            otherwise).
+        on_kept (`KeptLogprobs | None`): only when kept sets were given: the same tokens' (B, T) log-probs over their
+            kept sets (0.0 on cells without a set), the sets used (recomputed ones under `SamplingSettings`), the
+            recomputed additions, and log M = `logps` - those log-probs.
+        full_vocab (`tuple | None`): only with `compare_policy=True`: (KL(old||policy), KL(policy||old), TV), each
+            (B, T) fp32, the exact full-vocabulary divergences between this mode's next-token distribution and the
+            policy's own at its training precision (`mismatch.full_vocab_divergence`).
+    """
+
+    logps: torch.Tensor
+    fallback_rows: int = 0
+    on_kept: KeptLogprobs | None = None
+    full_vocab: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+def check_scorer_setup(model: nn.Module, mode: str, layers: Iterable[int] | None, copy_storage: str = "resident",
+                       sharded: ShardedPolicy | None = None) -> list[int]:
+    """What an `OldLogprobScorer(model, mode, ...)` needs, checked without building it (the trainer checks it at start-up,
+    `grpo_ratio.checks.check_old_pass`; the constructor runs the same). Returns the sorted decoder-layer indices.
+
+    Raises:
+        ValueError: `mode` is not a precision mode; `guided_fp32` without layers or layers with another mode; a layer
+            index out of range or a model whose anatomy (decoder layers, final norm, LM head) is not found; an unknown
+            `copy_storage`; `"per_layer"` with PEFT adapters.
+        NotImplementedError: `"per_layer"` on a sharded policy (its copies are the engine's shadows).
+    """
+    if mode not in PRECISION_MODES:
+        raise ValueError(f"old_logprob_mode={mode!r} is not a precision mode (a forward pass); allowed: "
+                         f"{', '.join(PRECISION_MODES)}")
+    layers = list(layers) if layers is not None else []
+    spec = MODES[mode]
+    if spec.fp32_layers and not layers:
+        raise ValueError("old_logprob_mode='guided_fp32' needs guided_fp32_layers (use 'fp32_head' for none)")
+    if not spec.fp32_layers and layers:
+        raise ValueError(f"guided_fp32_layers is only used by 'guided_fp32', not by {mode!r}")
+    if copy_storage not in COPY_STORAGES:
+        raise ValueError(f"copy_storage={copy_storage!r} is not allowed; allowed: {', '.join(COPY_STORAGES)}")
+    if copy_storage == "per_layer" and sharded is not None:
+        raise NotImplementedError("copy_storage='per_layer' is not supported on FSDP2/ZeRO-3 (the copies are the "
+                                  "engine's sharded shadows); use copy_storage='resident'")
+    if copy_storage == "per_layer" and spec.may_copy_whole_model:
+        check_per_layer_cast(model)
+    if spec.runs_fp32_modules:
+        layers = check_layer_indices(layers, len(model_anatomy(model).layers))
+    return layers
+
+
+class OldLogprobScorer:
+    """Computes old log-probs of completions with one scoring mode, holding whatever copies the mode needs.
+
+    Args:
+        model: the policy (a transformers causal LM, optionally PEFT-wrapped). Never modified.
+        mode: one of `PRECISION_MODES` (`bf16`, `fp32_clone`, `fp16_clone`, `fp32_head`, `guided_fp32`).
+        layers: decoder-layer indices for `guided_fp32` (required there, refused elsewhere).
+        policy_autocast: zero-argument callable returning the context the policy trains under (the trainer passes
+            `accelerator.autocast`); by default bf16 autocast when the weights are fp32, else no autocast.
+        sharded: a `grpo_ratio.old_pass.sharding.engines.ShardedPolicy` when `model` is FSDP2- or ZeRO-3-sharded (built after
+            accelerate wrapped it): then the compute dtype is the engine's, forwards go through the sharded root,
+            copies are sharded shadows (`FSDPShadow`, `ZeroShadow`) and the fp16 fallback is collective.
+        copy_storage: how a whole-model copy (`fp16_clone`; `fp32_clone` on bf16/fp16 weights) is held: `"resident"`
+            (a `ModuleCopy`, refreshed after each optimizer step) or `"per_layer"` (a `PerLayerCast`: each module's
+            weights cast just before it runs, nothing kept). Both give bitwise equal log-probs.
+        route_hooks: a `grpo_ratio.routing.RouteHooks` on an MoE policy: every copy this scorer runs (a whole-model
+            copy or shadow, an fp32 decoder layer) is attached to it, so a replay session reaches the copy's routers
+            (R3 under `fp32_clone` replays the sampler's routes), and the fp16 fallback re-scores its rows with their
+            own routes.
+
+    Copies are built lazily, only when the policy's weights are not already in the dtype a mode needs:
+    `fp32_clone` on fp32 weights and `fp32_head`/`guided_fp32` on fp32 weights use no copy at all (they run the
+    policy's own weights outside autocast); on bf16 weights they copy only the modules they upcast (or, for
+    `fp32_clone`, the whole model). `fp16_clone` uses an fp16 copy unless the weights are fp16.
+
+    Raises:
+        ValueError: unknown mode, guided_fp32 without layers, layers with another mode, a layer index out of range,
+            an unknown `copy_storage`, `"per_layer"` with PEFT adapters.
+        NotImplementedError: `"per_layer"` on a sharded policy (its copies are the engine's shadows).
+    """
+
+    def __init__(self, model: nn.Module, mode: str, layers: Iterable[int] | None = None,
+                 policy_autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
+                 sharded: ShardedPolicy | None = None, copy_storage: str = "resident", route_hooks=None):
+        layers = check_scorer_setup(model, mode, layers, copy_storage, sharded)
+        spec = self.spec = MODES[mode]
+        self.model = model
+        self.mode = mode
+        self.sharded = sharded
+        self.copy_storage = copy_storage
+        self._per_layer: dict[torch.dtype, PerLayerCast] = {}
+        if copy_storage == "per_layer" and spec.may_copy_whole_model:
+            self.per_layer_cast(_DTYPES[spec.whole_model_dtype])  # PEFT refused here
+        self.weight_dtype = next(model.parameters()).dtype if sharded is None else sharded.storage_dtype
+        # dtype of the hidden states between layers: the weights' unsharded (fp32 weights stay fp32 under autocast),
+        # the engine's compute dtype sharded (an FSDP bf16 policy hands bf16 weights to fp32-stored parameters)
+        self.hidden_dtype = self.weight_dtype if sharded is None else sharded.compute_dtype
+        self.device_type = next(model.parameters()).device.type
+        self.policy_autocast = policy_autocast or self._default_policy_autocast
+        self.upcast: list[nn.Module] = []
+        self.layers: list[int] = []
+        if spec.runs_fp32_modules:
+            self._anatomy = model_anatomy(model)
+            self.layers = layers
+        self._copies: dict[int, ModuleCopy] = {}  # id(source module) -> copy
+        self.route_hooks = route_hooks
+        self._chunk_start = 0  # first row of the chunk being scored (the fp16 fallback's rows are the chunk's)
+
+    # -- contexts --------------------------------------------------------------------------------------------------
+
+    def _default_policy_autocast(self):
+        if self.weight_dtype == torch.float32:
+            return torch.autocast(self.device_type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _no_autocast(self):
+        return torch.autocast(self.device_type, enabled=False)
+
+    def per_layer_cast(self, dtype: torch.dtype) -> PerLayerCast:
+        """The `PerLayerCast` of the policy to `dtype` (`copy_storage="per_layer"`), built on first use."""
+        if dtype not in self._per_layer:
+            self._per_layer[dtype] = PerLayerCast(self.model, dtype)
+        return self._per_layer[dtype]
+
+    def _copy_of(self, module: nn.Module, dtype: torch.dtype, version: int, whole_model: bool = False) -> nn.Module:
+        key = id(module)
+        if key not in self._copies or self._copies[key].dtype != dtype:
+            self._copies[key] = ModuleCopy(module, dtype, whole_model=whole_model)
+        copy = self._copies[key].get(version)
+        self._attach_routes(copy, None if whole_model else module)
+        return copy
+
+    def _attach_routes(self, runner: nn.Module, source: nn.Module | None) -> None:
+        """Let a replay session reach the routers of what runs in place of the policy: a whole-model copy
+        (`source` None) or what runs decoder layer `source` (a copy, or a ZeRO-3 fp32 runner's skeleton)."""
+        if self.route_hooks is None or runner is self.model or runner is source:
+            return
+        target = runner.__dict__.get("skeleton", runner)  # sharding_zero3.MasterFP32Runner runs its skeleton
+        if source is None:
+            self.route_hooks.attach(target)
+            return
+        layers = model_anatomy(self.model).layers
+        index = next((i for i, layer in enumerate(layers) if layer is source), None)
+        if index is not None:  # the final norm and the head hold no router
+            self.route_hooks.attach(target, layer=index)
+
+    def copies(self) -> list[ModuleCopy]:
+        """The copies built so far (empty when the mode runs on the policy's own weights); sharded: the shadows,
+        whose `num_bytes()` is what this rank keeps."""
+        return list(self._copies.values()) + (self.sharded.copies() if self.sharded is not None else [])
+
+    def extra_bytes(self) -> int:
+        """Memory held by this scorer's copies on this rank, in bytes (0 when the mode needs no copy)."""
+        return sum(c.num_bytes() for c in self.copies())
+
+    def _forward(self, model: nn.Module, input_ids, attention_mask, logits_to_keep: int) -> torch.Tensor:
+        # `bf16` is TRL's own pass and `fp32_head` its body (no position ids); the others count them as generate does
+        positions = not self.spec.trl_layout
+        if self.sharded is None:
+            return plain_forward(model, input_ids, attention_mask, logits_to_keep, positions)
+        kwargs = forward_kwargs(model, input_ids, attention_mask, logits_to_keep, positions)
+        out = self.sharded.forward(model, **kwargs)
+        return out.logits  # (B, T + 1, V)
+
+    # -- one chunk per mode ------------------------------------------------------------------------------------------
+
+    def _logits_full(self, dtype: torch.dtype, input_ids, attention_mask, logits_to_keep, version):
+        """Whole forward in `dtype` outside autocast: the policy itself when its weights are already `dtype`."""
+        if self.sharded is not None:
+            with self.sharded.whole_model(dtype, version) as model, self._no_autocast():
+                self._attach_routes(model, None)
+                return self._forward(model, input_ids, attention_mask, logits_to_keep)
+        if self.weight_dtype == dtype:
+            model, casts = self.model, contextlib.nullcontext(self.model)
+        elif self.copy_storage == "per_layer":
+            model, casts = self.model, self.per_layer_cast(dtype).active()
+        else:
+            model, casts = self._copy_of(self.model, dtype, version, True), contextlib.nullcontext()
+        with casts, self._no_autocast():
+            return self._forward(model, input_ids, attention_mask, logits_to_keep)
+
+    def _logits_policy(self, input_ids, attention_mask, logits_to_keep):
+        with self.policy_autocast():
+            return self._forward(self.model, input_ids, attention_mask, logits_to_keep)
+
+    def _fp32_runner(self, module: nn.Module, version: int, feeds_fp32: bool):
+        """(runner, output dtype) running `module` in fp32: the module itself where its fp32 weights are at hand."""
+        if self.sharded is not None:
+            out_dtype = None if feeds_fp32 or self.hidden_dtype == torch.float32 else self.hidden_dtype
+            runner = self.sharded.fp32_runner(module)
+            self._attach_routes(runner, module)
+            return runner, out_dtype
+        if self.weight_dtype == torch.float32:
+            return module, None  # fp32 weights: just leave autocast; no copy, no cast back
+        return self._copy_of(module, torch.float32, version), None if feeds_fp32 else self.weight_dtype
+
+    def _logits_upcast(self, input_ids, attention_mask, logits_to_keep, version):
+        """The policy's forward with `self.layers`, the final norm and the head in fp32 (fp32_head, guided_fp32)."""
+        a = self._anatomy
+        chain = [a.layers[i] for i in self.layers] + [a.norm, a.head]
+        consumers_fp32 = {id(a.layers[i]) for i in self.layers if i + 1 in self.layers}
+        consumers_fp32 |= {id(a.layers[-1])} if (len(a.layers) - 1) in self.layers else set()
+        consumers_fp32 |= {id(a.norm), id(a.head)}  # norm feeds the fp32 head; head output is the fp32 logits
+        rope_cache: dict = {}
+        with contextlib.ExitStack() as stack:
+            if self.sharded is not None:
+                stack.enter_context(self.sharded.fp32_modules(chain))
+            for module in chain:
+                runner, out_dtype = self._fp32_runner(module, version, id(module) in consumers_fp32)
+                forward = fp32_forward(runner, out_dtype, rope_cache, self.device_type)
+                stack.enter_context(patched_forward(module, forward))
+            if self.layers and a.rotary is not None and self.hidden_dtype != torch.float32:
+                stack.enter_context(patched_forward(a.rotary, rope_fp32_forward(a.rotary, rope_cache)))
+            return self._logits_policy(input_ids, attention_mask, logits_to_keep)
+
+    @torch.no_grad()
+    def head_logprobs(self, hidden: torch.Tensor, completion_ids: torch.Tensor, temperature: float = 1.0,
+                      version: int = 0) -> torch.Tensor:
+        """`fp32_head` from the body's own output: the final norm and the LM head in fp32 applied to `hidden`, the input
+        of the final norm in some forward (the trainer's training forward), exactly as the separate pass applies them
+        (same runners, same casts, same T + 1 positions). Equal to `score(...)` bitwise when `hidden` is what the
+        separate pass's body computes (TRL's layout, no dropout).
+
+        Args:
+            hidden: (b, P+T, H) input of the final norm, any float dtype (detached here).
+            completion_ids: (b, T) int64, the last T tokens of the rows.
+            temperature: TRL's `temperature`.
+            version: the policy's `WeightsVersion` value (bf16-stored weights: the fp32 norm/head copies' sync).
+        Returns:
+            (b, T) fp32 log-probs.
+        Raises:
+            ValueError: the mode is not `fp32_head`, or the policy is sharded (the fp32 modules are gathered under the
+                engine's scoring context, which only the separate pass enters).
+        """
+        if not self.spec.runs_fp32_modules or self.spec.fp32_layers or self.sharded is not None:
+            raise ValueError(f"head_logprobs is the unsharded fp32_head mode's, not {self.mode!r}"
+                             f"{' (sharded)' if self.sharded is not None else ''}")
+        a, T = self._anatomy, completion_ids.size(1)
+        norm, head = (fp32_forward(self._fp32_runner(m, version, True)[0], None, None, self.device_type)
+                      for m in (a.norm, a.head))
+        normed = norm(hidden.detach())  # (b, P+T, H) fp32
+        logits = head(normed[:, -(T + 1):])  # (b, T + 1, V) fp32, the causal LM's `logits_to_keep` slice
+        return completion_logprobs_from_logits(logits, completion_ids, temperature)  # (b, T)
+
+    def _logits_as_trained(self, input_ids, attention_mask, logits_to_keep):
+        """The policy's logits as its training forward computes them: training autocast, TRL's inputs (no position
+        ids)."""
+        with self.policy_autocast():
+            if self.sharded is None:
+                return plain_forward(self.model, input_ids, attention_mask, logits_to_keep, False)
+            kwargs = forward_kwargs(self.model, input_ids, attention_mask, logits_to_keep, False)
+            return self.sharded.forward(self.model, **kwargs).logits  # (b, T + 1, V)
+
+    def _chunk_logprobs(self, input_ids, attention_mask, logits_to_keep, temperature, version, kept=None,
+                        penalty=None, compare_policy=False):
+        """(b, T) fp32 log-probs of one chunk and the number of its rows re-scored in fp32; with `kept` (KeptSets
+        of the chunk's rows, or the sampler's SamplingSettings to recompute them from these logits), also the
+        `KeptLogprobs`; with `compare_policy`, also the full-vocabulary divergences to the policy's own logits."""
+        logps, n_fallback, logits = self._chunk_full(input_ids, attention_mask, logits_to_keep, temperature, version)
+        full = None
+        if compare_policy:  # both (b, T, V) distributions are at hand only here, chunk by chunk
+            policy = self._logits_as_trained(input_ids, attention_mask, logits_to_keep)
+            full = full_vocab_divergence(policy[:, :-1], logits[:, :-1], temperature=temperature)
+        if kept is None:
+            return logps, n_fallback, None, full
+        completion = attention_mask[:, -logits_to_keep:].bool()  # (b, T)
+        on_kept = logprobs_on_kept_sets(logits[:, :-1], input_ids[:, -logits_to_keep:], kept, temperature, completion,
+                                        penalty)
+        return logps, n_fallback, on_kept, full
+
+    def _chunk_full(self, input_ids, attention_mask, logits_to_keep, temperature, version):
+        completion_ids = input_ids[:, -logits_to_keep:]  # (b, T)
+        if self.spec.trl_pass:
+            logits = self._logits_policy(input_ids, attention_mask, logits_to_keep)
+        elif self.spec.whole_model_dtype is not None:
+            logits = self._logits_full(_DTYPES[self.spec.whole_model_dtype], input_ids, attention_mask,
+                                       logits_to_keep, version)
+        else:
+            logits = self._logits_upcast(input_ids, attention_mask, logits_to_keep, version)
+        logps = completion_logprobs_from_logits(logits, completion_ids, temperature)  # (b, T)
+        if not self.spec.overflows:
+            return logps, 0, logits
+        # fp16 overflow (activations past 65,504) must never reach the ratio: re-score such rows in fp32
+        scored = attention_mask[:, -logits_to_keep:].bool()  # (b, T)
+        bad = (~torch.isfinite(logps) & scored).any(dim=1)  # (b,)
+        n_bad = int(bad.sum())
+        # sharded, every rank must run the same forwards: all re-score when any has a bad row (a rank-local fallback
+        # deadlocks); a rank without one re-scores its first row and drops the result
+        if (n_bad if self.sharded is None else self.sharded.sum_over_ranks(n_bad)) == 0:
+            return logps, 0, logits
+        rows = bad.nonzero().squeeze(1) if n_bad else torch.zeros(1, dtype=torch.long, device=bad.device)
+        with self._route_rows(rows):  # a replay session serves these rows their own routes
+            logits32 = self._logits_full(torch.float32, input_ids[rows], attention_mask[rows], logits_to_keep,
+                                         version)
+        if n_bad:
+            logps[rows] = completion_logprobs_from_logits(logits32, completion_ids[rows], temperature)
+            logits = logits.float()
+            logits[rows] = logits32.float()
+        return logps, n_bad, logits
+
+    def _route_rows(self, rows: torch.Tensor):
+        """Within the block, a replay session's forward takes the chunk's rows `rows` (indices into the whole batch
+        this `score` call scores)."""
+        if self.route_hooks is None:
+            return contextlib.nullcontext()
+        return self.route_hooks.serving_rows(rows + self._chunk_start)
+
+    # -- public ------------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, *,
+              temperature: float = 1.0, batch_size: int | None = None, version: int = 0,
+              kept: KeptSets | SamplingSettings | None = None, penalty: RepetitionPenalty | None = None,
+              compare_policy: bool = False) -> ScoreResult:
+        """Old log-probs of the last `logits_to_keep` tokens of each row.
+
+        Args:
+            input_ids: (B, P+T) int64, prompts left-padded and completions right-padded (as TRL builds them).
+            attention_mask: (B, P+T) 0/1.
+            logits_to_keep: T, the number of completion positions.
+            temperature: divides the logits before the log-softmax (TRL's `temperature`).
+            batch_size: rows per forward chunk (TRL uses `per_device_train_batch_size`); None = all rows at once.
+            version: the policy's optimizer-step count; copies synced at another version are refreshed first.
+            kept: optional `grpo_ratio.corrections.kept_sets.KeptSets` (B, T) of the sampler's kept sets, or the sampler's
+                `SamplingSettings` to recompute them from this pass's logits; then the result also holds the (B, T) log-probs
+                renormalised over them (truncation correction) and the sets used.
+            penalty: with `kept`, the sampler's repetition penalty over the same rows (`grpo_ratio.corrections.processors`),
+                re-applied before temperature and the kept set.
+            compare_policy: also run the policy's own forward on each chunk (training autocast) and return the exact
+                full-vocabulary divergences between the two distributions (`ScoreResult.full_vocab`; one more
+                forward per chunk).
+        Returns:
+            `ScoreResult`: (B, T) fp32 full-vocabulary log-probs (values at padded positions are whatever the forward
+            gives), the rows re-scored in fp32, and the kept-set log-probs (`KeptLogprobs`) when `kept` is given.
+        """
+        batch_size = batch_size or input_ids.size(0)
+        chunks, kept_chunks, full_chunks, fallback = [], [], [], 0
+        sharding = contextlib.nullcontext() if self.sharded is None else self.sharded.scoring()
+        deterministic = eval_mode(self.model) if not self.spec.trl_pass else contextlib.nullcontext()  # bf16: TRL's pass
+        with deterministic, sharding:
+            for start in range(0, input_ids.size(0), batch_size):
+                sl = slice(start, start + batch_size)
+                self._chunk_start = start
+                rows = kept if not isinstance(kept, KeptSets) else kept.select_rows(
+                    range(sl.start, min(sl.stop, input_ids.size(0))))
+                logps, n, kept_logps, full = self._chunk_logprobs(input_ids[sl], attention_mask[sl], logits_to_keep,
+                                                                  temperature, version, rows,
+                                                                  None if penalty is None else penalty.rows(sl),
+                                                                  compare_policy)
+                chunks.append(logps)
+                full_chunks.append(full)
+                kept_chunks.append(kept_logps)
+                fallback += n
+        logps = torch.cat(chunks, dim=0)  # (B, T)
+        full = tuple(torch.cat(parts, dim=0) for parts in zip(*full_chunks)) if compare_policy else None  # (B, T) x 3
+        if kept is None:
+            return ScoreResult(logps=logps, fallback_rows=fallback, full_vocab=full)
+        added = [k.added for k in kept_chunks]
+        kept_logps = torch.cat([k.logps for k in kept_chunks], dim=0)  # (B, T)
+        on_kept = KeptLogprobs(kept_logps, concat_kept_sets([k.kept for k in kept_chunks]),
+                               added=None if added[0] is None else torch.cat(added, dim=0),
+                               log_mass=logps - kept_logps)  # log M = log p_full(g) - log p_S(g)
+        return ScoreResult(logps=logps, fallback_rows=fallback, on_kept=on_kept, full_vocab=full)
+
+
+def score_completion_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                              logits_to_keep: int, *, mode: str, temperature: float = 1.0,
+                              batch_size: int | None = None, layers: Iterable[int] | None = None,
+                              policy_autocast: Callable | None = None) -> torch.Tensor:
+    """One-shot scoring outside any trainer (the probes use this). Shapes and modes as `OldLogprobScorer.score`.
+
+    Returns:
+        (B, T) fp32 log-probs of the last `logits_to_keep` tokens of `input_ids` under `mode`.
+    """
+    scorer = OldLogprobScorer(model, mode, layers=layers, policy_autocast=policy_autocast)
+    return scorer.score(input_ids, attention_mask, logits_to_keep, temperature=temperature,
+                        batch_size=batch_size).logps
+
+
+def check_text_only(args: tuple, kwargs: dict) -> None:
+    """Refuse image inputs where a scoring mode computes the old log-probs (its forward passes text only): `args` and
+    `kwargs` are what TRL passed to `_get_per_token_logps_and_entropies` beyond the text inputs.
+
+    Raises:
+        NotImplementedError: an image (or other non-text) input is present.
+    """
+    if any(v is not None for v in args) or any(v is not None for v in kwargs.values() if not isinstance(v, bool)):
+        raise NotImplementedError("old_logprob_mode other than 'bf16' supports text-only models")
