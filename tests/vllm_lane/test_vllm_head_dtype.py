@@ -67,8 +67,10 @@ def test_head_dtype_override_puts_the_lm_head_in_fp32_on_smollm2(smollm2_dir, ca
         for name, gap in gaps.items():
             print(f"\n[SmolLM2, vLLM {name}] |sampler - fp32_head old| mean {gap.mean():.4f}, max {gap.max():.4f} "
                   f"({gap.numel()} tokens)")
-    # measured on a 2-core CPU: 0.040 (bf16 head) -> 0.030 (fp32 head); the rest is the bf16 body (fp32 engine: 0.017)
-    assert gaps["fp32"].mean() < gaps["bf16 + fp32 head"].mean() < 0.9 * gaps["bf16"].mean()
+    # the fp32 head closes part of the gap, the fp32 body the rest; the head's share depends on the CPU's bf16 kernels.
+    # Measured (this test's output): 0.040 (bf16 head) -> 0.030 (fp32 head), fp32 engine 0.017 on a 2-core Intel Xeon
+    # with AMX; 0.0353 -> 0.0326, fp32 engine 0.0176 on a 2-core AMD EPYC with AVX512-BF16
+    assert gaps["fp32"].mean() < gaps["bf16 + fp32 head"].mean() < gaps["bf16"].mean()
 
 
 @pytest.mark.parametrize("head_fp32", [False, True])
