@@ -38,7 +38,8 @@ TRL_ATTRIBUTES = {
     "use_transformers_continuous_batching": "the generation backend (plan)",
     "vllm_mode": "colocate vs server (the colocate engine's dtype)",
     "vllm_generation": "`.llm`: the colocate engine (its generate is wrapped; `.llm_engine.model_config.dtype` and "
-                       "`.head_dtype`)",
+                       "`.head_dtype`); `.vllm_client.get_server_info()` in server mode: the server's logprobs_mode "
+                       "(checks.check_server_logprobs)",
     "vllm_importance_sampling_mode": "the IS weights recomputed after lift_sampler",
     "vllm_importance_sampling_clip_min": "the IS weights recomputed after lift_sampler",
     "vllm_importance_sampling_clip_max": "the IS weights recomputed after lift_sampler",

@@ -43,7 +43,7 @@ from .modes import (
 )
 from .old_pass.adapters import has_adapters
 from .old_pass.copies import COPY_STORAGES
-from .old_pass.forward import active_dropout, logit_transforms, model_anatomy
+from .old_pass.forward import active_dropout, attention_refusing_fp32, logit_transforms, model_anatomy
 from .old_pass.layer_spec import resolve_layer_spec
 from .old_pass.scorer import check_scorer_setup
 from .old_pass.sharding.engines import engine_of
@@ -288,10 +288,9 @@ def _check_truncation(args) -> None:
     Raises:
         ValueError: a correction without recorded kept sets (`record_sampler_logprobs=False` on the
             transformers path); with vLLM, server mode (TRL calls vLLM's OpenAI `/v1/completions`, whose response
-            carries no sampling mask) or tensor parallelism > 1 (the captured outputs would hold other ranks'
-            rows).
-    Warns (UserWarning): vLLM with top_k = 0 (vLLM returns sampling masks only for requests with top_k > 0); a
-        `kept_set_source` other than "auto" without a correction (it has no effect).
+            carries no sampling mask), tensor parallelism > 1 (the captured outputs would hold other ranks'
+            rows) or top_k <= 0 (`_check_vllm_mask_top_k`).
+    Warns (UserWarning): a `kept_set_source` other than "auto" without a correction (it has no effect).
 
     Checks that need the sampling settings generation really uses (on the transformers path the model's own
     `generation_config` fills unset fields) run when the trainer is built (`grpo_ratio.checks`).
@@ -317,10 +316,28 @@ def _check_truncation(args) -> None:
     if args.vllm_tensor_parallel_size != 1:
         raise ValueError(f"truncation_correction with vLLM colocate supports vllm_tensor_parallel_size=1, got "
                          f"{args.vllm_tensor_parallel_size}")
-    top_k = (args.generation_kwargs or {}).get("top_k", args.top_k)
+    _check_vllm_mask_top_k(args, correction)
+
+
+def _check_vllm_mask_top_k(args, correction: str) -> None:
+    """vLLM's sampling masks (`return_sampling_mask`, the `"recorded"` kept sets with vLLM) exist only for requests
+    with top_k > 0: vLLM 0.33/0.34 refuse every other request at the first generation ("sampling distribution replay
+    requires top_k > 0", vllm/v1/engine/input_processor.py), after the engine was built. TRL sends the same sampling
+    fields for training and evaluation (GRPOConfig has no separate eval generation kwargs), and `generation_kwargs`
+    overrides `top_k` in both.
+
+    Raises:
+        ValueError: the effective top_k (`generation_kwargs["top_k"]`, else `top_k`) is not > 0, naming where it was
+            read and the two fixes.
+    """
+    gen = args.generation_kwargs if isinstance(args.generation_kwargs, dict) else {}
+    where, top_k = ("generation_kwargs['top_k']", gen["top_k"]) if "top_k" in gen else ("top_k", args.top_k)
     if not top_k or top_k < 0:
-        warnings.warn("vLLM returns sampling masks only for requests with top_k > 0; set top_k (e.g. 1024) with "
-                      "top_p", stacklevel=4)
+        raise ValueError(f"truncation_correction={correction!r} with kept_set_source='recorded' on vLLM needs "
+                         f"{where} > 0, got {top_k!r}: vLLM returns sampling masks only for requests with top_k > 0 "
+                         f"and refuses the first training or evaluation request otherwise. Set top_k (e.g. "
+                         f"top_k=1024, which keeps every token top_p keeps on most steps), or "
+                         f"kept_set_source='recompute'")
 
 
 def _whole(value) -> bool:
@@ -627,6 +644,49 @@ def check_mode_precision(args, trainer_dtype: torch.dtype) -> None:
         "modes are for bf16/fp16 training; in fp32 use old_logprob_mode='bf16' (TRL's own, r = 1 exactly)", mode, what)
 
 
+def sampler_logprob_uses(args) -> list[str]:
+    """The settings that compute with the sampler's per-token log-probs beyond the diagnostics, as `field=value`: the
+    sampler arm (they are the old log-probs), `lift_sampler` (they are lifted by log M_old) and an `is_correction`
+    (they are the weight's denominator)."""
+    uses = [f"old_logprob_mode={SAMPLER_MODE!r}"] if MODES[args.old_logprob_mode].is_sampler else []
+    if args.truncation_correction == "lift_sampler":
+        uses.append("truncation_correction='lift_sampler'")
+    if getattr(args, "is_correction_spec", None) is not None:
+        uses.append(f"is_correction={args.is_correction!r}")
+    return uses
+
+
+def check_server_logprobs(trainer) -> None:
+    """vLLM server mode where the run computes with the sampler's log-probs (`sampler_logprob_uses`): refuse a
+    server that does not return processed log-probs. `vllm serve` defaults to `--logprobs-mode raw_logprobs` (the
+    model's distribution before temperature, penalties and top_k/top_p/min_p); `trl vllm-serve` passes
+    `processed_logprobs`. TRL reads the mode only for its own IS correction, and only warns; the sampler arm turns
+    that correction off. The main process asks the server (`VLLMClient.get_server_info()`, its `/server_info`), as
+    TRL does; every process learns the answer, so all of them stop.
+
+    Raises:
+        ValueError: the server's `logprobs_mode` is not `processed_logprobs`, naming the settings that need it and
+            the flag.
+    """
+    args = trainer.args
+    uses = sampler_logprob_uses(args)
+    if not (args.use_vllm and args.vllm_mode == "server" and uses):
+        return
+    client = getattr(getattr(trainer, "vllm_generation", None), "vllm_client", None)  # the main process's
+    mode = client.get_server_info()["model_config"]["logprobs_mode"] if client is not None else None
+    if trainer.accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        mode = broadcast_object_list([mode], from_process=0)[0]
+    if mode != "processed_logprobs":
+        where = f" at {client.base_url}" if client is not None else ""
+        raise ValueError(f"{', '.join(uses)} computes with the vLLM server's sampler log-probs, but the server{where} "
+                         f"runs with --logprobs-mode {mode}: it returns the log-probs of another distribution than "
+                         f"the one it sampled from (raw_logprobs, plain `vllm serve`'s default: before temperature, "
+                         f"penalties and top_k/top_p/min_p). Restart it with `--logprobs-mode processed_logprobs` "
+                         f"(`trl vllm-serve` passes it)")
+
+
 def check_r2_has_an_old_pass(plan) -> None:
     """Warn when `routing_replay="R2"` has nothing to replay: R2 replays the old pass's routes in the updates, and in
     TRL's on-policy default with `old_logprob_mode="bf16"` (or `fp32_head` fused) no old pass runs; the one update
@@ -643,8 +703,9 @@ def check_r2_has_an_old_pass(plan) -> None:
 def lint_trainer(trainer, policy: nn.Module) -> None:
     """Every start-up check of a `RatioGRPOTrainer` that needs the model (the config-only ones ran in the config):
     the LM head for a correction, the sampling settings and logits processors the rollouts use, dropout, positions,
-    a calibration file made for another model, the vLLM engine's dtypes, FSDP2's bf16 rounding, a scoring mode in an
-    fp32 run. Warns or raises as each check documents."""
+    a calibration file made for another model, the vLLM engine's dtypes and the server's log-probs, FSDP2's bf16
+    rounding, a scoring mode in an fp32 run, a copy mode on a quantized base, fp32 passes under FlashAttention, an engine
+    other than the one the launch asked for. Warns or raises as each check documents."""
     args, sampling, plan = trainer.args, trainer.plan.sampling, trainer.plan
     check_head_is_linear(args.truncation_correction, policy.config)
     check_sampling(args, sampling)
@@ -656,10 +717,65 @@ def lint_trainer(trainer, policy: nn.Module) -> None:
     engine_dtype, engine_head_dtype = colocate_engine_dtypes(trainer)
     trainer_dtype = training_dtype(args, policy)
     check_vllm(args, engine_dtype, trainer_dtype, engine_head_dtype)
+    check_server_logprobs(trainer)
     check_fsdp2_rounding(engine_of(trainer.accelerator), args, plan.anchor_is_policy)
     check_cpu_precision(args, trainer.accelerator.device.type)
     check_mode_precision(args, trainer_dtype)
+    check_quantized_copy(policy, args.old_logprob_mode)
+    check_fp32_attention(policy, args.old_logprob_mode)
     check_r2_has_an_old_pass(plan)
+    check_engine(trainer.accelerator)
+
+
+def engine_asked() -> list[str]:
+    """The sharding engines the launch asked accelerate for: `"FSDP"` / `"DeepSpeed"` where `ACCELERATE_USE_FSDP` /
+    `ACCELERATE_USE_DEEPSPEED` is true (`accelerate launch` sets them from its config file; transformers'
+    `TrainingArguments` from `fsdp` / `deepspeed`)."""
+    import os
+
+    wanted = (("FSDP", "ACCELERATE_USE_FSDP"), ("DeepSpeed", "ACCELERATE_USE_DEEPSPEED"))
+    return [name for name, var in wanted if os.environ.get(var, "false").lower() in ("1", "true", "yes")]
+
+
+def check_engine(accelerator) -> str | None:
+    """Say at start (a `grpo_ratio` logger warning) when the launch asked for FSDP or DeepSpeed and accelerate set up
+    another engine: on a CPU accelerate 1.16 keeps `MULTI_CPU` under an FSDP config (FSDP is set only in its GPU
+    branches) and trains plain DDP, every process holding the whole model, with nothing else said. Accelerate's state
+    is final once the trainer is built and decides how `prepare` wraps the model in `train()`, so this is said before
+    any step. Returns the message, or None.
+    """
+    from accelerate.utils import DistributedType
+
+    asked = engine_asked()
+    got = accelerator.state.distributed_type
+    if not asked or got in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        return None
+    n = accelerator.num_processes
+    named = {DistributedType.NO: "a single process, no distributed engine",
+             DistributedType.MULTI_CPU: f"plain DDP on {n} CPU processes (gloo)",
+             DistributedType.MULTI_GPU: f"plain DDP on {n} GPUs"}.get(got, f"{got} on {n} processes")
+    message = (f"the launch asked for {' and '.join(asked)} (accelerate config / ACCELERATE_USE_* environment), but "
+               f"accelerate set up {named} (distributed_type={got.value}): the model will not be sharded, every "
+               f"process holds and trains all of it. On CPU processes accelerate sets up FSDP and DeepSpeed in its "
+               f"GPU branches only (docs/distributed.md, 'What is tested, and how'); use a GPU machine, or "
+               f"a DDP config to say what runs")
+    logging.getLogger("grpo_ratio").warning(message)
+    return message
+
+
+def check_train_again(engine: str, trained: bool) -> None:
+    """Refuse a second `train()` of one trainer under DeepSpeed ZeRO-3 before it starts: it fails in stock TRL too,
+    deep inside transformers (accelerate's `deepspeed_engine_wrapped` is None after the first run's engine is torn
+    down), after the model was re-prepared.
+
+    Raises:
+        RuntimeError: naming ZeRO-3 and what works (a new trainer, resuming from a checkpoint).
+    """
+    if engine == "zero3" and trained:
+        raise RuntimeError("train() was already called on this trainer, and under DeepSpeed ZeRO-3 a second train() "
+                           "cannot run (stock TRL's GRPOTrainer fails there too: the first run's DeepSpeed engine is "
+                           "gone). Build a new trainer for the next run; to continue this one, save checkpoints "
+                           "(save_strategy) and pass train(resume_from_checkpoint=...) to the new trainer")
 
 
 def check_sharded_mode(accelerator, model: nn.Module, args) -> None:
@@ -834,3 +950,49 @@ def check_processors(processors: Mapping[str, object], correction: str, recorded
     warnings.warn(f"the sampler applies logits processors that reshape its distribution ({parts}; from the "
                   f"{source}); {why} (docs/truncation.md, 'Logits processors').", stacklevel=3)
     return named
+
+
+def is_quantized(model: nn.Module) -> bool:
+    """A quantized base (bitsandbytes 4/8-bit as QLoRA loads it, GPTQ, AWQ, ...): transformers' `is_quantized` /
+    `hf_quantizer`, or a `quantization_config` on the config; a PEFT model is read through its base model."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(base, "config", None)
+    return bool(getattr(base, "is_quantized", False) or getattr(base, "hf_quantizer", None) is not None
+                or getattr(config, "quantization_config", None) is not None)
+
+
+def check_quantized_copy(model: nn.Module, mode: str) -> None:
+    """Refuse a scoring mode that copies quantized modules on a quantized base: a whole-model copy (`fp32_clone`,
+    `fp16_clone`: `MODES[mode].may_copy_whole_model`) or fp32 copies of decoder layers (`guided_fp32`) would cast
+    packed 4/8-bit storage, and would not be the policy in another dtype anyway. `fp32_head` copies only the final norm
+    and the LM head, which quantization leaves in their dtype.
+
+    Raises:
+        ValueError: naming the mode, the quantization and what works.
+    """
+    spec = MODES[mode]
+    if not (spec.may_copy_whole_model or spec.fp32_layers) or not is_quantized(model):
+        return
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    quantization = getattr(base.config, "quantization_config", None)
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(quantization, "quant_method",
+                                                                                             None)
+    method = getattr(method, "value", method)  # transformers' QuantizationMethod enum
+    raise ValueError(f"old_logprob_mode={mode!r} copies the model's modules in another dtype, but the base model is "
+                     f"quantized ({method or 'quantization_config'}): a copy would cast its packed weights. Use "
+                     f"old_logprob_mode='fp32_head' (final norm and LM head in fp32; quantization leaves them as they "
+                     f"are) or 'bf16' (docs/compatibility.md)")
+
+
+def check_fp32_attention(model: nn.Module, mode: str) -> str | None:
+    """Say at start (the `grpo_ratio` logger, info) when the mode's passes run attention in fp32 (a whole fp32 forward,
+    fp32 decoder layers, `fp16_clone`'s fp32 re-scoring) and the model's `attn_implementation` refuses fp32 inputs
+    (FlashAttention): those passes run `sdpa` (`old_pass.forward.ieee_fp32`), the training forward keeps its kernel.
+    Returns the refusing implementation's name, or None."""
+    spec = MODES[mode]
+    name = attention_refusing_fp32(model) if (spec.whole_model_dtype is not None or spec.fp32_layers) else None
+    if name is not None:
+        logging.getLogger("grpo_ratio").info(
+            f"old_logprob_mode={mode!r} runs attention in fp32 and attn_implementation={name!r} takes fp16/bf16 only: "
+            f"its old passes run attn_implementation='sdpa' (IEEE fp32), the training forward keeps {name!r}")
+    return name

@@ -113,7 +113,8 @@ class RatioGRPOConfig(GRPOConfig):
     ratio_gate_patience (`int`, *optional*, defaults to `1`):
         Consecutive failing logged steps that trip the gate.
     ratio_gate_action (`str`, *optional*, defaults to `"warn"`):
-        `"warn"` or `"stop"` (end training after the step that tripped the gate).
+        `"warn"` or `"stop"` (end training after the step that tripped the gate; `grpo-ratio train` then exits with
+        status 3 and `run.json` records the check under `stopped_by_gate`).
     """
 
     old_logprob_mode: str = field(
@@ -275,7 +276,8 @@ class RatioGRPOConfig(GRPOConfig):
     )
     ratio_gate_action: str = field(
         default="warn",
-        metadata={"help": "What a tripped ratio_gate does: 'warn' or 'stop' (end training after that step).",
+        metadata={"help": "What a tripped ratio_gate does: 'warn' or 'stop' (end training after that step; grpo-ratio "
+                  "train then exits with status 3 and run.json records the check as stopped_by_gate).",
                   "choices": list(GATE_ACTIONS)},
     )
 

@@ -36,7 +36,7 @@ import torch
 from trl import GRPOTrainer
 
 from ._compat import trl_is_weight_gate
-from .checks import check_old_pass, check_run, check_sharded_mode, check_train_dataset, lint_trainer
+from .checks import check_old_pass, check_run, check_sharded_mode, check_train_again, check_train_dataset, lint_trainer
 from .config import RatioGRPOConfig
 from .corrections.is_correction import importance_weights
 from .corrections.kept_logprobs import lift_sampler_logprobs
@@ -49,7 +49,7 @@ from .models import trainer_model_source
 from .modes import FP32_HEAD
 from .old_pass.copies import WeightsVersion, WeightsVersionCallback
 from .old_pass.fused_head import capture_norm_inputs, fused_head_fallback, fused_old_logps, say_fused_head
-from .old_pass.kept_head import capture_last_hidden, kept_set_logps_from_hidden
+from .old_pass.kept_head import capture_last_hidden, kept_set_logps_of_chunks
 from .old_pass.scorer import OldLogprobScorer, check_text_only
 from .old_pass.sharding.engines import engine_of, sharded_policy
 from .old_pass.sharding.fsdp2 import fp32_logprob_output
@@ -85,7 +85,7 @@ class RatioHooks:
         # the MoE policy's routes: replayed (R2/R3) and measured (ratio/route/*); inactive for a dense policy
         self.routing = RoutingReplay(policy, args.routing_replay, measure=args.ratio_diagnostics)
         capture = self.plan.vllm_masks or self.plan.sampler_routes == VLLM
-        self._vllm_capture = VLLMOutputCapture(self.vllm_generation.llm) if capture else None
+        self._vllm_capture = VLLMOutputCapture(self.vllm_generation.llm, self.accelerator.device) if capture else None
         lint_trainer(self, policy)  # start-up checks that need the model (config-only ones ran in the config)
         # copies are refreshed whenever the policy's weights may have changed (copies.WeightsVersion)
         self.weights_version = WeightsVersion()
@@ -416,11 +416,10 @@ class RatioHooks:
         with capture_last_hidden(unwrapped) as hidden:
             logps, entropies, aux = super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, *args, **kwargs)
-        hidden = torch.cat(hidden, dim=0)[:, -logits_to_keep - 1 : -1]  # (B, T, H) positions predicting the T tokens
-        on_kept = kept_set_logps_from_hidden(
-            unwrapped, hidden, input_ids[:, -logits_to_keep:], kept, self.temperature,
-            self.args.cast_lm_head_to_fp32, self.accelerator.autocast, attention_mask[:, -logits_to_keep:].bool(),
-            self._penalty(input_ids, attention_mask))
+        # one forward chunk of TRL's at a time, each projected K cells at a time: never the batch's (B, T, V) logits
+        on_kept = kept_set_logps_of_chunks(
+            unwrapped, hidden, input_ids, attention_mask, logits_to_keep, kept, self.temperature,
+            self.args.cast_lm_head_to_fp32, self.accelerator.autocast, self._penalty(input_ids, attention_mask))
         on_kept.log_mass = (logps - on_kept.logps).detach()  # (B, T) log M = log p_full(g) - log p_S(g)
         return self.plan.corrected_logps(logps, on_kept.logps), entropies, aux, on_kept
 
@@ -500,6 +499,8 @@ class RatioGRPOTrainer(RatioHooks, GRPOTrainer):
             (`grpo_ratio.models.trainer_model_source`).
         NotImplementedError: a sharded combination a mode cannot be exact in (`grpo_ratio.checks.check_sharded_mode`:
             FSDP1, PEFT or fp16 under FSDP2/ZeRO-3, parameter offload).
+        RuntimeError (`train`): a second `train()` of one trainer under DeepSpeed ZeRO-3
+            (`grpo_ratio.checks.check_train_again`).
     """
 
     _tag_names = ["trl", "grpo", "grpo-ratio"]
@@ -520,3 +521,10 @@ class RatioGRPOTrainer(RatioHooks, GRPOTrainer):
         with vllm_engine_kwargs(**engine_kwargs) if engine_kwargs else contextlib.nullcontext():
             super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         self._init_ratio(args)
+        self._train_calls = 0  # a second train() under ZeRO-3 is refused up front (`checks.check_train_again`)
+
+    def train(self, *args, **kwargs):
+        """`trl.GRPOTrainer.train`; under DeepSpeed ZeRO-3 only once per trainer (`checks.check_train_again`)."""
+        check_train_again(engine_of(self.accelerator), self._train_calls > 0)
+        self._train_calls += 1
+        return super().train(*args, **kwargs)

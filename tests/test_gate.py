@@ -6,6 +6,7 @@ Run: pytest tests/test_gate.py -q
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -50,6 +51,28 @@ def test_scopes_on_a_literal_history():
     missing = evaluate(parse_check("ratio/typo<=1"), HISTORY)
     assert not missing.passed and "never logged" in missing.describe()
     assert not evaluate(parse_check("ratio/z<=1"), [{"step": 1, "ratio/z": math.nan}]).passed  # NaN never passes
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("check", ["max:ratio/x<=0.05", "min:ratio/x>=0", "first:ratio/x<1e-8", "last:ratio/x<=0.05",
+                                   "mean:ratio/x<=0.05", "ratio/x<=0.05", "max:ratio/x!=inf"])
+def test_a_non_finite_value_fails_every_scope(check, bad):
+    # a run that diverged at step 3 (NaN or inf logged there and after): before, max/min skipped a NaN (Python's max
+    # never picks it) and first judged step 1 alone, so the run passed its gate
+    history = [{"step": 1, "ratio/x": 0.0}, {"step": 2, "ratio/x": 0.01}, {"step": 3, "ratio/x": bad},
+               {"step": 4, "ratio/x": bad}]
+    result = evaluate(parse_check(check), history)
+    assert not result.passed and result.non_finite == [(3, bad), (4, bad)] and result.step == 3
+    assert f"2 of 4 logged steps are not finite: {bad} at step 3, {bad} at step 4" in result.describe()
+    assert evaluate(parse_check(check), history[:2]).passed  # the same check passes the finite steps
+
+
+def test_report_check_fails_a_run_that_logged_nan(tmp_path, capsys):
+    # the report reads NaN back from log_history.json (json writes NaN / Infinity) and exits 1
+    history = [{"step": 1, "ratio/x": 0.0}, {"step": 2, "ratio/x": math.nan}]
+    (tmp_path / "log_history.json").write_text(json.dumps(history))
+    assert main([str(tmp_path), "--check", "max:ratio/x<=0.05", "--check", "min:ratio/x>=0"]) == 1
+    assert "2 of 2 checks failed." in capsys.readouterr().out
 
 
 def test_thresholds_files(tmp_path):
@@ -168,3 +191,50 @@ def test_callback_warns_and_training_goes_on(tmp_path):
         trainer.train()
     # the failing check trips once per streak (one streak of 3 steps), the passing first-step check never
     assert trainer.state.global_step == 3 and len(gate.tripped) == 1
+
+
+def test_a_gate_stop_is_a_non_zero_exit_of_the_entry_point_and_in_the_run_record(tmp_path):
+    # trainers/grpo.py on a tiny model, as a CI job runs it: a check that fails at every step stops training at step
+    # 1; before, the script printed "Training completed.", exited 0 and its run.json said nothing of the gate
+    from grpo_ratio.diagnostics.run_record import GATE_STOP_EXIT_CODE, STOPPED_BY_GATE
+    from grpo_ratio.testing import tiny_model, tiny_tokenizer
+
+    model_dir = tmp_path / "tiny"
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                               "{% if add_generation_prompt %}assistant: {% endif %}")
+    tiny_model("qwen2").save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    out = tmp_path / "run"
+    root = Path(__file__).parents[1]
+    cmd = [sys.executable, str(root / "trainers" / "grpo.py"), "--config",
+           str(root / "recipes/smollm2-135m/arithmetic/bf16.yaml"), "--model_name_or_path", str(model_dir),
+           "--output_dir", str(out), "--report_to", "none", "--max_steps", "3", "--max_completion_length", "8",
+           "--num_examples", "16", "--save_final_model", "false", "--ratio_gate", "ratio/new_old/num_tokens<1",
+           "--ratio_gate_action", "stop"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == GATE_STOP_EXIT_CODE == 3, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "Training completed." not in proc.stdout
+    assert ("grpo-ratio train: stopped by the ratio gate at step 1: ratio/new_old/num_tokens<1 failed "
+            "(ratio_gate_action='stop'); outputs are saved, exit status 3") in proc.stderr
+    record = json.loads((out / "run.json").read_text())
+    assert record[STOPPED_BY_GATE] == "ratio/new_old/num_tokens<1"
+    assert record["train_ended"] is True and record["completed"] is True  # every output written
+    assert len(json.loads((out / "log_history.json").read_text())) >= 1 and (out / "metrics.png").is_file()
+
+
+def test_the_run_record_says_no_gate_stop_after_a_second_train(tmp_path):
+    # a script of your own: the trainer's gate writes the stop into run.json; a later train() that runs to its end
+    # sets it back to null
+    from grpo_ratio.diagnostics.run_record import STOPPED_BY_GATE, read_run_record
+
+    trainer = tiny_trainer(tmp_path, max_steps=1, ratio_gate=["ratio/new_old/num_tokens<1"], ratio_gate_action="stop")
+    with pytest.warns(UserWarning, match="stopping training"):
+        trainer.train()
+    gate = next(c for c in trainer.callback_handler.callbacks if isinstance(c, RatioGateCallback))
+    assert gate.stopped_by == "ratio/new_old/num_tokens<1"
+    assert read_run_record(trainer.args.output_dir)[STOPPED_BY_GATE] == "ratio/new_old/num_tokens<1"
+    gate.checks = [parse_check("ratio/new_old/num_tokens>=1")]  # passes every step
+    trainer.train()
+    assert gate.stopped_by is None and read_run_record(trainer.args.output_dir)[STOPPED_BY_GATE] is None

@@ -182,25 +182,26 @@ def _direct_full_vocab(policy_logits, old_logits, valid, temperature):
 
 def test_logged_full_vocabulary_divergence_equals_the_two_passes_logits(tmp_path, monkeypatch):
     # a real run of 2 optimizer steps on one generation (num_iterations=2): the spy keeps the logits the scoring pass
-    # held, the mode's (fp32 copy) and the policy's own (bf16 autocast); the logged ratio/new_old/full_* of step 1 are
-    # their token means over the valid tokens, to 1e-6; step 2 (second inner step, no old pass) logs none of them
+    # read, the mode's (fp32 copy) and the policy's own (bf16 autocast), materialised here from the hidden states and
+    # head maps the pass held (it never builds them whole); the logged ratio/new_old/full_* of step 1 are their token
+    # means over the valid tokens, to 1e-6; step 2 (second inner step, no old pass) logs none of them
     seen = {"old": [], "policy": [], "valid": []}
-    full, as_trained = OldLogprobScorer._chunk_full, OldLogprobScorer._logits_as_trained
+    full, as_trained = OldLogprobScorer._chunk_full, OldLogprobScorer._head_as_trained
 
     def spy_full(self, input_ids, attention_mask, logits_to_keep, temperature, version):
         result = full(self, input_ids, attention_mask, logits_to_keep, temperature, version)
-        seen["old"].append(result[2][:, :-1].detach().clone())  # (b, T, V)
+        seen["old"].append(result[2].materialize().detach().clone())  # (b, T, V)
         seen["valid"].append(valid_token_mask(input_ids[:, -logits_to_keep:], attention_mask[:, -logits_to_keep:],
                                               trainer.eos_token_ids))  # (b, T)
         return result
 
     def spy_trained(self, input_ids, attention_mask, logits_to_keep):
-        logits = as_trained(self, input_ids, attention_mask, logits_to_keep)
-        seen["policy"].append(logits[:, :-1].detach().clone())  # (b, T, V)
-        return logits
+        head = as_trained(self, input_ids, attention_mask, logits_to_keep)
+        seen["policy"].append(head.logits().materialize().detach().clone())  # (b, T, V)
+        return head
 
     monkeypatch.setattr(OldLogprobScorer, "_chunk_full", spy_full)
-    monkeypatch.setattr(OldLogprobScorer, "_logits_as_trained", spy_trained)
+    monkeypatch.setattr(OldLogprobScorer, "_head_as_trained", spy_trained)
     trainer = tiny_trainer(tmp_path, "fp32_clone", max_steps=2, num_iterations=2, ratio_full_vocab=True)
     trainer.train()
     assert len(seen["old"]) == len(seen["policy"]) == 1  # one generation, one chunk of 4 rows

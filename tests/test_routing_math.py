@@ -119,3 +119,22 @@ def test_vllm_routes_follow_trl_padding_and_drop_dense_layers():
     assert out[:, :, 1, 0].tolist() == [[N, 0, 1, 2, N], [3, 4, 5, N, N]]
     with pytest.raises(ValueError, match="expected"):
         vllm_routes([row0[:, :1]], [2], torch.tensor([[1, 1]]), torch.tensor([[1, 1]]), [1], 2, 1)
+
+
+def test_vllm_routes_of_a_truncated_row_that_trl_masked_out():
+    # mask_truncated_completions: TRL zeroes the whole completion mask of a row that hit max_completion_length.
+    # Row 0 (prompt 2, completion 3, truncated: mask all 0) has 4 routed positions; row 1 (prompt 3 + 1) 3.
+    # Before, row 0 counted 0 completion tokens from the mask and raised "4 positions for 2 prompt + 0 completion".
+    row0 = torch.tensor([[[9], [0]], [[9], [1]], [[9], [2]], [[9], [3]]], dtype=torch.int16)
+    row1 = torch.tensor([[[9], [4]], [[9], [5]], [[9], [6]]], dtype=torch.int16)
+    out = vllm_routes([row0, row1], [2, 3], dst_prompt_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]),
+                      dst_completion_mask=torch.tensor([[0, 0, 0], [1, 0, 0]]), moe_layers=[1], num_layers=2, top_k=1)
+    assert out[:, :, 1, 0].tolist() == [[N, 0, 1, 2, 3, N], [4, 5, 6, N, N, N]]  # the sampler's routes, in place
+    assert (out[:, :, 0] == N).all()
+    # a masked-out row is still bounded by TRL's width: more positions than prompt + T is a wrong buffer
+    with pytest.raises(ValueError, match="6 positions for 2 prompt \\+ 3 completion tokens"):
+        vllm_routes([torch.zeros(6, 2, 1, dtype=torch.int16)], [2], torch.tensor([[1, 1]]),
+                    torch.tensor([[0, 0, 0]]), [1], 2, 1)
+    # an unmasked row keeps its own count: a buffer longer than its tokens is refused as before
+    with pytest.raises(ValueError, match="4 positions for 2 prompt \\+ 1 completion tokens"):
+        vllm_routes([row0], [2], torch.tensor([[1, 1]]), torch.tensor([[1, 0, 0]]), [1], 2, 1)

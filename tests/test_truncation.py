@@ -113,9 +113,20 @@ def test_vllm_setups_refused_at_start_up(kw, match):
         _vllm_config(**kw)
 
 
-def test_vllm_colocate_without_top_k_warns():
-    with pytest.warns(UserWarning, match="top_k > 0"):
-        _vllm_config(top_k=0)
+@pytest.mark.parametrize("kw,where", [
+    (dict(top_k=0), r"needs top_k > 0, got 0"),
+    (dict(top_k=-1), r"needs top_k > 0, got -1"),  # vLLM's own "all tokens"
+    (dict(top_k=1024, generation_kwargs={"top_k": 0}), r"needs generation_kwargs\['top_k'\] > 0, got 0"),
+    (dict(top_k=1024, generation_kwargs={"top_k": -1}), r"needs generation_kwargs\['top_k'\] > 0, got -1"),
+])
+def test_vllm_masks_without_top_k_are_refused(kw, where):
+    # vLLM refuses every request of an engine with return_sampling_mask and top_k <= 0, at the first generation
+    # (training or evaluation: TRL sends both the same sampling fields): a config error, naming both fixes
+    with pytest.raises(ValueError, match=where) as error:
+        _vllm_config(**kw)
+    assert "kept_set_source='recompute'" in str(error.value) and "top_k=1024" in str(error.value)
+    _vllm_config(top_k=0, generation_kwargs={"top_k": 64})  # generation_kwargs overrides the field: allowed
+    _vllm_config(top_k=0, kept_set_source="recompute")  # recomputed sets need nothing of the engine
 
 
 def test_vllm_output_capture_gives_kept_sets():
@@ -183,6 +194,25 @@ def test_recomputed_kept_sets_on_literal_logits(kept_filter, expected):
     logits = torch.tensor([[[2.0, 1.0, 0.0, -1.0, -2.0]]])  # (1, 1, 5)
     kept, added = recompute_kept_sets(logits, torch.tensor([[0]]), SamplingSettings(**kept_filter))
     assert kept.cell_ids(0, 0).tolist() == expected and not added.any()
+
+
+def test_recomputed_kept_sets_follow_the_engine_processor_order():
+    # p = [0.4, 0.3, 0.2, 0.1], top_p=0.75, min_p=0.3 (drops p < 0.12: token 3), both bind.
+    # generate: top_p first keeps {0, 1, 2} (0.7 < 0.75 <= 0.9), then min_p keeps them all.
+    # vLLM: min_p first keeps {0, 1, 2} renormalised to [0.444, 0.333, 0.222]; top_p keeps {0, 1} (0.778 >= 0.75).
+    from grpo_ratio.corrections.kept_logprobs import recompute_kept_sets
+    from grpo_ratio.corrections.kept_sets import SamplingSettings
+
+    logits = torch.log(torch.tensor([[[0.4, 0.3, 0.2, 0.1]]]))  # (1, 1, 4)
+    kept = {engine: recompute_kept_sets(logits, torch.tensor([[0]]), SamplingSettings(
+        top_p=0.75, min_p=0.3, engine=engine))[0].cell_ids(0, 0).tolist() for engine in ("generate", "vllm")}
+    assert kept == {"generate": [0, 1, 2], "vllm": [0, 1]}
+    # only one of the two binds: the orders agree
+    for one in (dict(top_p=0.75), dict(min_p=0.3), dict(top_k=2, min_p=0.3)):
+        masks = [SamplingSettings(**one, engine=e).keep_mask(logits[0]) for e in ("generate", "vllm")]
+        assert torch.equal(*masks), one
+    with pytest.raises(ValueError, match="no truncation order"):
+        SamplingSettings(top_p=0.75, engine="sglang").keep_mask(logits[0])
 
 
 def test_a_sampled_token_outside_the_recomputed_set_is_added_and_reported():

@@ -15,9 +15,14 @@ unknown scoring mode, a missing data path or an unreadable model fails before an
 
 Writes to `output_dir`: the model (unless `--save_final_model false`), `log_history.json` (TRL's log rows: reward,
 `ratio/*`, `clip_ratio/*`, ...) and `run.json` (the fields `grpo-ratio report` reads: mode, correction, sampling;
-`"completed": true` once every output is written), both written by the trainer as it trains
-(`grpo_ratio/diagnostics/run_record.py`), `metrics.png` (those curves per step) and, with `report_to: [wandb]`, an
-offline W&B run under `output_dir/wandb` (`WANDB_MODE=offline` unless you set it; upload later with `wandb sync`).
+`"completed": true` once every output is written; `"stopped_by_gate"` when `ratio_gate_action: stop` stopped it),
+both written by the trainer as it trains (`grpo_ratio/diagnostics/run_record.py`), `metrics.png` (those curves per
+step) and, with `report_to: [wandb]`, an offline W&B run under `output_dir/wandb` (`WANDB_MODE=offline` unless you set
+it; upload later with `wandb sync`).
+
+Exit status: 0 trained to the end; 2 a set-up error (one line `grpo-ratio train: error: ...`); 3 stopped by the ratio
+gate (`ratio_gate_action: stop`: the failing check on stderr and in `run.json`, every output saved); 1 any other
+error.
 A run refuses to start over a finished one (an `output_dir` holding `log_history.json`, and no `run.json` saying
 the run was cut short) unless it resumes it (`--resume_from_checkpoint`) or `--overwrite_output_dir true` says to
 replace it.
@@ -37,7 +42,14 @@ from trl import ModelConfig, TrlParser, get_peft_config
 
 from grpo_ratio import RatioGRPOConfig, RatioGRPOTrainer
 from grpo_ratio.analysis.plots import plot_metrics, run_title
-from grpo_ratio.diagnostics.run_record import LOG_HISTORY_FILE, read_run_record, run_finished, update_run_record
+from grpo_ratio.diagnostics.gate_callback import RatioGateCallback
+from grpo_ratio.diagnostics.run_record import (
+    GATE_STOP_EXIT_CODE,
+    LOG_HISTORY_FILE,
+    read_run_record,
+    run_finished,
+    update_run_record,
+)
 from grpo_ratio.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
 from grpo_ratio.tasks import TASKS, load_task
 
@@ -252,7 +264,12 @@ def main(script_args, training_args, model_args, trainer: RatioGRPOTrainer | Non
     # every arm with the same seed draws the same first rollouts (trainers/compare.py relies on it).
     set_seed(training_args.seed)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    trainer.accelerator.print("Training completed.")
+    stopped_by = gate_stop(trainer)
+    if stopped_by is None:
+        trainer.accelerator.print("Training completed.")
+    elif trainer.accelerator.is_main_process:
+        print(f"grpo-ratio train: stopped by the ratio gate at step {trainer.state.global_step}: {stopped_by} failed "
+              f"(ratio_gate_action='stop'); outputs are saved, exit status {GATE_STOP_EXIT_CODE}", file=sys.stderr)
 
     ################
     # Save: model, log history, plot
@@ -279,6 +296,15 @@ def main(script_args, training_args, model_args, trainer: RatioGRPOTrainer | Non
 
         wandb.finish()  # transformers' WandbCallback leaves the run open
     trainer.end()  # finish accelerate's trackers and the process group
+    if stopped_by is not None:  # every process: each runs the gate on the same (gathered) log rows
+        raise SystemExit(GATE_STOP_EXIT_CODE)
+
+
+def gate_stop(trainer) -> str | None:
+    """The check that stopped `trainer`'s last `train()` (`RatioGateCallback.stopped_by`, `ratio_gate_action="stop"`),
+    or None when no gate stopped it."""
+    gates = [c for c in trainer.callback_handler.callbacks if isinstance(c, RatioGateCallback)]
+    return next((g.stopped_by for g in gates if g.stopped_by is not None), None)
 
 
 def make_parser() -> TrlParser:

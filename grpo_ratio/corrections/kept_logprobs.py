@@ -19,21 +19,29 @@ processed distribution over S and log M = log p(g) - log q_S(g) carries the pena
 mass: the whole factor between the trainer's full-vocabulary probability and the sampler's. How the trainer applies the
 corrections is `grpo_ratio.old_pass.kept_head`.
 
-Shapes: N or B = sequences (rows), T = completion tokens (generation steps), V = vocabulary, K = cells in a chunk.
-A "cell" is one (row, position) pair; cells are numbered row-major, `row * T + position`. All log-probs are
-natural-log fp32. Every function takes raw logits and divides by `temperature` itself (pass `temperature=1.0` for
-logits that TRL has already divided in place).
+Shapes: N or B = sequences (rows), T = completion tokens (generation steps), V = vocabulary, K = cells in a chunk,
+H = hidden size. A "cell" is one (row, position) pair; cells are numbered row-major, `row * T + position`. All
+log-probs are natural-log fp32. Every function takes raw logits and divides by `temperature` itself (pass
+`temperature=1.0` for logits that TRL has already divided in place).
+
+Memory. The logits may be a (B, T, V) tensor or a `HeadLogits`: hidden states (B, T, H) and the LM head, projected K
+cells at a time, so no (B, T, V) tensor exists at all (TRL 1.16 builds none either: its fused head,
+`trl.kernels.ChunkedLogProbFunction`). Under autograd `kept_set_logprobs` on `HeadLogits` keeps nothing of a chunk for
+backward: `RecomputedCells` recomputes each chunk's (K, V) logits in backward, one chunk at a time, so the memory is
+one chunk's whatever the number of chunks (chunking a differentiable (B, T, V) tensor saves nothing: autograd keeps
+every chunk's fp32 copy and mask until backward).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from .kept_sets import KeptSets, offsets_from_sizes
+from .kept_sets import KeptSets, concat_kept_sets, offsets_from_sizes
 
 
 if TYPE_CHECKING:
@@ -44,7 +52,142 @@ if TYPE_CHECKING:
 DEFAULT_CHUNK_CELLS = 1024  # fp32 working set per chunk: K * V * 4 B, 622 MB at V = 151,936 (Qwen2.5)
 
 
-def _check_inputs(logits: torch.Tensor, kept_sizes: torch.Tensor, temperature: float, mask) -> torch.Tensor:
+class HeadLogits:
+    """Logits (B, T, V) of hidden states through an LM head that are never held whole: `cells` computes the (K, V)
+    logits of K cells on demand, so whoever reads them chunk by chunk (the functions of this module,
+    `grpo_ratio.diagnostics.mismatch.full_vocab_divergence`) holds one chunk of cells whatever B and T are. At
+    B x T = 32 x 4,096 and V = 151,936 the (B, T, V) fp32 tensor they replace is 80 GB.
+
+    Args:
+        hidden (`torch.Tensor`, (B, T, H), any float dtype): the head's input at the positions whose logits these are
+            (grad may flow through it).
+        project (`Callable`): `project(h, *params)` maps (K, H) hidden states to their (K, V) logits (any float dtype),
+            taking the head's parameters `params` as arguments, so that `RecomputedCells` can recompute a chunk with
+            autograd in backward.
+        vocab_size (`int`): V.
+        params (`Sequence[torch.Tensor]`): the parameters `project` takes (empty when it closes over its weights: no
+            gradient to them then).
+
+    Attributes:
+        shape (`torch.Size`): (B, T, V). `dim()`, `numel()`, `is_floating_point()`, `device` and `requires_grad` read as
+            those of the tensor it stands for.
+    """
+
+    def __init__(self, hidden: torch.Tensor, project: Callable[..., torch.Tensor], vocab_size: int,
+                 params: Sequence[torch.Tensor] = ()):
+        if hidden.dim() != 3:
+            raise ValueError(f"hidden must be (B, T, H), got {tuple(hidden.shape)}")
+        self.hidden = hidden
+        self.flat = hidden.reshape(-1, hidden.shape[-1])  # (B*T, H): one copy of a strided slice, not one per chunk
+        self.project = project
+        self.params = tuple(params)
+        self.shape = torch.Size((*hidden.shape[:2], vocab_size))
+        self._rows: torch.Tensor | None = None  # (B,) int64: row in `_other` of every row taken from it, else -1
+        self._other: HeadLogits | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.hidden.device
+
+    @property
+    def requires_grad(self) -> bool:
+        """Whether the logits would carry a gradient: grad mode is on and the hidden states or parameters need one."""
+        return torch.is_grad_enabled() and (self.hidden.requires_grad or any(p.requires_grad for p in self.params))
+
+    def dim(self) -> int:
+        return 3
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def is_floating_point(self) -> bool:
+        return True
+
+    def cells(self, cells: torch.Tensor) -> torch.Tensor:
+        """(K, V) logits of the flat cells `cells` (K,) int64, a fresh tensor in the projection's dtype (fp32 where
+        rows of two projections of different dtypes meet)."""
+        if self._other is None:
+            return self.project(self.flat[cells], *self.params)  # (K, V)
+        T = self.shape[1]
+        local = self._rows[cells // T]  # (K,) the row in `_other`, or -1
+        own, moved = (local < 0).nonzero().squeeze(1), (local >= 0).nonzero().squeeze(1)  # (K1,), (K2,)
+        parts = [self.project(self.flat[cells[own]], *self.params),
+                 self._other.cells(local[moved] * T + cells[moved] % T)]  # (K1, V), (K2, V)
+        out = torch.empty(cells.numel(), self.shape[2], dtype=torch.promote_types(parts[0].dtype, parts[1].dtype),
+                          device=parts[0].device)  # (K, V)
+        out[own], out[moved] = parts
+        return out
+
+    def with_rows(self, rows: torch.Tensor, other: HeadLogits) -> HeadLogits:
+        """These logits with the rows `rows` (r,) int64 taken from `other` (r, T, V), in that order: e.g. the rows an
+        fp16 pass overflowed on, re-scored in fp32. Not differentiable.
+
+        Raises:
+            ValueError: `other` is not (r, T, V) over the same T and V.
+        """
+        if tuple(other.shape) != (rows.numel(), *self.shape[1:]):
+            raise ValueError(f"rows {rows.numel()} x {tuple(self.shape[1:])} expected, got {tuple(other.shape)}")
+        out = HeadLogits(self.hidden, self.project, self.shape[2], self.params)
+        out._rows = torch.full((self.shape[0],), -1, dtype=torch.long, device=self.device)  # (B,)
+        out._rows[rows.to(self.device)] = torch.arange(rows.numel(), device=self.device)
+        out._other = other
+        return out
+
+    def anchor(self) -> torch.Tensor:
+        """A (1,) fp32 zero that depends on the hidden states and the parameters: a value 0 with a gradient 0 for all
+        of them (finite or not), where no cell is computed but a loss must stay connected (`_scatter`)."""
+        never = torch.zeros(1, dtype=torch.bool, device=self.device)
+        total = torch.zeros(1, dtype=torch.float32, device=self.device)
+        for t in (self.hidden, *self.params):
+            if t.numel():
+                total = total + t.reshape(-1)[:1].float().where(never, 0.0).to(self.device)
+        return total
+
+    def materialize(self) -> torch.Tensor:
+        """The whole (B, T, V) tensor, for tests and small inputs only (what this class exists to avoid)."""
+        B, T, V = self.shape
+        return self.cells(torch.arange(B * T, device=self.device)).reshape(B, T, V)
+
+
+class RecomputedCells(torch.autograd.Function):
+    """`torch.cat([value(c, hidden[c], *params) for c in chunks])` (M,), keeping only `hidden` and `params` for
+    backward: backward recomputes each chunk's graph from them in turn (`torch.autograd.grad` per chunk) and
+    accumulates the gradients in fp32, as TRL's `ChunkedLogProbFunction` accumulates its head gradients. The peak is
+    one chunk's (K, V) tensors, whatever the number of chunks.
+
+    `value(c, h, *params, check)` -> (K,): the flat cells `c` (K,) with their hidden states h (K, H); `check` is
+    True in forward only (raise on an inconsistent rollout once, not again in backward).
+    """
+
+    @staticmethod
+    def forward(ctx, value, chunks, hidden, *params):
+        ctx.value, ctx.chunks = value, chunks
+        ctx.save_for_backward(hidden, *params)
+        return torch.cat([value(c, hidden[c], *params, check=True) for c in chunks])  # (M,)
+
+    @staticmethod
+    def backward(ctx, grad):
+        inputs = ctx.saved_tensors  # hidden (N, H), *params
+        wants = ctx.needs_input_grad[2:]
+        sums = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) if w else None
+                for t, w in zip(inputs, wants, strict=True)]
+        start = 0
+        for c in ctx.chunks:
+            with torch.enable_grad():
+                leaves = [t.detach().requires_grad_(w) for t, w in zip((inputs[0][c], *inputs[1:]), wants, strict=True)]
+                out = ctx.value(c, *leaves, check=False)  # (K,)
+                grads = iter(torch.autograd.grad(out, [x for x, w in zip(leaves, wants, strict=True) if w],
+                                                 grad[start:start + c.numel()]))
+            for i, w in enumerate(wants):
+                if w and i == 0:
+                    sums[0].index_add_(0, c, next(grads).float())  # (N, H): this chunk's rows
+                elif w:
+                    sums[i].add_(next(grads).float())
+            start += c.numel()
+        return None, None, *(None if s is None else s.to(t.dtype) for s, t in zip(sums, inputs, strict=True))
+
+
+def _check_inputs(logits: torch.Tensor | HeadLogits, kept_sizes: torch.Tensor, temperature: float, mask) -> torch.Tensor:
     """Validate shapes and temperature; return the (B, T) bool mask of cells to compute."""
     if logits.dim() != 3 or not logits.is_floating_point():
         raise ValueError(f"logits must be a (B, T, V) float tensor, got {tuple(logits.shape)} {logits.dtype}")
@@ -61,30 +204,39 @@ def _check_inputs(logits: torch.Tensor, kept_sizes: torch.Tensor, temperature: f
     return mask.to(device=logits.device, dtype=torch.bool)
 
 
-def _chunks(mask: torch.Tensor, chunk_cells: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """All valid flat cells (M,) int64 and their split into chunks of at most `chunk_cells`."""
+def _chunks(mask: torch.Tensor, chunk_cells: int | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """All valid flat cells (M,) int64 and their split into chunks of at most `chunk_cells` (None:
+    `DEFAULT_CHUNK_CELLS`, read at the call)."""
+    chunk_cells = DEFAULT_CHUNK_CELLS if chunk_cells is None else chunk_cells
     if chunk_cells < 1:
         raise ValueError(f"chunk_cells must be >= 1, got {chunk_cells}")
     cells = mask.reshape(-1).nonzero().squeeze(1)  # (M,)
     return cells, list(cells.split(chunk_cells)) if cells.numel() else []  # split() of nothing gives one empty chunk
 
 
-def _raw(logits: torch.Tensor, cells: torch.Tensor, penalty: RepetitionPenalty | None = None) -> torch.Tensor:
+def _raw(logits: torch.Tensor | HeadLogits, cells: torch.Tensor, penalty: RepetitionPenalty | None = None,
+         T: int | None = None) -> torch.Tensor:
     """fp32 logits (K, V) of the flat cells `cells` (K,), with the sampler's repetition penalty applied when given
-    (before temperature, as generate and vLLM apply it); only this chunk is converted."""
-    T = logits.shape[1]
-    z = logits[cells // T, cells % T].float()  # (K, V) a fresh copy
+    (before temperature, as generate and vLLM apply it); only this chunk is converted. `logits` may also be the (K, V)
+    logits of these cells already (then `T`, the grid's number of steps, is given)."""
+    if T is not None:
+        z = logits.float()  # (K, V) a fresh tensor (projected for these cells)
+    elif isinstance(logits, HeadLogits):
+        T, z = logits.shape[1], logits.cells(cells).float()  # (K, V) projected for this chunk only
+    else:
+        T = logits.shape[1]
+        z = logits[cells // T, cells % T].float()  # (K, V) a fresh copy
     return z if penalty is None else penalty(z, cells, T)
 
 
-def _scaled(logits: torch.Tensor, cells: torch.Tensor, temperature: float,
-            penalty: RepetitionPenalty | None = None) -> torch.Tensor:
+def _scaled(logits: torch.Tensor | HeadLogits, cells: torch.Tensor, temperature: float,
+            penalty: RepetitionPenalty | None = None, T: int | None = None) -> torch.Tensor:
     """fp32 (penalised) logits / temperature of the flat cells `cells` (K,) -> (K, V)."""
-    z = _raw(logits, cells, penalty)  # (K, V) a fresh tensor: safe to divide in place
+    z = _raw(logits, cells, penalty, T)  # (K, V) a fresh tensor: safe to divide in place
     return z.div_(temperature) if temperature != 1.0 else z
 
 
-def _scatter(cells: torch.Tensor, values: list[torch.Tensor], logits: torch.Tensor) -> torch.Tensor:
+def _scatter(cells: torch.Tensor, values: list[torch.Tensor], logits: torch.Tensor | HeadLogits) -> torch.Tensor:
     """(B, T) fp32 zeros with `values` (concatenated, (M,)) at the flat `cells` (M,); differentiable.
 
     Always a function of `logits` when they require grad, also with no valid cell (every completion masked: TRL's
@@ -95,7 +247,9 @@ def _scatter(cells: torch.Tensor, values: list[torch.Tensor], logits: torch.Tens
     out = torch.zeros(B * T, dtype=torch.float32, device=logits.device)  # (B*T,)
     if values:
         return out.index_put((cells,), torch.cat(values)).reshape(B, T)
-    if logits.requires_grad and logits.numel():
+    if isinstance(logits, HeadLogits) and logits.requires_grad and logits.numel():
+        out = out + logits.anchor()  # (B*T,) value 0, gradient 0 to the hidden states and the head
+    elif logits.requires_grad and logits.numel():
         never = torch.zeros(1, dtype=torch.bool, device=logits.device)
         out = out + logits.reshape(-1)[:1].float().where(never, 0.0)  # (B*T,) value 0, gradient 0 (finite or not)
     return out.reshape(B, T)
@@ -117,12 +271,12 @@ def _lse_top_prefix(z: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
 
 
 def kept_set_logprobs(
-    logits: torch.Tensor,
+    logits: torch.Tensor | HeadLogits,
     tokens: torch.Tensor,
     kept: KeptSets,
     temperature: float = 1.0,
     mask: torch.Tensor | None = None,
-    chunk_cells: int = DEFAULT_CHUNK_CELLS,
+    chunk_cells: int | None = None,
     penalty: RepetitionPenalty | None = None,
 ) -> torch.Tensor:
     """Log-probs of `tokens` renormalised over the kept sets: log p_S(g) = z_g - logsumexp_{v in S} z_v, z = logits/T
@@ -134,13 +288,16 @@ def kept_set_logprobs(
     token's gradient reaches only the logits in its kept set. A kept set of size 1 gives 0.0.
 
     Args:
-        logits (`torch.Tensor`, (B, T, V), any float dtype): trainer logits at the completion positions.
+        logits (`torch.Tensor`, (B, T, V), any float dtype, or `HeadLogits`): trainer logits at the completion
+            positions. `HeadLogits` under autograd: each chunk is recomputed in backward (`RecomputedCells`), so no
+            chunk's (K, V) tensors are kept for it.
         tokens (`torch.Tensor`, (B, T) int): sampled token ids.
         kept (`KeptSets`, (B, T)): kept sets of the same rows and positions. With `support_size_only` the set is the
             trainer's own top-|S| (a token outside it is not an error then: support-size replay cannot tell).
         temperature (`float`): sampling temperature (> 0); 1.0 when the logits are already divided.
         mask (`torch.Tensor`, (B, T) bool, *optional*): completion tokens; other cells are not computed and give 0.0.
-        chunk_cells (`int`): cells per fp32 chunk (memory K x V x 4 B; the (B, T, V) fp32 tensor is never built).
+        chunk_cells (`int`, *optional*): cells per fp32 chunk (memory K x V x 4 B; the (B, T, V) fp32 tensor is never
+            built); `DEFAULT_CHUNK_CELLS` by default.
         penalty (`grpo_ratio.corrections.processors.RepetitionPenalty`, *optional*): the sampler's repetition penalty over the same
             rows, re-applied to the logits before temperature and the kept set (differentiable).
 
@@ -157,18 +314,32 @@ def kept_set_logprobs(
     T = logits.shape[1]
     cells, chunks = _chunks(valid, chunk_cells)
     flat_tokens = tokens.reshape(-1).to(logits.device)  # (B*T,)
-    values = []
-    for c in chunks:
-        _empty_cell_error(kept.sizes, c, T)
-        z = _scaled(logits, c, temperature, penalty)  # (K, V)
+
+    def value(c: torch.Tensor, z: torch.Tensor, check: bool = True) -> torch.Tensor:
+        """(K,) log p_S(g) of the cells c (K,) from their scaled logits z (K, V)."""
         g = flat_tokens[c][:, None]  # (K, 1)
         if kept.support_size_only:
             lse = _lse_top_prefix(z, kept.sizes.reshape(-1)[c.to(kept.sizes.device)])  # (K,)
         else:
             keep = kept.dense_cells(c, z.shape[-1]).to(z.device)  # (K, V)
-            _inconsistent_rollout_error(keep, g, c, T)
+            if check:
+                _inconsistent_rollout_error(keep, g, c, T)
             lse = torch.logsumexp(z.masked_fill(~keep, -math.inf), dim=-1)  # (K,)
-        values.append(z.gather(1, g).squeeze(1) - lse)  # (K,)
+        return z.gather(1, g).squeeze(1) - lse  # (K,)
+
+    if isinstance(logits, HeadLogits) and logits.requires_grad and chunks:
+        # under autograd every chunk's (K, V) fp32 logits, mask and log-sum-exp would live until backward: recompute
+        for c in chunks:
+            _empty_cell_error(kept.sizes, c, T)
+
+        def from_hidden(c, h, *params, check):  # (K,) from the cells' hidden states (K, H) and the head's parameters
+            return value(c, _scaled(logits.project(h, *params), c, temperature, penalty, T), check)
+
+        return _scatter(cells, [RecomputedCells.apply(from_hidden, chunks, logits.flat, *logits.params)], logits)
+    values = []
+    for c in chunks:
+        _empty_cell_error(kept.sizes, c, T)
+        values.append(value(c, _scaled(logits, c, temperature, penalty)))  # (K,)
     return _scatter(cells, values, logits)
 
 
@@ -184,10 +355,10 @@ def _inconsistent_rollout_error(keep: torch.Tensor, g: torch.Tensor, cells: torc
 
 
 def is_top_prefix(
-    logits: torch.Tensor,
+    logits: torch.Tensor | HeadLogits,
     kept: KeptSets,
     mask: torch.Tensor | None = None,
-    chunk_cells: int = DEFAULT_CHUNK_CELLS,
+    chunk_cells: int | None = None,
 ) -> torch.Tensor:
     """Whether each kept set is a top-|S| prefix of `logits`: min over S >= max over the rest (ties count as prefix).
 
@@ -196,7 +367,7 @@ def is_top_prefix(
 
     Args:
         logits (`torch.Tensor`, (B, T, V)), kept (`KeptSets` with ids, (B, T)), mask (`torch.Tensor`, (B, T) bool,
-        *optional*), chunk_cells (`int`).
+        *optional*), chunk_cells (`int`, *optional*: `DEFAULT_CHUNK_CELLS`).
 
     Returns:
         (B, T) bool; True outside `mask` and for empty cells (nothing to check).
@@ -239,11 +410,11 @@ def lift_sampler_logprobs(sampler_logps: torch.Tensor, log_kept_mass: torch.Tens
 
 
 def recompute_kept_sets(
-    logits: torch.Tensor,
+    logits: torch.Tensor | HeadLogits,
     tokens: torch.Tensor,
     sampling: SamplingSettings,
     mask: torch.Tensor | None = None,
-    chunk_cells: int = DEFAULT_CHUNK_CELLS,
+    chunk_cells: int | None = None,
     penalty: RepetitionPenalty | None = None,
 ) -> tuple[KeptSets, torch.Tensor]:
     """Kept sets of every masked-in cell recomputed from `logits` by the sampler's truncation (`sampling.keep_mask`,
@@ -251,11 +422,12 @@ def recompute_kept_sets(
     (the trainer's logits put it just outside the set the sampler kept) is added to its set, and reported.
 
     Args:
-        logits (`torch.Tensor`, (B, T, V), any float dtype): the old policy's raw logits at the completion positions.
+        logits (`torch.Tensor`, (B, T, V), any float dtype, or `HeadLogits`): the old policy's raw logits at the
+            completion positions.
         tokens (`torch.Tensor`, (B, T) int): sampled token ids.
         sampling (`grpo_ratio.sampler.generate.SamplingSettings`): the sampler's temperature / top_k / top_p / min_p.
         mask (`torch.Tensor`, (B, T) bool, *optional*): completion tokens; other cells get empty sets.
-        chunk_cells (`int`): cells per fp32 chunk (memory K x V x 4 B).
+        chunk_cells (`int`, *optional*): cells per fp32 chunk (memory K x V x 4 B); `DEFAULT_CHUNK_CELLS` by default.
         penalty (`grpo_ratio.corrections.processors.RepetitionPenalty`, *optional*): the sampler's repetition penalty, applied
             before the truncation (generate's and vLLM's order).
 
@@ -275,7 +447,8 @@ def recompute_kept_sets(
     cells, chunks = _chunks(valid, chunk_cells)
     flat_tokens = tokens.reshape(-1).to(logits.device)  # (B*T,)
     for c in chunks:  # ascending cells: the ids come out row-major, as CSR needs
-        keep = sampling.keep_mask(_raw(logits, c, penalty))  # (K, V)
+        with torch.no_grad():  # a mask: no gradient, and no chunk's graph kept
+            keep = sampling.keep_mask(_raw(logits, c, penalty))  # (K, V)
         g = flat_tokens[c][:, None]  # (K, 1)
         outside = ~keep.gather(1, g).squeeze(1)  # (K,)
         keep.scatter_(1, g, True)
@@ -306,12 +479,28 @@ class KeptLogprobs:
     log_mass: torch.Tensor | None = None
 
 
-def logprobs_on_kept_sets(logits: torch.Tensor, tokens: torch.Tensor, kept: KeptSets | SamplingSettings,
+def concat_kept_logprobs(parts: Sequence[KeptLogprobs]) -> KeptLogprobs:
+    """The `KeptLogprobs` of consecutive row blocks (forward chunks), concatenated along rows: logps and log_mass
+    (B, T) (log_mass only where every part has one), the sets (`concat_kept_sets`), the additions where recomputed.
+
+    Raises:
+        ValueError: no part.
+    """
+    if not parts:
+        raise ValueError("concat_kept_logprobs needs at least one part")
+    added = [p.added for p in parts]
+    masses = [p.log_mass for p in parts]
+    return KeptLogprobs(torch.cat([p.logps for p in parts], dim=0), concat_kept_sets([p.kept for p in parts]),
+                        added=None if any(a is None for a in added) else torch.cat(added, dim=0),
+                        log_mass=None if any(m is None for m in masses) else torch.cat(masses, dim=0))
+
+
+def logprobs_on_kept_sets(logits: torch.Tensor | HeadLogits, tokens: torch.Tensor, kept: KeptSets | SamplingSettings,
                           temperature: float, mask: torch.Tensor,
                           penalty: RepetitionPenalty | None = None) -> KeptLogprobs:
     """`kept_set_logprobs` over given kept sets, or over sets recomputed from these same logits by a
     `SamplingSettings` (`recompute_kept_sets`), the sampler's repetition penalty re-applied first when given. Shapes
-    as there: logits (B, T, V), tokens and mask (B, T)."""
+    as there: logits (B, T, V) or `HeadLogits`, tokens and mask (B, T)."""
     added = None
     if not isinstance(kept, KeptSets):  # the sampler's settings: recompute the sets from these logits
         kept, added = recompute_kept_sets(logits, tokens, kept, mask, penalty=penalty)

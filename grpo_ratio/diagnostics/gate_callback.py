@@ -1,8 +1,9 @@
 """`RatioGateCallback`: the tolerance gate of `grpo_ratio.diagnostics.gate` applied while training runs.
 
 Each log row (`on_log`, what `logging_steps` writes to `trainer.state.log_history`) is checked; a check that fails on
-`patience` consecutive logged steps warns, or stops training (`control.should_training_stop`). Checks, scopes and
-their syntax: `grpo_ratio.diagnostics.gate`.
+`patience` consecutive logged steps warns, or stops training (`control.should_training_stop`). A stop is said in the
+run's record (`run.json` `"stopped_by_gate"`, `grpo_ratio.diagnostics.run_record`), and `grpo-ratio train` exits
+non-zero after it (`run_record.GATE_STOP_EXIT_CODE`). Checks, scopes and their syntax: `grpo_ratio.diagnostics.gate`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import warnings
 from transformers import TrainerCallback
 
 from .gate import Check, training_checks
+from .run_record import STOPPED_BY_GATE, update_run_record
 
 
 logger = logging.getLogger(__name__)
@@ -32,6 +34,8 @@ class RatioGateCallback(TrainerCallback):
 
     Attributes:
         tripped (`list[str]`): one message per time the gate tripped, for inspection after training.
+        stopped_by (`str | None`): under `action="stop"`, the check (`str(Check)`) that stopped the last `train()`;
+            None when it ran to its end. Also written to `run.json` as `"stopped_by_gate"` (main process).
 
     Raises:
         ValueError: a check with another scope, patience < 1, or an action not in `GATE_ACTIONS`.
@@ -43,6 +47,13 @@ class RatioGateCallback(TrainerCallback):
         self.streaks = [0] * len(self.checks)
         self.seen = [False] * len(self.checks)
         self.tripped: list[str] = []
+        self.stopped_by: str | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.stopped_by is not None:  # a second train() of the same trainer: the last stop is not this run's
+            self.stopped_by = None
+            self._record(args, state)
+        return control
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         for i, check in enumerate(self.checks):
@@ -52,7 +63,7 @@ class RatioGateCallback(TrainerCallback):
             self.seen[i] = True
             self.streaks[i] = 0 if check.holds(float(value)) else self.streaks[i] + 1
             if self.streaks[i] == self.patience:
-                self._trip(check, float(value), state, control)
+                self._trip(check, float(value), args, state, control)
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -64,12 +75,25 @@ class RatioGateCallback(TrainerCallback):
             warnings.warn(message, stacklevel=2)
         return control
 
-    def _trip(self, check: Check, value: float, state, control) -> None:
+    def _trip(self, check: Check, value: float, args, state, control) -> None:
         message = (f"ratio gate: {check.key} = {value:.6g} fails {check} for {self.patience} consecutive logged "
                    f"step(s), at step {state.global_step}")
         if self.action == "stop":
             message += "; stopping training"
             control.should_training_stop = True
+            if self.stopped_by is None:  # the first check that stopped it
+                self.stopped_by = str(check)
+                self._record(args, state)
         self.tripped.append(message)
         logger.warning(message)
         warnings.warn(message, stacklevel=2)
+
+    def _record(self, args, state) -> None:
+        """`run.json` `"stopped_by_gate"` (main process); a record that cannot be written is never worth the run."""
+        if not state.is_world_process_zero:
+            return
+        try:
+            update_run_record(args.output_dir, **{STOPPED_BY_GATE: self.stopped_by})
+        except (OSError, TypeError, ValueError) as err:
+            logger.warning("ratio gate: cannot write %s to the run record in %s (%s)", STOPPED_BY_GATE,
+                           args.output_dir, err)

@@ -32,6 +32,7 @@ from typing import ClassVar
 import torch
 
 from ..corrections.is_correction import ISWeights
+from ..corrections.kept_logprobs import HeadLogits
 from .ratios import QUANTILES, SumStats, gather_finite_values, sorted_quantiles
 
 
@@ -203,8 +204,16 @@ def _log_probs(x: torch.Tensor, are_logprobs: bool, temperature: float) -> torch
     return x.double() if are_logprobs else torch.log_softmax(x.double() / temperature, dim=-1)
 
 
+def _token_rows(x: torch.Tensor | HeadLogits, rows: slice) -> torch.Tensor:
+    """(n, V) rows `rows` of the flattened (B*T, V) tokens: a view of a tensor, or computed for these rows only."""
+    if isinstance(x, HeadLogits):
+        return x.cells(torch.arange(rows.start, rows.stop, device=x.device))  # (n, V)
+    return x.reshape(-1, x.shape[-1])[rows]  # (n, V)
+
+
 def full_vocab_divergence(
-    p: torch.Tensor, q: torch.Tensor, *, are_logprobs: bool = False, temperature: float = 1.0, chunk_tokens: int = 128
+    p: torch.Tensor | HeadLogits, q: torch.Tensor | HeadLogits, *, are_logprobs: bool = False,
+    temperature: float = 1.0, chunk_tokens: int = 128
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact per-token KL(q||p), KL(p||q) and total variation between two full next-token distributions.
 
@@ -213,11 +222,13 @@ def full_vocab_divergence(
     p_v = 0 where q_v > 0 gives inf. The math is fp64: a precision mismatch puts the KL near 1e-7 nats, where fp32
     log-softmax rounding (about 1e-7 of |log q|, summed over V) moves the result by tens of percent (tested). The B*T
     rows are done `chunk_tokens` at a time, so the extra memory is a few (chunk_tokens, V) fp64 tensors whatever B
-    and T are (chunk_tokens=128, V=49152: 50 MB each).
+    and T are (chunk_tokens=128, V=151,936: 156 MB each); given as `HeadLogits` (the scoring pass's, from hidden
+    states through the LM head) neither distribution exists whole: each is projected for those rows only.
 
     Args:
-        p, q (`torch.Tensor` of shape (B, T, V), any float dtype): logits (or log-probs with `are_logprobs=True`) of
-            the target (trainer, new) and behaviour (sampler, old) distributions, on the same tokens.
+        p, q (`torch.Tensor` of shape (B, T, V), any float dtype, or `HeadLogits` (B, T, V)): logits (or log-probs
+            with `are_logprobs=True`) of the target (trainer, new) and behaviour (sampler, old) distributions, on
+            the same tokens.
         are_logprobs (`bool`): the inputs are already normalised log-probs (e.g. top-k masked with -inf).
         temperature (`float`): logits are divided by it before the softmax (TRL's `temperature`); ignored for
             log-probs.
@@ -229,17 +240,16 @@ def full_vocab_divergence(
     Raises:
         ValueError: shapes differ or are not 3-D, temperature <= 0 or chunk_tokens < 1.
     """
-    if p.dim() != 3 or p.shape != q.shape:
+    if p.dim() != 3 or tuple(p.shape) != tuple(q.shape):
         raise ValueError(f"expected (B, T, V) p and q of one shape, got {tuple(p.shape)} and {tuple(q.shape)}")
     if temperature <= 0 or chunk_tokens < 1:
         raise ValueError(f"temperature must be > 0 and chunk_tokens >= 1, got {temperature}, {chunk_tokens}")
     B, T, V = p.shape
-    flat_p, flat_q = p.reshape(B * T, V), q.reshape(B * T, V)  # (N, V)
     out = torch.empty(3, B * T, dtype=torch.float64, device=p.device)  # (3, N)
     for start in range(0, B * T, chunk_tokens):
-        rows = slice(start, start + chunk_tokens)
-        lp = _log_probs(flat_p[rows], are_logprobs, temperature)  # (n, V) fp64
-        lq = _log_probs(flat_q[rows], are_logprobs, temperature)  # (n, V) fp64
+        rows = slice(start, min(start + chunk_tokens, B * T))
+        lp = _log_probs(_token_rows(p, rows), are_logprobs, temperature)  # (n, V) fp64
+        lq = _log_probs(_token_rows(q, rows), are_logprobs, temperature)  # (n, V) fp64
         prob_p, prob_q = lp.exp(), lq.exp()  # (n, V)
         out[0, rows] = torch.where(prob_q > 0, prob_q * (lq - lp), 0.0).sum(dim=-1)  # KL(q||p)
         out[1, rows] = torch.where(prob_p > 0, prob_p * (lp - lq), 0.0).sum(dim=-1)  # KL(p||q)

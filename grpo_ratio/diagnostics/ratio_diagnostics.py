@@ -40,7 +40,7 @@ from ..corrections.is_correction import ISCorrection, importance_weights
 from ..modes import MODES
 from . import metric_keys as keys
 from .mismatch import FullVocabStats, ISWeightStats, MismatchStats
-from .ratios import RatioStats, clip_flips, valid_token_mask
+from .ratios import MeanStats, RatioStats, clip_flips, valid_token_mask
 
 
 # batch keys of the scoring pass's full-vocabulary divergences (ratio_full_vocab), in `FullVocabStats.update` order
@@ -88,10 +88,8 @@ class RatioDiagnostics:
         self.old_sampler_corrected = RatioStats(self.band)
         self.new_old_units, self.old_sampler_units = MismatchStats(), MismatchStats()
         self.full_vocab = FullVocabStats()
-        self.kept_mass_sum = torch.zeros((), dtype=torch.float64)
-        self.kept_mass_count = torch.zeros((), dtype=torch.float64)
-        self.added_sum = torch.zeros((), dtype=torch.float64)  # recomputed kept sets: sampled tokens added back
-        self.added_count = torch.zeros((), dtype=torch.float64)
+        self.kept_mass = MeanStats()  # M_old on the kept sets, on the device of the log-probs
+        self.kept_set_added = MeanStats()  # recomputed kept sets: share of sampled tokens added back
         self.flips = None
         self.is_stats = None
         self.touched = False
@@ -151,8 +149,7 @@ class RatioDiagnostics:
             self._update_old_sampler(old, sampler, log_mass, mask, inputs)
         added = micro_batch.kept_added  # (B, T) bool | None
         if added is not None:
-            self.added_sum += (added.bool() & mask).sum().double().cpu()
-            self.added_count += mask.sum().double().cpu()
+            self.kept_set_added.update(added.bool(), mask)
         every = self.args.clip_flip_every
         if self.flips_supported and every and self.num_updates % every == 0:
             policy_log_ratio = new_old if mode_is_policy else torch.zeros_like(new_old)  # policy anchor: r == 1
@@ -181,8 +178,7 @@ class RatioDiagnostics:
 
     def _update_kept_mass(self, log_mass, mask) -> None:
         if log_mass is not None and self.plan.corrects:
-            self.kept_mass_sum += (torch.exp(log_mass.double()) * mask).sum()
-            self.kept_mass_count += mask.sum()
+            self.kept_mass.update(torch.exp(log_mass.double()), mask)
 
     def flush(self) -> dict[str, float]:
         """Reduce across processes and return this update's metrics (every process must call it); then reset."""
@@ -206,17 +202,13 @@ class RatioDiagnostics:
             metrics.update(self.full_vocab.all_reduce(acc).as_metrics(keys.NEW_OLD.prefix))
         metrics.update(self.old_sampler_units.all_reduce(acc).as_metrics(keys.OLD_SAMPLER.prefix))
         if self.plan.corrects:
-            sums = torch.stack([self.kept_mass_sum, self.kept_mass_count]).to(self.accelerator.device)  # (2,)
-            if acc is not None:
-                sums = acc.reduce(sums, reduction="sum")
-            if sums[1] > 0:
-                metrics[keys.KEPT_MASS_MEAN] = (sums[0] / sums[1]).item()
+            kept_mass = self.kept_mass.all_reduce(acc).mean()
+            if kept_mass is not None:
+                metrics[keys.KEPT_MASS_MEAN] = kept_mass
         if self.plan.recomputes_kept_sets:
-            sums = torch.stack([self.added_sum, self.added_count]).to(self.accelerator.device)  # (2,)
-            if acc is not None:
-                sums = acc.reduce(sums, reduction="sum")
-            if sums[1] > 0:
-                metrics[keys.KEPT_SET_ADDED_RATE] = (sums[0] / sums[1]).item()
+            added_rate = self.kept_set_added.all_reduce(acc).mean()
+            if added_rate is not None:
+                metrics[keys.KEPT_SET_ADDED_RATE] = added_rate
         if self.flips is not None:
             metrics.update(self.flips.all_reduce(acc).as_metrics(keys.PREFIX))
         if self.is_stats is not None:

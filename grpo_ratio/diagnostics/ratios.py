@@ -117,10 +117,10 @@ def sorted_quantiles(sorted_log_ratios: torch.Tensor, qs: Sequence[float]) -> li
     """
     n = sorted_log_ratios.numel()
     x = sorted_log_ratios.double()  # (N,)
-    pos = torch.tensor(qs, dtype=torch.float64) * (n - 1)  # (Q,)
+    pos = torch.tensor(qs, dtype=torch.float64, device=x.device) * (n - 1)  # (Q,)
     lo = pos.floor().long()  # (Q,)
     hi = (lo + 1).clamp(max=n - 1)  # (Q,)
-    frac = (pos - lo).to(x.device)  # (Q,)
+    frac = pos - lo  # (Q,)
     return torch.exp(x[lo] + (x[hi] - x[lo]) * frac).tolist()
 
 
@@ -134,9 +134,10 @@ class SumStats:
         return [getattr(self, name) for name in self._SUMS]
 
     def _add(self, parts: Sequence[torch.Tensor]) -> None:
-        """Add one scalar per `_SUMS` field, on the device of `parts` (no host sync)."""
+        """Add one scalar per `_SUMS` field, on the device of `parts`: a sum still on the CPU (the 0-d start) is a
+        scalar operand of the device's addition, never the target of an in-place one (no copy, no host sync)."""
         for name, part in zip(self._SUMS, parts, strict=True):
-            setattr(self, name, getattr(self, name).to(part.device) + part.double())
+            setattr(self, name, part.double() + getattr(self, name))
 
     def merge(self, other: SumStats) -> SumStats:
         """Add `other`'s sums into this object, in place (e.g. a later micro-batch); returns `self`."""
@@ -148,7 +149,7 @@ class SumStats:
 
     def _reduced_sums(self, accelerator) -> dict[str, torch.Tensor]:
         """One `accelerator.reduce(..., "sum")` of all sums; every process must call it (a collective)."""
-        stacked = torch.stack(self._sums()).to(accelerator.device)  # (S,)
+        stacked = torch.stack([t.to(accelerator.device) for t in self._sums()])  # (S,)
         totals = accelerator.reduce(stacked, reduction="sum")  # (S,)
         return dict(zip(self._SUMS, totals.unbind(0), strict=True))
 
@@ -160,6 +161,33 @@ class SumStats:
         if accelerator is None:
             return replace(self)
         return replace(self, **self._reduced_sums(accelerator))
+
+
+@dataclass
+class MeanStats(SumStats):
+    """Token-weighted mean of a per-token value over valid tokens (the kept mass M_old, the share of sampled tokens a
+    recomputed filter added back), exact across micro-batches and processes.
+
+    Fields (fp64 scalar tensors, on the device of the values once updated): `total` (sum of the values over valid
+    tokens), `count` (valid tokens).
+    """
+
+    _SUMS: ClassVar[tuple[str, ...]] = ("total", "count")
+    total: torch.Tensor = field(default_factory=_zero)
+    count: torch.Tensor = field(default_factory=_zero)
+
+    def update(self, values: torch.Tensor, mask: torch.Tensor) -> MeanStats:
+        """Add the values (B, T), any dtype (bool counts 1), where `mask` (B, T) is True; returns `self`."""
+        _check_2d_same_shape(values=values, mask=mask)
+        valid = mask.bool()  # (B, T)
+        self._add([torch.where(valid, values.double(), 0.0).sum(), valid.sum()])
+        return self
+
+    def mean(self) -> float | None:
+        """total / count, or None without a valid token (the metric is then absent)."""
+        if self.count.item() == 0:
+            return None
+        return (self.total / self.count).item()
 
 
 @dataclass
@@ -202,11 +230,12 @@ class RatioStats(SumStats):
             ValueError: shapes differ or are not 2-D.
         """
         _check_2d_same_shape(log_ratio=log_ratio, mask=mask)
-        x = log_ratio.float()[mask.bool()]  # (n,) valid log-ratios
+        valid = mask.bool()  # (B, T)
+        x = log_ratio.float()[valid]  # (n,) valid log-ratios
         r = torch.exp(x)  # (n,)
         in_band = (r >= self.band[0]) & (r <= self.band[1])  # (n,) False for NaN
         finite = torch.isfinite(x)  # (n,)
-        self._add([torch.tensor(float(x.numel()), device=x.device), (~in_band).sum(), (~finite).sum()])
+        self._add([valid.sum(), (~in_band).sum(), (~finite).sum()])  # counted on the device: no host sync
         self.finite_log_ratios = torch.cat([self.finite_log_ratios.to(x.device), x[finite]])  # (N,)
         return self
 

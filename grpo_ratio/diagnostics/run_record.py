@@ -12,8 +12,13 @@ own calls `trainer.train()`:
     what the report's findings read;
   - `"train_ended"`: false from the start of `train()`, true once it reached its end (a stop by
     `control.should_training_stop` included; a crash leaves it false).
+  - `"stopped_by_gate"` (`STOPPED_BY_GATE`): the check (`[SCOPE:]KEY OP VALUE`) whose failure stopped training
+    under `ratio_gate_action="stop"`, written by `RatioGateCallback` when it stops the run (set back to null by a
+    later `train()` of the same trainer); absent or null when no gate stopped it. `grpo-ratio train` then exits
+    with status `GATE_STOP_EXIT_CODE` (3).
   Entry points add keys to the same object (`update_run_record`): `grpo-ratio train` `"completed"` (all its outputs
-  written), `grpo-ratio compare` `"arm"`, `"seed"`, `"fingerprint"`, `"machine"` and `"completed"`.
+  written, a run stopped by the gate included), `grpo-ratio compare` `"arm"`, `"seed"`, `"fingerprint"`, `"machine"`
+  and `"completed"`.
 
 Both files are replaced whole (a temporary file, then a rename): a run killed while writing leaves the previous
 version, never half a file. Nothing is written into checkpoint folders.
@@ -29,11 +34,15 @@ import os
 from pathlib import Path
 
 
-__all__ = ["LOG_HISTORY_FILE", "RUN_FIELDS", "RUN_FILE", "read_run_record", "run_config", "run_finished",
-           "update_run_record", "write_log_history"]
+__all__ = ["GATE_STOP_EXIT_CODE", "LOG_HISTORY_FILE", "RUN_FIELDS", "RUN_FILE", "STOPPED_BY_GATE", "read_run_record",
+           "run_config", "run_finished", "update_run_record", "write_log_history"]
 
 LOG_HISTORY_FILE = "log_history.json"
 RUN_FILE = "run.json"
+STOPPED_BY_GATE = "stopped_by_gate"  # run.json: the check that stopped training (ratio_gate_action="stop")
+# exit status of `grpo-ratio train` (trainers/grpo.py) when the ratio gate stopped training: not 0 (a CI job keyed on
+# the exit status sees the gate fire), not 1 (an uncaught error) nor 2 (a set-up error, `grpo-ratio train: error:`)
+GATE_STOP_EXIT_CODE = 3
 
 # what a run was configured with, written to its run.json, printed by the report and read by the findings
 # (`grpo_ratio.analysis.advice`)

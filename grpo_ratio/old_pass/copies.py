@@ -149,6 +149,51 @@ def empty_model_like(model: nn.Module) -> nn.Module:
     return fresh
 
 
+def float_buffer_dtype(source: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a copy in `dtype` holds a floating buffer in whose values come from `source`: fp32 where `source` is
+    fp32, else `dtype`. The policy keeps its rotary `inv_freq` in fp32 whatever its weights' dtype; rounded to fp16,
+    RoPE's angle error grows with the position (up to 30,000 x 5e-4 = 15 rad at position 30,000 with Qwen2's
+    rope_theta), so no copy lowers a buffer the policy (or a fresh instance) computes in fp32."""
+    return torch.float32 if source.dtype == torch.float32 else dtype
+
+
+def settle_buffers(copy: nn.Module, source: nn.Module, dtype: torch.dtype) -> None:
+    """Fill the buffers of a copy materialised from the meta device (`to_empty` leaves them uninitialised): each
+    non-persistent one as a fresh instance of its module computes it (what a copy built from the config holds; the
+    policy's own may have been rounded by a `.to(bfloat16)`), or else the policy's; persistent ones the policy's (a
+    refresh copies those again). Floating ones in `float_buffer_dtype`, on the copy's device."""
+    own = dict(base_model(source).named_buffers())
+    for prefix, module in copy.named_modules():
+        fresh = _fresh_buffers(module)
+        for name, buf in list(module._buffers.items()):
+            key = f"{prefix}.{name}" if prefix else name
+            value = fresh.get(name, own.get(key))
+            if buf is None or value is None:
+                continue
+            target = float_buffer_dtype(value, dtype) if value.is_floating_point() else value.dtype
+            module._buffers[name] = value.detach().to(device=buf.device, dtype=target, copy=True)
+
+
+def persistent_buffer_names(module: nn.Module) -> set[str]:
+    """Qualified names of `module`'s persistent buffers (those in its state dict): what a refresh copies from the
+    policy; the non-persistent ones (rotary tables) are settled once, when a copy is built (`settle_buffers`)."""
+    return {f"{prefix}.{name}" if prefix else name for prefix, m in module.named_modules() for name in m._buffers
+            if name not in m._non_persistent_buffers_set}
+
+
+def model_copy(model: nn.Module, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+    """`empty_model_like(model)` with its parameters in `dtype` on `device`, uninitialised (a refresh fills them),
+    and its buffers settled (`settle_buffers`): built on the meta device and materialised there, so nothing
+    full-size is allocated on the host or in another dtype first (the fp32 CPU build this replaces took 28 GB of host
+    RAM per rank for a 7B model). A tied head stays one tensor with the embedding."""
+    with torch.device("meta"):
+        module = empty_model_like(model)
+    module = module.to(dtype).to_empty(device=device)  # the cast is free on the meta device
+    module.tie_weights()  # materialised off the meta device, the tied head got a Parameter of its own: tie it again
+    settle_buffers(module, model, dtype)
+    return module
+
+
 class VersionedCopy:
     """What every copy shares (`ModuleCopy` here, the sharded shadows of `grpo_ratio.old_pass.sharding.engines`): a `module` kept in
     step with a `source` by `refresh_weights()`, and the `WeightsVersion` value it was last synced at.
@@ -186,20 +231,24 @@ class ModuleCopy(VersionedCopy):
         whole_model: build the copy from the model's config (for a `PreTrainedModel`); otherwise `copy.deepcopy`
             of a plain submodule (safe: submodules are not patched by TRL or accelerate).
 
-    The copy lives on the source's device, has no gradients, and stays in eval mode: old log-probs are a
-    deterministic function of the weights and tokens (no dropout), whatever mode the policy trains in.
+    The copy lives on the source's device (a whole model is built there in `dtype` from the meta device, never on the
+    host or in fp32 first), has no gradients, and stays in eval mode: old log-probs are a deterministic function of
+    the weights and tokens (no dropout), whatever mode the policy trains in. Floating buffers the policy keeps in fp32
+    (rotary `inv_freq`) stay fp32 (`float_buffer_dtype`).
     """
 
     def __init__(self, source: nn.Module, dtype: torch.dtype, whole_model: bool = False):
         self.source = source
         self.dtype = dtype
+        device = next(source.parameters()).device
         if whole_model:
-            module = empty_model_like(source)
+            module = model_copy(source, dtype, device)
         else:
             module = _copy.deepcopy(source)
             _strip_instance_patches(module)
-        device = next(source.parameters()).device
-        self.module = module.to(device=device, dtype=dtype).requires_grad_(False).eval()
+            module = module.to(device=device, dtype=dtype)
+            settle_buffers(module, source, dtype)  # the source's fp32 buffers, not their round trip through `dtype`
+        self.module = module.requires_grad_(False).eval()
 
     def refresh_weights(self) -> None:
         """Copy the source's current weights (PEFT adapters merged) into the copy, cast to `self.dtype` by `copy_`."""
@@ -227,20 +276,22 @@ def _owns_tensors(module: nn.Module) -> bool:
         b is not None and b.is_floating_point() for b in module.buffers(recurse=False))
 
 
-def _fresh_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+def _fresh_buffers(module: nn.Module, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
     """The non-persistent floating buffers of `module` as a newly built instance computes them (a rotary embedding's
-    `inv_freq`), which is what a whole-model copy built from the config holds: the policy's own may have been rounded
-    by a `.to(bfloat16)`. Empty when the module cannot be rebuilt from its `config` attribute."""
+    `inv_freq`, in fp32), which is what a whole-model copy built from the config holds: the policy's own may have been
+    rounded by a `.to(bfloat16)`. On `device` (default: the module's buffers' device). Empty when the module cannot be
+    rebuilt from its `config` attribute."""
     names = [n for n in getattr(module, "_non_persistent_buffers_set", ()) if getattr(module, n, None) is not None
              and getattr(module, n).is_floating_point()]
     config = getattr(module, "config", None)
     if not names or config is None:
         return {}
     try:
-        fresh = type(module)(config)
+        with torch.device("cpu"):  # small (a rotary table); a meta context around the caller must not reach it
+            fresh = type(module)(config)
     except TypeError:  # another constructor: keep the policy's buffers (cast like any other)
         return {}
-    device = getattr(module, names[0]).device
+    device = getattr(module, names[0]).device if device is None else device
     return {n: getattr(fresh, n).detach().to(device) for n in names}
 
 
@@ -265,7 +316,8 @@ class PerLayerCast:
         dtype: the copy's dtype (`torch.float16` for `fp16_clone`, `torch.float32` for `fp32_clone` on bf16 weights).
 
     Non-persistent buffers (rotary `inv_freq`) come from a fresh instance of their module, as in a copy built from the
-    config. The same forward then computes the same numbers as the resident copy: bitwise equal log-probs
+    config, and fp32 buffers stay fp32 (`float_buffer_dtype`). The same forward then computes the same numbers as the
+    resident copy: bitwise equal log-probs
     (tests/test_copies.py). Costs: one cast of every weight per old pass (a tied embedding/head is cast twice, once per
     module) instead of one `copy_` per optimizer step; `peak_bytes` is the most cast bytes alive at once (the largest
     module, usually the embedding or the LM head).
@@ -296,7 +348,8 @@ class PerLayerCast:
                     module._parameters[name] = p.detach().to(self.dtype)
             for name, b in buffers.items():
                 if b is not None and b.is_floating_point():
-                    module._buffers[name] = fresh.get(name, b).to(self.dtype)
+                    value = fresh.get(name, b)
+                    module._buffers[name] = value.to(float_buffer_dtype(value, self.dtype))  # fp32 ones stay fp32
         self._saved[id(module)] = (module, params, buffers)
         cast = [t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]
         self._live_bytes += sum(t.numel() * t.element_size() for t in cast)

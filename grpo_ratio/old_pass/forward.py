@@ -1,5 +1,6 @@
 """The policy's forward as the scoring modes run it: its anatomy (decoder layers, final norm, LM head, rotary), the
-input layouts (TRL's, and `generate`'s position ids), precision patches of single modules, and log-probs from logits.
+input layouts (TRL's, and `generate`'s position ids), precision patches of single modules, and log-probs from the LM
+head's input in tiles (`head_inputs`, `HeadProjection`): no (B, T, V) logits, as in TRL 1.16's fused head.
 
 Shapes: B = sequences, P = prompt tokens, T = completion tokens, V = vocabulary, H = hidden size, L = decoder layers.
 Used by `grpo_ratio.old_pass.scorer` (the old pass), `grpo_ratio.old_pass.fused_head`, the sharded runners and the probes.
@@ -10,11 +11,15 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from trl.kernels import ChunkedLogProbFunction
 
+from ..corrections.kept_logprobs import HeadLogits
 from .adapters import base_model
 
 
@@ -100,11 +105,18 @@ def _cast_floats(obj, dtype: torch.dtype):
 
 @contextlib.contextmanager
 def patched_forward(module: nn.Module, new_forward: Callable):
-    module.forward = new_forward  # instance attribute shadows the class method ...
+    """Within the block `module.forward` is `new_forward` (an instance attribute shadows the class method); after it,
+    the module's own instance forward is back, the same object (TRL's `cast_lm_head_to_fp32` head, Liger's RMSNorm,
+    accelerate's autocast wrapper), or the class method where it had none: the policy is left untouched."""
+    saved = module.__dict__.get("forward")
+    module.forward = new_forward
     try:
         yield
     finally:
-        del module.forward  # ... and deleting it restores the class method: the policy is left untouched
+        if saved is None:
+            del module.forward
+        else:
+            module.forward = saved
 
 
 def fp32_forward(runner: nn.Module, out_dtype: torch.dtype | None, rope_cache: dict | None, device_type: str):
@@ -151,6 +163,252 @@ def completion_logprobs_from_logits(logits: torch.Tensor, completion_ids: torch.
     logits = logits[:, :-1].float() / temperature  # (B, T, V)
     logps = torch.log_softmax(logits, dim=-1)  # (B, T, V)
     return logps.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)  # (B, T)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# log-probs from the LM head's input, in tiles: no (B, T, V) logits
+#
+# TRL 1.16 never builds (B, T, V) logits: its old pass and training forward project the last hidden states through the
+# head in tiles (`add_fused_lm_head`, `trl.kernels.ChunkedLogProbFunction`). The scoring modes do the same: a forward
+# pre-hook on the head (`head_inputs`) records the head's input and the linear map its forward applies (an fp32
+# runner's, a copy's, an engine's gathered weights: `capture_head`), then lets the head run on no position. At 8 rows
+# x 4,096 tokens x V = 151,936 the fp32 logits of one chunk of rows would be 20 GB (and their log-softmax as much).
+
+# vocabulary columns per tile of TRL 1.16's fused head (`_CHUNKED_LOGPROB_CHUNK_SIZE`, trl/trainer/utils.py); with its
+# tiles of `trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE` = 4,096 tokens, one fp32 tile is 512 MB
+VOCAB_TILE = 32768
+# tokens per tile where the head is not one linear map and its own forward runs tile by tile: (1024, V) fp32 is
+# 622 MB at V = 151,936
+TOKEN_TILE = 1024
+
+
+def head_transform(model_config) -> tuple[float | None, float]:
+    """(softcap, scale) of the transform a model applies to its logits after the LM head, read from the (text) config
+    as TRL 1.16's `add_fused_lm_head` reads them (trl/trainer/utils.py) and applied as its kernel applies them:
+    z * scale, then softcap * tanh(z / softcap). softcap = `final_logit_softcapping` (None: none); scale =
+    `logit_scale`, else `output_multiplier`, else `lm_head_multiplier`, else 1 / `logits_scaling` (HyperCLOVA X
+    multiplies by it), else 1."""
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    scale = getattr(text, "logit_scale", None)
+    if scale is None:
+        scale = getattr(text, "output_multiplier", None)
+    if scale is None:
+        scale = getattr(text, "lm_head_multiplier", None)
+    if scale is None and getattr(text, "logits_scaling", None) is not None:
+        scale = text.logits_scaling if getattr(text, "model_type", None) == "hyperclovax" else 1 / text.logits_scaling
+    return getattr(text, "final_logit_softcapping", None), 1.0 if scale is None else float(scale)
+
+
+@dataclass
+class HeadProjection:
+    """The LM head of one forward as a map of its input, applied a tile at a time: logits = transform(x W^T + b), the
+    transform TRL's (`head_transform`). Built from the head's own call by `capture_head`.
+
+    Fields:
+        vocab_size (`int`): V.
+        weight (`torch.Tensor | None`, (V, H)), bias (`torch.Tensor | None`, (V,)): the linear map the head's forward
+            applies, as it applies it (the policy's weights, a copy's, an fp32 runner's, an engine's gathered ones);
+            None for a head that is not one linear map.
+        compute_dtype (`torch.dtype | None`): the dtype of that matmul (the autocast dtype inside autocast, else the
+            input's), as TRL's kernel chooses it.
+        forward (`Callable | None`): the head's own forward, for a head that is not one linear map (a PEFT adapter or
+            a parametrization on the head), run tile by tile under `autocast` = (enabled, dtype), the state it ran in.
+        softcap (`float | None`), scale (`float`): the transform after the head (`head_transform`).
+    """
+
+    vocab_size: int
+    weight: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    compute_dtype: torch.dtype | None = None
+    forward: Callable | None = None
+    autocast: tuple[bool, torch.dtype] = (False, torch.bfloat16)
+    softcap: float | None = None
+    scale: float = 1.0
+    _cast: torch.Tensor | None = field(default=None, repr=False)  # (V, H) the weight in compute_dtype, on first use
+
+    def _transform(self, z: torch.Tensor) -> torch.Tensor:
+        if self.softcap is None and self.scale == 1.0:
+            return z
+        z = z.float() * self.scale  # in fp32, as TRL's kernel
+        return z if self.softcap is None else self.softcap * torch.tanh(z / self.softcap)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """(n, V) logits of the head's inputs x (n, H): in the head's output dtype, fp32 where a transform applies."""
+        if self.weight is None:
+            enabled, dtype = self.autocast
+            with torch.autocast(x.device.type, enabled=enabled, dtype=dtype):
+                return self._transform(self.forward(x))
+        if self._cast is None:  # what autocast casts the weight to inside the head's matmul (itself when no cast)
+            self._cast = self.weight.to(self.compute_dtype)
+        bias = None if self.bias is None else self.bias.to(self.compute_dtype)
+        with torch.autocast(x.device.type, enabled=False):
+            return self._transform(F.linear(x.to(self.compute_dtype), self._cast, bias))
+
+    def logprobs(self, x: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+        """(N,) fp32 log-probs of `targets` (N,) int64 under log_softmax(transform(logits) / temperature) of x (N, H).
+
+        One linear map: TRL's own `ChunkedLogProbFunction` (tiles of 4,096 tokens x `VOCAB_TILE` columns folded into an
+        online log-sum-exp; the temperature applied as z * (1 / temperature), as TRL's fused head applies it).
+        Otherwise `TOKEN_TILE` tokens of whole rows at a time, the same arithmetic.
+        """
+        if self.weight is not None:
+            with torch.autocast(x.device.type, enabled=False):  # the kernel then computes in its input's dtype
+                return ChunkedLogProbFunction.apply(x.to(self.compute_dtype), self.weight, self.bias, targets,
+                                                    temperature, VOCAB_TILE, self.softcap, self.scale, ())[0]
+        out = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)  # (N,)
+        for start in range(0, x.shape[0], TOKEN_TILE):
+            tile = slice(start, start + TOKEN_TILE)
+            z = self.logits(x[tile]).float() * (1.0 / temperature)  # (n, V)
+            out[tile] = torch.log_softmax(z, dim=-1).gather(-1, targets[tile, None]).squeeze(-1)
+        return out
+
+    def persistent(self) -> HeadProjection:
+        """This projection, still valid after the forward it was taken in: the weights cloned (a sharded engine frees
+        the head's gathered weights when its forward ends).
+
+        Raises:
+            NotImplementedError: a head that is not one linear map (its forward cannot run outside the engine's).
+        """
+        if self.weight is None:
+            raise NotImplementedError("grpo_ratio: on a sharded policy the scoring modes need an LM head that is one "
+                                      "linear map (nn.Linear); this head runs its own forward")
+        return HeadProjection(self.vocab_size, self.weight.detach().clone(),
+                              None if self.bias is None else self.bias.detach().clone(), self.compute_dtype,
+                              softcap=self.softcap, scale=self.scale)
+
+
+class _LinearCapture(TorchFunctionMode):
+    """Within the block the first `F.linear` is not computed: its input, weight, bias and the autocast state it would
+    run in are kept (`seen`), and an empty (..., 0) tensor stands for its output."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear and self.seen is None:
+            x = args[0] if args else kwargs["input"]
+            weight = args[1] if len(args) > 1 else kwargs["weight"]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            device = x.device.type
+            self.seen = (x, weight, bias, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+            return x.new_empty(*x.shape[:-1], 0)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _torch_linear():
+    """Within the block `torch.nn.functional.linear` is torch's own: DeepSpeed ZeRO-3 replaces it for good with its
+    memory-efficient `zero3_linear_wrap` (an autograd function `_LinearCapture` would not see as `F.linear`; "this will
+    persist unless manually reset", deepspeed/runtime/zero/partition_parameters.py). The capture computes nothing, so
+    the swap changes no number; the replacement is put back on exit."""
+    replaced = F.linear
+    F.linear = torch._C._nn.linear
+    try:
+        yield
+    finally:
+        F.linear = replaced
+
+
+def capture_head(model: nn.Module, forward: Callable, x: torch.Tensor) -> tuple[torch.Tensor, HeadProjection]:
+    """What the LM head of `model` computes on x when run by `forward`, without computing it: (its input,
+    `HeadProjection`).
+
+    Args:
+        model: the causal LM (or its PEFT wrapper) whose head it is: its head's type, V and `head_transform`.
+        forward: the head's forward as the model would call it (its instance patch if any: an fp32 runner, TRL's
+            `cast_lm_head_to_fp32`), or a runner of it (`fp32_forward`).
+        x: (..., H) the head's input.
+    Where the head's class forward is `nn.Linear`'s (a plain head; FSDP2's `FSDPLinear`; a parametrized weight),
+    `forward` runs once with its `F.linear` intercepted (not computed): the projection keeps the input, weight, bias
+    and autocast state of that call, and the returned input is the linear map's (an fp32 runner casts it). Otherwise
+    (a PEFT adapter on the head, a quantized head), or where no `F.linear` was called, the projection runs `forward`
+    itself, tile by tile.
+    """
+    base = base_model(model)
+    head = base.get_output_embeddings()
+    softcap, scale = head_transform(base.config)
+    device = x.device.type
+    capture = _LinearCapture()
+    if type(head).forward is nn.Linear.forward:
+        with _torch_linear(), capture:
+            forward(x)
+    if capture.seen is None:
+        state = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        vocab_size = getattr(head, "out_features", None) or base.config.get_text_config().vocab_size
+        return x, HeadProjection(vocab_size, forward=forward, autocast=state, softcap=softcap, scale=scale)
+    seen_x, weight, bias, autocast_on, autocast_dtype = capture.seen
+    compute = autocast_dtype if autocast_on and seen_x.is_floating_point() else seen_x.dtype
+    return seen_x, HeadProjection(weight.shape[0], weight, bias, compute, softcap=softcap, scale=scale)
+
+
+@dataclass
+class HeadInput:
+    """What the LM head received in one forward: its input at the last T + 1 positions and the map it applies.
+
+    Fields:
+        hidden (`torch.Tensor`, (b, T + 1, H)): the input as the head's linear map received it (the last position
+            predicts no completion token).
+        projection (`HeadProjection`).
+    """
+
+    hidden: torch.Tensor
+    projection: HeadProjection
+
+    def logprobs(self, completion_ids: torch.Tensor, temperature: float) -> torch.Tensor:
+        """(b, T) fp32 log-probs of `completion_ids` (b, T) int64, tile by tile (`HeadProjection.logprobs`)."""
+        b, T = completion_ids.shape
+        x = self.hidden[:, :-1].reshape(b * T, -1)  # (b*T, H)
+        return self.projection.logprobs(x, completion_ids.reshape(-1), temperature).view(b, T)
+
+    def logits(self) -> HeadLogits:
+        """The (b, T, V) logits predicting the T tokens, computed on demand K cells at a time (`HeadLogits`)."""
+        return HeadLogits(self.hidden[:, :-1], self.projection.logits, self.projection.vocab_size)
+
+
+@contextlib.contextmanager
+def head_inputs(model: nn.Module, persist: bool = False):
+    """Within the block, every call of `model`'s LM head records what it received in the list this yields (one
+    (input, `HeadProjection`) per call; `join_head_inputs` makes the forward's `HeadInput`) and then runs on no
+    position: the forward returns (b, 0, V) logits, the (b, T + 1, V) ones are never built.
+
+    The record is taken in a forward pre-hook of the head, after the hooks registered before it (ZeRO-3 gathers the
+    head's weights there; a `PerLayerCast` casts them) and with the head's instance patch (an fp32 runner, TRL's
+    `cast_lm_head_to_fp32`) as the call would run it. `persist` clones the weights (sharded policies: the engine frees
+    its gathered weights when the forward ends) so that the projection stays valid after the forward. The hook is
+    removed after the block.
+    """
+    head = base_model(model).get_output_embeddings()
+    seen: list[tuple[torch.Tensor, HeadProjection]] = []
+
+    def before_head(module, args, kwargs):
+        x = args[0]  # (b, T + 1, H): the causal LM's `logits_to_keep` positions
+        hidden, projection = capture_head(model, module.forward, x)
+        seen.append((hidden, projection.persistent() if persist else projection))
+        return (x[..., :0, :], *args[1:]), kwargs  # the head itself runs on no position
+
+    handle = head.register_forward_pre_hook(before_head, with_kwargs=True)
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+def join_head_inputs(seen: list[tuple[torch.Tensor, HeadProjection]], positions: int) -> HeadInput:
+    """The forward's `HeadInput` from the head calls `head_inputs` recorded: one call, or one per position of a
+    forward that runs token by token (`grpo-ratio probe invariance` decodes), joined along positions.
+
+    Raises:
+        RuntimeError: the forward did not call the LM head module, or not on `positions` positions in all.
+    """
+    if not seen:
+        raise RuntimeError("grpo_ratio: the forward did not call the model's LM head module "
+                           "(get_output_embeddings()); the scoring modes take the log-probs from that call's input")
+    hidden = seen[0][0] if len(seen) == 1 else torch.cat([h for h, _ in seen], dim=-2)  # (b, T + 1, H)
+    if hidden.shape[-2] != positions:
+        raise RuntimeError(f"grpo_ratio: the LM head saw {hidden.shape[-2]} positions, {positions} expected")
+    return HeadInput(hidden, seen[0][1])
 
 
 def generation_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -218,8 +476,93 @@ def active_dropout(model: nn.Module) -> list[str]:
             found.setdefault(key, module.p)
     config = getattr(model, "config", None)
     text_config = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
-    for field in _DROPOUT_FIELDS:
-        value = getattr(text_config, field, None)
+    for name in _DROPOUT_FIELDS:
+        value = getattr(text_config, name, None)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-            found.setdefault(field, value)
+            found.setdefault(name, value)
     return [f"{k}={v}" for k, v in found.items()]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# IEEE fp32: what the "fp32" scoring passes compute in, whatever the run set for its own matmuls and attention
+
+
+# attn_implementations that compute fp32 inputs in fp32 ("paged|..." variants included); the others (FlashAttention
+# 2/3, the kernels hub's flash kernels) take fp16/bf16 only and refuse fp32 q/k/v
+FP32_ATTENTION = ("eager", "sdpa", "flex_attention")
+
+
+def _matmul_precisions() -> dict[str, str] | str:
+    """The fp32 matmul precision of every backend `torch.set_float32_matmul_precision` sets: per backend on torch >=
+    2.9 (whose `get_float32_matmul_precision` refuses the mix transformers' `enable_tf32` leaves: the global
+    `torch.backends.fp32_precision` set, the backends' not), else the one legacy value."""
+    backends = torch.backends
+    if not hasattr(backends, "fp32_precision"):
+        return torch.get_float32_matmul_precision()
+    state = {"": backends.fp32_precision, "cuda": backends.cuda.matmul.fp32_precision}
+    if hasattr(backends, "mkldnn") and hasattr(backends.mkldnn, "matmul"):
+        state["mkldnn"] = backends.mkldnn.matmul.fp32_precision
+    return state
+
+
+def _set_matmul_precisions(state: dict[str, str] | str) -> None:
+    if isinstance(state, str):
+        torch.set_float32_matmul_precision(state)
+        return
+    torch.backends.fp32_precision = state[""]
+    torch.backends.cuda.matmul.fp32_precision = state["cuda"]
+    if "mkldnn" in state:
+        torch.backends.mkldnn.matmul.fp32_precision = state["mkldnn"]
+
+
+def attention_refusing_fp32(model: nn.Module) -> str | None:
+    """`model`'s `attn_implementation` when it refuses fp32 inputs (FlashAttention: fp16/bf16 only; transformers hands
+    it the fp32 q/k/v of a pass outside autocast with fp32 weights), else None."""
+    config = getattr(base_model(model), "config", None)
+    name = getattr(config, "_attn_implementation", None)
+    if not isinstance(name, str) or name.split("|")[-1] in FP32_ATTENTION:
+        return None
+    return name
+
+
+def _attention_settings(config) -> list[tuple[object, object]]:
+    """(config, `_attn_implementation_internal`) of `config` and every sub-config under it."""
+    found, stack = [], [config]
+    while stack:
+        current = stack.pop()
+        found.append((current, getattr(current, "_attn_implementation_internal", None)))
+        stack += [getattr(current, k) for k in getattr(current, "sub_configs", {}) if getattr(current, k, None) is not None]
+    return found
+
+
+@contextlib.contextmanager
+def ieee_fp32(enabled: bool = True, attention_of: nn.Module | None = None):
+    """Within the block, fp32 is IEEE fp32 in the scoring passes; after it, the run's own settings are back.
+
+    - Matmuls: `torch.set_float32_matmul_precision("highest")` (no TF32 on CUDA, no bf16 on oneDNN CPUs), whatever the
+      run set: transformers turns `tf32=True`, and `torch_compile=True` with bf16, into TF32 for the whole process
+      (`enable_tf32`), which keeps 10 of fp32's 23 mantissa bits in every fp32 matmul.
+    - Attention, when `attention_of` (the policy, whose config its copies share) has an `attn_implementation` that
+      refuses fp32 inputs (FlashAttention): `sdpa` for the block, its mask included (transformers reads the
+      config at every forward). Pass it only for passes that run attention in fp32 (a whole fp32 forward, fp32
+      decoder layers); a body that runs under the training autocast keeps its kernel.
+
+    Args:
+        enabled: False: a no-op (TRL's own pass computes as the run trains).
+        attention_of: see above; None leaves the attention as it is.
+    """
+    if not enabled:
+        yield
+        return
+    precisions = _matmul_precisions()
+    switched = _attention_settings(base_model(attention_of).config) if (
+        attention_of is not None and attention_refusing_fp32(attention_of) is not None) else []
+    torch.set_float32_matmul_precision("highest")
+    if switched:
+        switched[0][0]._attn_implementation = "sdpa"  # the setter reaches the sub-configs
+    try:
+        yield
+    finally:
+        for config, name in switched:
+            config._attn_implementation_internal = name
+        _set_matmul_precisions(precisions)

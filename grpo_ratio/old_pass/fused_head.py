@@ -5,7 +5,9 @@ sampling correction) TRL runs no old pass: the old policy is the policy of the t
 uses detached. `fp32_head`'s old log-probs are the same bf16 body followed by the final norm and LM head in fp32, so
 the body need not run twice: a forward pre-hook on the final norm keeps the input the training forward hands it
 (b, P+T, H), and `OldLogprobScorer.head_logprobs` applies the fp32 norm and head to it, detached, over the same T + 1
-positions as the separate pass. Cost: one fp32 norm and head matmul per micro-batch; no pass of the body.
+positions as the separate pass. Cost: one fp32 norm and head matmul per micro-batch; no pass of the body. The head is
+applied in TRL's tiles (`grpo_ratio.old_pass.forward.HeadProjection`, TRL's `ChunkedLogProbFunction`), as in the
+separate pass: no (b, T + 1, V) logits while the training forward's activations are alive.
 
 Where the two cannot be equal the trainer keeps the separate pass (`fused_head_fallback` names why, logged once):
 dropout in the training forward, a head that is not a plain `nn.Linear` or logits transformed after it, a decoder

@@ -3,7 +3,10 @@
 The math is `grpo_ratio.corrections.kept_logprobs` (one implementation per correction, also what the tests call); this module
 feeds it from the trainer's forward passes. TRL's fused head never builds logits, so the kept-set log-probs come
 from the backbone's last hidden state (captured by a forward hook during TRL's own call) through the LM head: TRL's
-forward is neither copied nor repeated. This materialises the (b, T, V) logits of one forward chunk.
+forward is neither copied nor repeated. No (b, T, V) logits are built either: the head is applied to K cells at a
+time (`corrections.kept_logprobs.HeadLogits`), and under autograd (the training forward's log-probs over S) each
+chunk is recomputed in backward (`RecomputedCells`), so what stays alive for backward is the hidden states, not a
+(K, V) fp32 copy per chunk.
 
 Both corrections make r_old/sampler = p_old,S(g) / q_S(g); they differ in the policy-gradient target
 (docs/truncation.md):
@@ -22,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..corrections.kept_logprobs import KeptLogprobs, logprobs_on_kept_sets
+from ..corrections.kept_logprobs import HeadLogits, KeptLogprobs, concat_kept_logprobs, logprobs_on_kept_sets
 from ..corrections.kept_sets import KeptSets, SamplingSettings
 from ..corrections.processors import RepetitionPenalty
 from .adapters import base_model
@@ -44,6 +47,34 @@ def capture_last_hidden(model: nn.Module):
         handle.remove()
 
 
+def head_logits(model: nn.Module, hidden: torch.Tensor, fp32_head: bool, autocast_ctx) -> HeadLogits:
+    """The logits (B, T, V) of `hidden` (B, T, H) through the model's LM head, as `HeadLogits` (computed K cells at a
+    time, differentiable in the hidden states and the head's parameters): in fp32 outside autocast with `fp32_head`
+    (TRL's `cast_lm_head_to_fp32`: `F.linear` of the fp32 input, weight and bias), else the head under the trainer's
+    autocast (`autocast_ctx()`), as the head computes them in the model's forward."""
+    head = base_model(model).get_output_embeddings()
+    device = hidden.device.type
+    if fp32_head or type(head) is nn.Linear:
+        params = (head.weight,) if head.bias is None else (head.weight, head.bias)
+
+        def project(h, weight, bias=None):  # (K, H) -> (K, V)
+            if not fp32_head:
+                with autocast_ctx():
+                    return F.linear(h, weight, bias)
+            with torch.autocast(device, enabled=False):
+                return F.linear(h.float(), weight.float(), None if bias is None else bias.float())
+
+        return HeadLogits(hidden, project, head.weight.shape[0], params)
+    names, params = zip(*head.named_parameters(), strict=True)  # a head that is not one linear map (PEFT, ...)
+
+    def project_module(h, *weights):  # (K, H) -> (K, V), the head's own forward on the given parameters
+        with autocast_ctx():
+            return torch.func.functional_call(head, dict(zip(names, weights, strict=True)), (h,))
+
+    vocab_size = getattr(head, "out_features", None) or base_model(model).config.get_text_config().vocab_size
+    return HeadLogits(hidden, project_module, vocab_size, params)
+
+
 def kept_set_logps_from_hidden(model: nn.Module, hidden: torch.Tensor, tokens: torch.Tensor,
                                kept: KeptSets | SamplingSettings, temperature: float, fp32_head: bool, autocast_ctx,
                                mask: torch.Tensor, penalty: RepetitionPenalty | None = None) -> KeptLogprobs:
@@ -51,7 +82,8 @@ def kept_set_logps_from_hidden(model: nn.Module, hidden: torch.Tensor, tokens: t
 
     Args:
         model: the causal LM whose head (`get_output_embeddings()`) projects `hidden`.
-        hidden: (B, T, H) hidden states at the positions predicting the T completion tokens (grad flows through).
+        hidden: (B, T, H) hidden states at the positions predicting the T completion tokens (grad flows through, to
+            them and to the head's parameters; recomputed chunk by chunk in backward).
         tokens: (B, T) completion ids.
         kept: (B, T) kept sets (empty cells = padding, skipped), or the sampler's `SamplingSettings` that recompute them from
             these logits (the "recompute" kept-set source).
@@ -65,11 +97,41 @@ def kept_set_logps_from_hidden(model: nn.Module, hidden: torch.Tensor, tokens: t
     Raises:
         ValueError: a sampled token outside its kept set ("inconsistent rollout", naming row and position).
     """
-    head = base_model(model).get_output_embeddings()
-    if fp32_head:
-        with torch.autocast(hidden.device.type, enabled=False):
-            logits = F.linear(hidden.float(), head.weight.float(), None if head.bias is None else head.bias.float())
-    else:
-        with autocast_ctx():
-            logits = head(hidden)  # (B, T, V)
+    logits = head_logits(model, hidden, fp32_head, autocast_ctx)  # (B, T, V), never built whole
     return logprobs_on_kept_sets(logits, tokens, kept, temperature, mask, penalty)
+
+
+def kept_set_logps_of_chunks(model: nn.Module, hidden: list[torch.Tensor], input_ids: torch.Tensor,
+                             attention_mask: torch.Tensor, logits_to_keep: int, kept: KeptSets | SamplingSettings,
+                             temperature: float, fp32_head: bool, autocast_ctx,
+                             penalty: RepetitionPenalty | None = None) -> KeptLogprobs:
+    """`kept_set_logps_from_hidden` over the forward chunks of one TRL call, one chunk at a time (as TRL's forward ran
+    them), concatenated along rows: no tensor spans the whole generation batch's (B, T, H) hidden states, let alone
+    its (B, T, V) logits.
+
+    Args:
+        model: the causal LM (unwrapped).
+        hidden: what `capture_last_hidden` collected: per forward chunk, in row order, (rows, P+T, H).
+        input_ids, attention_mask: (B, P+T) of the call; `logits_to_keep`: T.
+        kept: (B, T) kept sets, or the sampler's `SamplingSettings` (recomputed per chunk).
+        temperature, fp32_head, autocast_ctx: as `kept_set_logps_from_hidden`.
+        penalty: the sampler's repetition penalty over the B rows, or None.
+    Returns:
+        `KeptLogprobs` (B, T) (`log_mass` unset).
+    Raises:
+        RuntimeError: the chunks do not add up to the call's B rows.
+        ValueError: as `kept_set_logps_from_hidden`.
+    """
+    T = logits_to_keep
+    tokens, mask = input_ids[:, -T:], attention_mask[:, -T:].bool()  # (B, T)
+    parts, start = [], 0
+    for h in hidden:  # (rows, P+T, H)
+        rows = slice(start, start + h.size(0))
+        start = rows.stop
+        rows_kept = kept if not isinstance(kept, KeptSets) else kept.select_rows(range(rows.start, rows.stop))
+        parts.append(kept_set_logps_from_hidden(
+            model, h[:, -T - 1:-1], tokens[rows], rows_kept, temperature, fp32_head, autocast_ctx, mask[rows],
+            None if penalty is None else penalty.rows(rows)))  # h[:, -T-1:-1]: the positions predicting the T tokens
+    if start != input_ids.size(0):
+        raise RuntimeError(f"grpo_ratio: the forward's chunks cover {start} rows, the call has {input_ids.size(0)}")
+    return concat_kept_logprobs(parts)

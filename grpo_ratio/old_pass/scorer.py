@@ -22,6 +22,12 @@ The modes differ only in the precision of the forward pass (the batch-logprob-ga
 | `guided_fp32` | as `fp32_head`, plus the chosen decoder layers in fp32                   | fp32        |
 
 Inside RatioGRPOTrainer the `bf16` mode is never run by this module: TRL's own pass is used, bit for bit.
+
+Memory: no mode builds (B, T, V) logits, as TRL 1.16 builds none. The forward's LM head runs on no position; its input
+and the linear map it applies (the mode's: an fp32 runner's, a copy's) are recorded (`forward.head_inputs`) and the
+log-probs computed from them in tiles by TRL's own `ChunkedLogProbFunction` (the temperature applied as TRL applies
+it, z * (1 / temperature)); the kept-set log-probs and the full-vocabulary divergences read the same logits K tokens
+at a time (`corrections.kept_logprobs.HeadLogits`). The fp16 fallback re-scores its rows the same way.
 """
 
 from __future__ import annotations
@@ -33,18 +39,23 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..corrections.kept_logprobs import KeptLogprobs, logprobs_on_kept_sets
-from ..corrections.kept_sets import KeptSets, SamplingSettings, concat_kept_sets
+from ..corrections.kept_logprobs import HeadLogits, KeptLogprobs, concat_kept_logprobs, logprobs_on_kept_sets
+from ..corrections.kept_sets import KeptSets, SamplingSettings
 from ..corrections.processors import RepetitionPenalty
 from ..diagnostics.mismatch import full_vocab_divergence
 from ..modes import MODES, PRECISION_MODES
 from .copies import COPY_STORAGES, ModuleCopy, PerLayerCast, check_per_layer_cast
 from .forward import (
+    HeadInput,
+    capture_head,
     check_layer_indices,
-    completion_logprobs_from_logits,
+    completion_logprobs_from_logits,  # noqa: F401 (re-exported: the full-logits reference of the tests)
     eval_mode,
     forward_kwargs,
     fp32_forward,
+    head_inputs,
+    ieee_fp32,
+    join_head_inputs,
     model_anatomy,
     patched_forward,
     plain_forward,
@@ -219,18 +230,24 @@ class OldLogprobScorer:
         """Memory held by this scorer's copies on this rank, in bytes (0 when the mode needs no copy)."""
         return sum(c.num_bytes() for c in self.copies())
 
-    def _forward(self, model: nn.Module, input_ids, attention_mask, logits_to_keep: int) -> torch.Tensor:
+    def _forward(self, model: nn.Module, input_ids, attention_mask, logits_to_keep: int,
+                 positions: bool | None = None) -> HeadInput:
+        """`model`'s forward up to its LM head: the head's input at the last T + 1 positions and the map it applies
+        (`HeadInput`); the head itself runs on no position, so no (b, T + 1, V) logits are built. Sharded, the
+        engine's gathered head weights are cloned for use after the forward."""
         # `bf16` is TRL's own pass and `fp32_head` its body (no position ids); the others count them as generate does
-        positions = not self.spec.trl_layout
-        if self.sharded is None:
-            return plain_forward(model, input_ids, attention_mask, logits_to_keep, positions)
-        kwargs = forward_kwargs(model, input_ids, attention_mask, logits_to_keep, positions)
-        out = self.sharded.forward(model, **kwargs)
-        return out.logits  # (B, T + 1, V)
+        positions = not self.spec.trl_layout if positions is None else positions
+        with head_inputs(model, persist=self.sharded is not None) as seen:
+            if self.sharded is None:
+                plain_forward(model, input_ids, attention_mask, logits_to_keep, positions)
+            else:
+                self.sharded.forward(model, **forward_kwargs(model, input_ids, attention_mask, logits_to_keep,
+                                                             positions))
+        return join_head_inputs(seen, logits_to_keep + 1)  # hidden (b, T + 1, H)
 
     # -- one chunk per mode ------------------------------------------------------------------------------------------
 
-    def _logits_full(self, dtype: torch.dtype, input_ids, attention_mask, logits_to_keep, version):
+    def _head_full(self, dtype: torch.dtype, input_ids, attention_mask, logits_to_keep, version) -> HeadInput:
         """Whole forward in `dtype` outside autocast: the policy itself when its weights are already `dtype`."""
         if self.sharded is not None:
             with self.sharded.whole_model(dtype, version) as model, self._no_autocast():
@@ -245,7 +262,7 @@ class OldLogprobScorer:
         with casts, self._no_autocast():
             return self._forward(model, input_ids, attention_mask, logits_to_keep)
 
-    def _logits_policy(self, input_ids, attention_mask, logits_to_keep):
+    def _head_policy(self, input_ids, attention_mask, logits_to_keep) -> HeadInput:
         with self.policy_autocast():
             return self._forward(self.model, input_ids, attention_mask, logits_to_keep)
 
@@ -260,7 +277,7 @@ class OldLogprobScorer:
             return module, None  # fp32 weights: just leave autocast; no copy, no cast back
         return self._copy_of(module, torch.float32, version), None if feeds_fp32 else self.weight_dtype
 
-    def _logits_upcast(self, input_ids, attention_mask, logits_to_keep, version):
+    def _head_upcast(self, input_ids, attention_mask, logits_to_keep, version) -> HeadInput:
         """The policy's forward with `self.layers`, the final norm and the head in fp32 (fp32_head, guided_fp32)."""
         a = self._anatomy
         chain = [a.layers[i] for i in self.layers] + [a.norm, a.head]
@@ -277,15 +294,15 @@ class OldLogprobScorer:
                 stack.enter_context(patched_forward(module, forward))
             if self.layers and a.rotary is not None and self.hidden_dtype != torch.float32:
                 stack.enter_context(patched_forward(a.rotary, rope_fp32_forward(a.rotary, rope_cache)))
-            return self._logits_policy(input_ids, attention_mask, logits_to_keep)
+            return self._head_policy(input_ids, attention_mask, logits_to_keep)
 
     @torch.no_grad()
     def head_logprobs(self, hidden: torch.Tensor, completion_ids: torch.Tensor, temperature: float = 1.0,
                       version: int = 0) -> torch.Tensor:
         """`fp32_head` from the body's own output: the final norm and the LM head in fp32 applied to `hidden`, the input
         of the final norm in some forward (the trainer's training forward), exactly as the separate pass applies them
-        (same runners, same casts, same T + 1 positions). Equal to `score(...)` bitwise when `hidden` is what the
-        separate pass's body computes (TRL's layout, no dropout).
+        (same runners, same casts, same T + 1 positions, the same tiles: no (b, T + 1, V) logits). Equal to
+        `score(...)` bitwise when `hidden` is what the separate pass's body computes (TRL's layout, no dropout).
 
         Args:
             hidden: (b, P+T, H) input of the final norm, any float dtype (detached here).
@@ -305,17 +322,15 @@ class OldLogprobScorer:
         norm, head = (fp32_forward(self._fp32_runner(m, version, True)[0], None, None, self.device_type)
                       for m in (a.norm, a.head))
         normed = norm(hidden.detach())  # (b, P+T, H) fp32
-        logits = head(normed[:, -(T + 1):])  # (b, T + 1, V) fp32, the causal LM's `logits_to_keep` slice
-        return completion_logprobs_from_logits(logits, completion_ids, temperature)  # (b, T)
+        # the causal LM's `logits_to_keep` slice, through the head as `head_inputs` records it in the separate pass
+        x, projection = capture_head(self.model, head, normed[:, -(T + 1):])  # (b, T + 1, H)
+        return HeadInput(x, projection).logprobs(completion_ids, temperature)  # (b, T)
 
-    def _logits_as_trained(self, input_ids, attention_mask, logits_to_keep):
-        """The policy's logits as its training forward computes them: training autocast, TRL's inputs (no position
-        ids)."""
+    def _head_as_trained(self, input_ids, attention_mask, logits_to_keep) -> HeadInput:
+        """The policy's head input and map as its training forward computes them: training autocast, TRL's inputs
+        (no position ids)."""
         with self.policy_autocast():
-            if self.sharded is None:
-                return plain_forward(self.model, input_ids, attention_mask, logits_to_keep, False)
-            kwargs = forward_kwargs(self.model, input_ids, attention_mask, logits_to_keep, False)
-            return self.sharded.forward(self.model, **kwargs).logits  # (b, T + 1, V)
+            return self._forward(self.model, input_ids, attention_mask, logits_to_keep, positions=False)
 
     def _chunk_logprobs(self, input_ids, attention_mask, logits_to_keep, temperature, version, kept=None,
                         penalty=None, compare_policy=False):
@@ -324,26 +339,30 @@ class OldLogprobScorer:
         `KeptLogprobs`; with `compare_policy`, also the full-vocabulary divergences to the policy's own logits."""
         logps, n_fallback, logits = self._chunk_full(input_ids, attention_mask, logits_to_keep, temperature, version)
         full = None
-        if compare_policy:  # both (b, T, V) distributions are at hand only here, chunk by chunk
-            policy = self._logits_as_trained(input_ids, attention_mask, logits_to_keep)
-            full = full_vocab_divergence(policy[:, :-1], logits[:, :-1], temperature=temperature)
+        if compare_policy:  # both (b, T, V) distributions, `chunk_tokens` tokens at a time: neither is built whole
+            policy = self._head_as_trained(input_ids, attention_mask, logits_to_keep).logits()  # (b, T, V) HeadLogits
+            full = full_vocab_divergence(policy, logits, temperature=temperature)
         if kept is None:
             return logps, n_fallback, None, full
         completion = attention_mask[:, -logits_to_keep:].bool()  # (b, T)
-        on_kept = logprobs_on_kept_sets(logits[:, :-1], input_ids[:, -logits_to_keep:], kept, temperature, completion,
+        on_kept = logprobs_on_kept_sets(logits, input_ids[:, -logits_to_keep:], kept, temperature, completion,
                                         penalty)
         return logps, n_fallback, on_kept, full
 
-    def _chunk_full(self, input_ids, attention_mask, logits_to_keep, temperature, version):
+    def _chunk_full(self, input_ids, attention_mask, logits_to_keep, temperature, version
+                    ) -> tuple[torch.Tensor, int, HeadLogits]:
+        """(b, T) fp32 log-probs of one chunk, how many of its rows were re-scored in fp32, and its (b, T, V) logits
+        as `HeadLogits` (computed K cells at a time where the kept sets or the divergences read them)."""
         completion_ids = input_ids[:, -logits_to_keep:]  # (b, T)
         if self.spec.trl_pass:
-            logits = self._logits_policy(input_ids, attention_mask, logits_to_keep)
+            head = self._head_policy(input_ids, attention_mask, logits_to_keep)
         elif self.spec.whole_model_dtype is not None:
-            logits = self._logits_full(_DTYPES[self.spec.whole_model_dtype], input_ids, attention_mask,
-                                       logits_to_keep, version)
+            head = self._head_full(_DTYPES[self.spec.whole_model_dtype], input_ids, attention_mask, logits_to_keep,
+                                   version)
         else:
-            logits = self._logits_upcast(input_ids, attention_mask, logits_to_keep, version)
-        logps = completion_logprobs_from_logits(logits, completion_ids, temperature)  # (b, T)
+            head = self._head_upcast(input_ids, attention_mask, logits_to_keep, version)
+        logps = head.logprobs(completion_ids, temperature)  # (b, T)
+        logits = head.logits()  # (b, T, V), nothing computed yet
         if not self.spec.overflows:
             return logps, 0, logits
         # fp16 overflow (activations past 65,504) must never reach the ratio: re-score such rows in fp32
@@ -356,12 +375,10 @@ class OldLogprobScorer:
             return logps, 0, logits
         rows = bad.nonzero().squeeze(1) if n_bad else torch.zeros(1, dtype=torch.long, device=bad.device)
         with self._route_rows(rows):  # a replay session serves these rows their own routes
-            logits32 = self._logits_full(torch.float32, input_ids[rows], attention_mask[rows], logits_to_keep,
-                                         version)
+            head32 = self._head_full(torch.float32, input_ids[rows], attention_mask[rows], logits_to_keep, version)
         if n_bad:
-            logps[rows] = completion_logprobs_from_logits(logits32, completion_ids[rows], temperature)
-            logits = logits.float()
-            logits[rows] = logits32.float()
+            logps[rows] = head32.logprobs(completion_ids[rows], temperature)
+            logits = logits.with_rows(rows, head32.logits())  # the kept sets and divergences read these rows' too
         return logps, n_bad, logits
 
     def _route_rows(self, rows: torch.Tensor):
@@ -403,7 +420,7 @@ class OldLogprobScorer:
         chunks, kept_chunks, full_chunks, fallback = [], [], [], 0
         sharding = contextlib.nullcontext() if self.sharded is None else self.sharded.scoring()
         deterministic = eval_mode(self.model) if not self.spec.trl_pass else contextlib.nullcontext()  # bf16: TRL's pass
-        with deterministic, sharding:
+        with deterministic, sharding, ieee_fp32(not self.spec.trl_pass, None if self.spec.trl_layout else self.model):
             for start in range(0, input_ids.size(0), batch_size):
                 sl = slice(start, start + batch_size)
                 self._chunk_start = start
@@ -421,11 +438,8 @@ class OldLogprobScorer:
         full = tuple(torch.cat(parts, dim=0) for parts in zip(*full_chunks)) if compare_policy else None  # (B, T) x 3
         if kept is None:
             return ScoreResult(logps=logps, fallback_rows=fallback, full_vocab=full)
-        added = [k.added for k in kept_chunks]
-        kept_logps = torch.cat([k.logps for k in kept_chunks], dim=0)  # (B, T)
-        on_kept = KeptLogprobs(kept_logps, concat_kept_sets([k.kept for k in kept_chunks]),
-                               added=None if added[0] is None else torch.cat(added, dim=0),
-                               log_mass=logps - kept_logps)  # log M = log p_full(g) - log p_S(g)
+        on_kept = concat_kept_logprobs(kept_chunks)  # (B, T)
+        on_kept.log_mass = logps - on_kept.logps  # log M = log p_full(g) - log p_S(g)
         return ScoreResult(logps=logps, fallback_rows=fallback, on_kept=on_kept, full_vocab=full)
 
 

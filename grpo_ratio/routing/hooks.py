@@ -89,8 +89,10 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _fingerprint(hidden: torch.Tensor) -> float:
-    return float(hidden.detach().double().sum())
+def _fingerprint(hidden: torch.Tensor) -> torch.Tensor:
+    """A 0-d fp64 summary of a router's input, left on its device: taken in every checkpointed MoE layer's forward,
+    where a host sync would stall the layer; compared only when a recompute has several candidates."""
+    return hidden.detach().double().sum()
 
 
 class RouteHooks:
@@ -113,7 +115,7 @@ class RouteHooks:
         self._routes: torch.Tensor | None = None  # (B, S, L, k) replayed by the session's forwards
         self._cursor = 0  # rows of `_routes` already served
         self._call: _Call | None = None
-        self._pending: dict[int, list[tuple[int, float, torch.Tensor | None]]] = {}  # for checkpoint recomputes
+        self._pending: dict[int, list[tuple[int, torch.Tensor, torch.Tensor | None]]] = {}  # checkpoint recomputes
         self._rows: torch.Tensor | None = None  # rows of `_routes` the next forward takes (`serving_rows`)
         self._handles = []
         self._attached: set[int] = set()
@@ -298,8 +300,11 @@ class RouteHooks:
         candidates = [i for i, (n, _, _) in enumerate(stack) if n == native.size(0)]
         if not candidates:
             return None  # a forward outside any session: the router's own routes, as in the forward
-        fingerprint = _fingerprint(hidden)
-        best = min(candidates, key=lambda i: abs(stack[i][1] - fingerprint))
+        best = candidates[0]
+        if len(candidates) > 1:  # several forwards of this row count: the nearest fingerprint (one sync, in backward)
+            fingerprint = _fingerprint(hidden)
+            distances = torch.stack([(stack[i][1].to(fingerprint.device) - fingerprint).abs() for i in candidates])
+            best = candidates[int(distances.argmin())]
         _, _, used = stack.pop(best)
         if used is None:
             return None

@@ -155,13 +155,17 @@ def vllm_routes(routed_experts: Sequence, prompt_lengths: Sequence[int], dst_pro
             vllm-project/vllm#28284): the experts of the row's prompt + completion tokens but the last, by absolute
             layer index; numpy arrays or tensors.
         prompt_lengths: the rows' prompt lengths p_i (seq_len = p_i + completion length).
-        dst_prompt_mask: (B, P), dst_completion_mask: (B, T): TRL's masks.
+        dst_prompt_mask: (B, P), dst_completion_mask: (B, T): TRL's masks. A row's completion length is its mask's
+            count, except where TRL zeroed the whole row (`mask_truncated_completions` masks a truncated completion
+            out of attention and loss, and vLLM never returns an empty completion): that row's completion ids still
+            fill up to TRL's width T, and its routes are laid out all the same (the loss never reads them).
         moe_layers: the model's MoE layers (`MoeLayout.moe_layers`): the engine's rows at dense layers are not routes
             and become `NO_ROUTE`.
     Returns:
         (B, P + T, L, k) int16.
     Raises:
-        ValueError: a row's buffer does not have num_layers x k columns, or is longer than its tokens.
+        ValueError: a row's buffer does not have num_layers x k columns, or is longer than its tokens (its prompt and
+            its completion, or TRL's width T for a masked-out row).
     """
     B, P = dst_prompt_mask.shape
     T = dst_completion_mask.size(1)
@@ -173,7 +177,7 @@ def vllm_routes(routed_experts: Sequence, prompt_lengths: Sequence[int], dst_pro
         if row.dim() != 3 or tuple(row.shape[1:]) != (num_layers, top_k):
             raise ValueError(f"routed_experts row {i}: expected (seq_len - 1, {num_layers}, {top_k}), got "
                              f"{tuple(row.shape)}")
-        c = int(dst_completion_mask[i].sum())
+        c = int(dst_completion_mask[i].sum()) or T  # 0: a truncated row TRL masked out; its ids fill up to T
         if n > p + c:
             raise ValueError(f"routed_experts row {i}: {n} positions for {p} prompt + {c} completion tokens")
         row = row.clone()

@@ -86,6 +86,11 @@ class SamplerLogprobRecorder(LogitsProcessor):
         """P, the (padded) prompt length of the recorded generate call; None before the first step."""
         return self._prompt_len
 
+    @property
+    def device(self) -> torch.device | None:
+        """Where the recording lives (the scores' device, or `storage_device`); None before the first step."""
+        return self._sizes[0].device if self._sizes else None
+
     def _store(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.storage_device is None else t.to(self.storage_device)  # blocking: safe to read at once
 
@@ -128,7 +133,7 @@ class SamplerLogprobRecorder(LogitsProcessor):
         if len(logps) < T:  # the last step's token is only in the final sequences
             last = sequences[:, -1:].to(self._prev_logsm.device)  # (N, 1)
             logps = logps + [self._store(self._prev_logsm.gather(1, last).squeeze(1))]
-        logprobs = torch.stack(logps, 1) if T else torch.zeros(N, 0)  # (N, T)
+        logprobs = torch.stack(logps, 1) if T else torch.zeros(N, 0, device=self._sizes[0].device)  # (N, T)
         kept = self._kept_sets(T)
         self._prev_logsm = None  # free the (N, V) buffer
         if completion_mask is not None:
@@ -139,12 +144,12 @@ class SamplerLogprobRecorder(LogitsProcessor):
 
     def _kept_sets(self, T: int) -> KeptSets:
         """Reorder the step-major recording of the first T steps into row-major CSR."""
-        N = self._sizes[0].shape[0]
-        sizes_sm = torch.stack(self._sizes[:T]) if T else torch.zeros(0, N, dtype=torch.int32)  # (T, N)
+        N, device = self._sizes[0].shape[0], self._sizes[0].device  # the recording's device (scores or storage)
+        sizes_sm = torch.stack(self._sizes[:T]) if T else torch.zeros(0, N, dtype=torch.int32, device=device)  # (T, N)
         sizes = sizes_sm.T.contiguous()  # (N, T)
         if self.support_size_only:
             return KeptSets(sizes, support_size_only=True)
-        ids_sm = torch.cat(self._ids[:T]) if T else torch.zeros(0, dtype=torch.int32)  # (nnz,) step-major
+        ids_sm = torch.cat(self._ids[:T]) if T else torch.zeros(0, dtype=torch.int32, device=device)  # (nnz,)
         starts_sm = offsets_from_sizes(sizes_sm)[:-1].reshape(T, N)  # (T, N)
         ids = ids_sm[range_index(starts_sm.T.reshape(-1), sizes.reshape(-1))]  # (nnz,) row-major
         return KeptSets(sizes, ids, offsets_from_sizes(sizes))
@@ -200,13 +205,13 @@ def finalize_from_completions(recorder: SamplerLogprobRecorder, completion_ids: 
                               pad_token_id: int) -> SamplerRecord:
     """`recorder.finalize` from TRL's per-row completion lists (cut after the first EOS): rebuild the (N, P+T)
     sequences and the (N, T) completion mask; the prompt part is never read, only its length."""
-    N, T = len(completion_ids), max((len(c) for c in completion_ids), default=0)
-    sequences = torch.full((N, recorder.prompt_length + T), pad_token_id, dtype=torch.long)  # (N, P+T)
-    mask = torch.zeros(N, T, dtype=torch.bool)  # (N, T)
-    for i, ids in enumerate(completion_ids):
-        sequences[i, recorder.prompt_length : recorder.prompt_length + len(ids)] = torch.tensor(ids, dtype=torch.long)
-        mask[i, : len(ids)] = True
-    return recorder.finalize(sequences, mask)
+    lengths = [len(c) for c in completion_ids]
+    N, T, device = len(completion_ids), max(lengths, default=0), recorder.device
+    padded = [list(ids) + [pad_token_id] * (T - len(ids)) for ids in completion_ids]
+    completion = torch.tensor(padded, dtype=torch.long, device=device).reshape(N, T)  # (N, T): one copy to the device
+    prompt = torch.full((N, recorder.prompt_length), pad_token_id, dtype=torch.long, device=device)  # (N, P)
+    mask = torch.arange(T, device=device) < torch.tensor(lengths, dtype=torch.long, device=device)[:, None]  # (N, T)
+    return recorder.finalize(torch.cat([prompt, completion], dim=1), mask)
 
 
 

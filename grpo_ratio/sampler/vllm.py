@@ -49,7 +49,8 @@ def _mask_cells(mask, where: str) -> list[np.ndarray]:
     return [flat[bounds[i]:bounds[i + 1]] for i in range(len(bounds) - 1)]
 
 
-def kept_sets_from_vllm(outputs, num_steps: int | None = None, support_size_only: bool = False) -> KeptSets:
+def kept_sets_from_vllm(outputs, num_steps: int | None = None, support_size_only: bool = False,
+                        device=None) -> KeptSets:
     """Kept sets of vLLM completions, one row per `CompletionOutput` (RequestOutputs are flattened in order).
 
     Each `CompletionOutput.sampling_mask` (engine flag `return_sampling_mask=True`, vLLM >= 0.28; needs Model Runner
@@ -62,6 +63,7 @@ def kept_sets_from_vllm(outputs, num_steps: int | None = None, support_size_only
         outputs: a sequence of vLLM `RequestOutput` and/or `CompletionOutput`.
         num_steps: T of the result (default: the longest completion); shorter completions get empty cells.
         support_size_only: keep only |S| (see `KeptSets`).
+        device: where the sets live (default CPU): the trainer's device, so that every pass densifies them there.
 
     Returns:
         `KeptSets` with N = number of completions.
@@ -80,7 +82,7 @@ def kept_sets_from_vllm(outputs, num_steps: int | None = None, support_size_only
             raise ValueError(f"{where}: sampling_mask has {len(cells)} kept sets for {len(comp.token_ids)} "
                              f"generated tokens")
         rows.append(cells)
-    kept = KeptSets.from_lists(rows, num_steps)
+    kept = KeptSets.from_lists(rows, num_steps, device=device)
     return kept.size_only() if support_size_only else kept
 
 
@@ -113,10 +115,12 @@ def vllm_engine_kwargs(**extra):
 
 
 class VLLMOutputCapture:
-    """Keeps the `RequestOutput`s of the last `llm.generate` call of a vLLM engine (wraps it on the instance)."""
+    """Keeps the `RequestOutput`s of the last `llm.generate` call of a vLLM engine (wraps it on the instance).
+    `device`: where `kept_sets` puts the sets (the trainer's device; default CPU)."""
 
-    def __init__(self, llm):
+    def __init__(self, llm, device=None):
         self.outputs = None
+        self.device = device
         generate = llm.generate
 
         def capturing_generate(*args, **kwargs):
@@ -152,7 +156,7 @@ class VLLMOutputCapture:
         """
         if self.outputs is None:
             raise RuntimeError("grpo_ratio: no vLLM outputs captured for this generation batch")
-        kept = kept_sets_from_vllm(self.outputs)
+        kept = kept_sets_from_vllm(self.outputs, device=self.device)
         self.outputs = None
         if kept.num_rows != num_rows:
             raise RuntimeError(f"grpo_ratio: vLLM returned kept sets for {kept.num_rows} completions, TRL kept "

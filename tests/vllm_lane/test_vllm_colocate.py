@@ -96,7 +96,7 @@ def test_colocate_truncation_correction_needs_sampling_masks_refused_on_cpu(corr
     with shims.colocate_engine_kwargs(dtype="float32", enforce_eager=True), shims.cpu_colocate_weight_sync():
         with pytest.raises(ValueError, match="sampling distribution replay requires Model Runner V2"):
             _trainer(tmp_path, tiny_llama_dir, truncation_correction=correction, kept_set_source="recorded",
-                     top_k=50)  # vLLM returns masks only for top_k > 0 (the package warns otherwise)
+                     top_k=50)  # vLLM returns masks only for top_k > 0 (the config refuses top_k <= 0)
 
 
 @pytest.mark.parametrize("correction", ["renormalize", "lift_sampler"])

@@ -14,6 +14,7 @@ With `shims.server_disk_weight_sync` (weights through a safetensors file and the
 sampler log-probs, TRL's IS correction and the package's `ratio/*` diagnostics.
 """
 
+import contextlib
 import math
 import os
 import signal
@@ -60,16 +61,14 @@ def _server_env() -> dict:
     return env
 
 
-@pytest.fixture(scope="module")
-def vllm_server(tiny_llama_dir, tmp_path_factory):
-    """A vLLM OpenAI server on loopback serving the untied tiny Llama in fp32; yields its base URL."""
+@contextlib.contextmanager
+def _serving(cmd: list[str], log: Path):
+    """Run a vLLM OpenAI server (`cmd`) in its own session until the block ends; yields its base URL once healthy."""
     import requests
 
-    port = _free_port()
-    log = tmp_path_factory.mktemp("vllm_server") / "server.log"
+    port = int(cmd[cmd.index("--port") + 1])
     with open(log, "w") as out:
-        proc = subprocess.Popen(_serve_command(tiny_llama_dir, port), env=_server_env(), stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, env=_server_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + SERVER_START_TIMEOUT_S
@@ -92,6 +91,21 @@ def vllm_server(tiny_llama_dir, tmp_path_factory):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tiny_llama_dir, tmp_path_factory):
+    """A vLLM OpenAI server on loopback serving the untied tiny Llama in fp32; yields its base URL."""
+    with _serving(_serve_command(tiny_llama_dir, _free_port()),
+                  tmp_path_factory.mktemp("vllm_server") / "server.log") as url:
+        yield url
+
+
+def _plain_serve_command(model_dir: str, port: int) -> list[str]:
+    """`vllm serve MODEL` as a user types it (through the api_server module, module docstring reason 1), with the
+    lane's CPU settings and nothing of TRL's: vLLM's default `--logprobs-mode raw_logprobs`."""
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
+            "--port", str(port), "--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32"]
 
 
 def _server_args(tmp_path, url, **overrides):
@@ -195,3 +209,18 @@ def test_server_mode_trains_with_a_correction_on_recomputed_kept_sets(vllm_serve
         assert abs(row["ratio/old_sampler_corrected/mean"] - 1.0) < 1e-3
         assert row["ratio/kept_set_added_rate"] == 0.0
 
+
+
+def test_a_plain_vllm_serve_is_refused_where_sampler_logprobs_are_used(tiny_llama_dir, tmp_path):
+    """`vllm serve` without TRL's flags returns raw log-probs (`--logprobs-mode raw_logprobs`, vLLM's default): the
+    sampler arm would anchor the ratio on the untruncated, untempered distribution. TRL reads the mode only for its
+    own IS correction, which the sampler arm turns off; the trainer refuses the server when it starts."""
+    from trl.generation.vllm_client import VLLMClient
+
+    with _serving(_plain_serve_command(tiny_llama_dir, _free_port()), tmp_path / "server.log") as url:
+        assert VLLMClient(base_url=url).get_server_info()["model_config"]["logprobs_mode"] == "raw_logprobs"
+        with shims.server_disk_weight_sync(tmp_path):
+            with pytest.raises(ValueError, match=r"old_logprob_mode='sampler' computes with the vLLM server's "
+                                                 r"sampler log-probs, but the server at .* runs with --logprobs-mode "
+                                                 r"raw_logprobs"):
+                _trainer(_server_args(tmp_path / "out", url, old_logprob_mode="sampler"), tiny_llama_dir)

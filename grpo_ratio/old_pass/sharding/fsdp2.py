@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from ..copies import VersionedCopy, empty_model_like
+from ..copies import VersionedCopy, empty_model_like, persistent_buffer_names, settle_buffers
 from .base import ShardedPolicy, is_fsdp2_wrapped, output_cast
 
 
@@ -163,7 +163,7 @@ class FSDPShadow(VersionedCopy):
     allocated. A refresh copies each
     rank's local shard of every policy parameter into the shadow's (cast to `dtype`), with no communication: both
     are `Shard(0)` DTensors on one mesh, so row ranges match whatever the grouping. Bytes per rank: parameters x
-    (2 or 4) / N, plus the buffers (rotary tables), which every rank keeps whole.
+    (2 or 4) / N, plus the buffers (rotary tables), which every rank keeps whole, fp32 ones in fp32.
 
     A `VersionedCopy` (as `ModuleCopy`): `get(version)`, `refresh(version)`, `num_bytes()`, `dtype`, `version`; eval mode.
     """
@@ -181,6 +181,9 @@ class FSDPShadow(VersionedCopy):
             fully_shard(group if len(group) > 1 else group[0], mesh=mesh, reshard_after_forward=True,
                         mp_policy=MixedPrecisionPolicy())
         self.module = module.to_empty(device=device).requires_grad_(False).eval()
+        # to_empty left the buffers uninitialised: whole on every rank, fp32 ones in fp32 (`copies.float_buffer_dtype`)
+        settle_buffers(self.module, policy, dtype)
+        self._persistent = persistent_buffer_names(self.module)
 
     def refresh_weights(self) -> None:
         reshard_all(self.source)  # parameters of reshard_after_forward=False groups are unsharded after a forward
@@ -189,8 +192,9 @@ class FSDPShadow(VersionedCopy):
         for name, dst in self.module.named_parameters():
             dst.to_local().copy_(policy[name].to_local())  # this rank's rows, cast to self.dtype
         buffers = dict(self.source.named_buffers())
-        for name, dst in self.module.named_buffers():  # whole on every rank; to_empty left them uninitialised
-            dst.copy_(buffers[name])
+        for name, dst in self.module.named_buffers():  # the persistent ones; rotary tables were settled at build
+            if name in self._persistent:
+                dst.copy_(buffers[name])
 
     def num_bytes(self) -> int:
         """Bytes this rank keeps: its local shards and the (whole) buffers."""

@@ -12,7 +12,7 @@ import contextlib
 import torch
 from torch import nn
 
-from ..copies import VersionedCopy, empty_model_like
+from ..copies import VersionedCopy, empty_model_like, persistent_buffer_names, settle_buffers
 from .base import ShardedPolicy
 
 
@@ -59,7 +59,7 @@ class ZeroShadow(VersionedCopy):
     Refreshed from the policy's fp32 master partitions (`safe_get_local_fp32_param`: the optimizer's copy, the only
     fp32 weights under bf16) by a local cast-copy into the shadow's partitions: no communication. Built inside
     `deepspeed.zero.Init`, so no rank ever allocates the whole copy. Bytes per rank: parameters x (2 or 4) / N
-    (plus padding to a multiple of N per parameter) and the buffers.
+    (plus padding to a multiple of N per parameter) and the buffers, the policy's fp32 ones in fp32.
 
     A `VersionedCopy` (as `ModuleCopy`): `get(version)`, `refresh(version)`, `num_bytes()`, `dtype`, `version`; eval mode.
 
@@ -92,6 +92,8 @@ class ZeroShadow(VersionedCopy):
         engine, *_ = deepspeed.initialize(model=module, config=config)
         if {p.dtype for p in engine.module.parameters()} != {dtype}:
             raise RuntimeError(f"grpo_ratio: the ZeRO-3 shadow holds {engine.module.dtype}, not {dtype}")
+        settle_buffers(engine.module, policy, dtype)  # whole on every rank; rotary inv_freq fresh, in fp32
+        self._persistent = persistent_buffer_names(engine.module)
         self.engine = engine
         self.module = engine.module.requires_grad_(False).eval()
 
@@ -106,8 +108,9 @@ class ZeroShadow(VersionedCopy):
                                    f"{dst.ds_tensor.numel()} values); the shadow must be partitioned like the policy")
             dst.ds_tensor.copy_(local.view_as(dst.ds_tensor))
         buffers = dict(self.source.named_buffers())
-        for name, dst in self.module.named_buffers():
-            dst.copy_(buffers[name])
+        for name, dst in self.module.named_buffers():  # the persistent ones; rotary tables were settled at build
+            if name in self._persistent:
+                dst.copy_(buffers[name])
 
     def num_bytes(self) -> int:
         """Bytes this rank keeps: its partitions and the (whole) buffers."""
