@@ -53,7 +53,9 @@ def run_one(out_dir, engine, bf16, mode, correction, fp32_head, source):
     row = {"mode": mode, "correction": correction, "fp32_head": fp32_head, "source": source}
     try:
         trainer = make_trainer(out_dir, engine, bf16, mode, correction, fp32_head, source)
+        before = head_weight(trainer)
         trainer.train()
+        row["head_moved"] = (head_weight(trainer) - before).abs().max().item()
     except Exception as err:  # the failure itself is the result (a crash on an empty ZeRO-3 partition)
         row["error"] = f"{type(err).__name__}: {err}"[:500]
         return row, None
@@ -66,6 +68,19 @@ def run_one(out_dir, engine, bf16, mode, correction, fp32_head, source):
         "corrected": [r.get(keys.OLD_SAMPLER_CORRECTED.key("mean")) for r in steps],
     })
     return row, trainer
+
+
+def head_weight(trainer):
+    """The LM head's whole fp32 weight (V, H), on every rank (a collective once the engine has sharded it)."""
+    weight = trainer.accelerator.unwrap_model(trainer.model).get_output_embeddings().weight
+    if hasattr(weight, "ds_id"):  # a ZeRO-3 partition (also before train(): built under zero.Init), gathered
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([weight]):
+            return weight.detach().float().clone()
+    if hasattr(weight, "full_tensor"):  # FSDP2 DTensor
+        weight = weight.full_tensor()
+    return weight.detach().float().clone()
 
 
 def second_train(trainer):

@@ -229,3 +229,72 @@ def test_a_whole_model_copy_is_built_on_its_device_in_its_dtype():
     assert on_host == []  # only the rotary tables (32 values) are computed on the host
     assert {(p.device.type, p.dtype) for p in copy.parameters()} == {("meta", torch.float16)}
     assert copy.lm_head.weight is copy.model.embed_tokens.weight  # the tied head stays one tensor
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# kept-set log-probs: host syncs per call, not per chunk
+
+
+class HostReads(torch.overrides.TorchFunctionMode):
+    """Counts what reads a tensor's value on the host (`bool`, `int`, `float`, `.item()`, `.tolist()`): each is a
+    host sync on an accelerator."""
+
+    READS = {torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__,
+             torch.Tensor.item, torch.Tensor.tolist}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += func in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+def _kept_set_inputs(B=3, T=8, V=50, top_k=5):
+    """Logits (B, T, V), sampled tokens (B, T) inside their top-k sets, and those sets."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(B, T, V, generator=g)
+    keep = torch.zeros(B, T, V, dtype=torch.bool).scatter_(2, logits.topk(top_k, dim=-1).indices, True)
+    tokens = logits.topk(top_k, dim=-1).indices[..., 2]  # (B, T) the third-likeliest token: inside every set
+    return logits, tokens, KeptSets.from_mask(keep)
+
+
+@pytest.mark.parametrize("support_size_only", [False, True])
+def test_kept_set_logprobs_read_the_host_once_per_call_not_per_chunk(support_size_only):
+    # was: the empty-cell check, the inconsistent-rollout check and (support size) the widest set read per chunk of
+    # cells: 24 chunks of one cell made 48-72 host syncs where one chunk made 2-3
+    from grpo_ratio.corrections.kept_logprobs import kept_set_logprobs
+
+    logits, tokens, kept = _kept_set_inputs()
+    kept = kept.size_only() if support_size_only else kept
+    counts, values = [], []
+    for chunk_cells in (1, 1000):  # 24 chunks, then one
+        with HostReads() as reads:
+            values.append(kept_set_logprobs(logits, tokens, kept, chunk_cells=chunk_cells))
+        counts.append(reads.count)
+    assert counts[0] == counts[1] <= 3, counts
+    torch.testing.assert_close(values[0], values[1], rtol=0, atol=1e-6)
+
+
+def test_recomputed_kept_sets_are_built_on_the_logits_device():
+    # was: sizes, ids and additions written to host tensors chunk by chunk (`.cpu()` three times per chunk), then
+    # copied up again for every pass that reads them. The chunking splits cells by a data-dependent count, which fake
+    # tensors cannot follow: counted on the CPU instead, every `.cpu()` asked for
+    from grpo_ratio.corrections.kept_logprobs import recompute_kept_sets
+    from grpo_ratio.corrections.kept_sets import SamplingSettings
+
+    class ToHost(torch.overrides.TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.count += func is torch.Tensor.cpu  # (`.to(device)` follows the logits' device: the CPU here)
+            return func(*args, **(kwargs or {}))
+
+    logits, tokens, expected = _kept_set_inputs()
+    with ToHost() as to_host:
+        sets, added = recompute_kept_sets(logits, tokens, SamplingSettings(top_k=5), chunk_cells=7)  # 4 chunks
+    assert to_host.count == 0
+    assert sets == expected and not added.any()  # the top-5 sets, every sampled token inside its set

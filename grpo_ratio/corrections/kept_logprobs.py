@@ -263,10 +263,11 @@ def _empty_cell_error(kept_sizes: torch.Tensor, cells: torch.Tensor, T: int) -> 
                          f"completion token; pass the completion mask, or record/return the sampling mask for it")
 
 
-def _lse_top_prefix(z: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
-    """log of the summed exp of the top-|S| entries of each row of z (K, V), sizes (K,) >= 1 (verl support-size)."""
+def _lse_top_prefix(z: torch.Tensor, sizes: torch.Tensor, k: int) -> torch.Tensor:
+    """log of the summed exp of the top-|S| entries of each row of z (K, V), sizes (K,) >= 1 (verl support-size);
+    k >= max(sizes): the widest set of the call (read once per call, not once per chunk: one host sync)."""
     sizes = sizes.clamp(max=z.shape[-1])  # (K,) a set cannot exceed the vocabulary
-    top = z.topk(int(sizes.max()), dim=-1).values  # (K, k) descending
+    top = z.topk(min(k, z.shape[-1]), dim=-1).values  # (K, k) descending
     return torch.logcumsumexp(top, dim=-1).gather(1, (sizes.long() - 1)[:, None].to(z.device)).squeeze(1)  # (K,)
 
 
@@ -314,44 +315,47 @@ def kept_set_logprobs(
     T = logits.shape[1]
     cells, chunks = _chunks(valid, chunk_cells)
     flat_tokens = tokens.reshape(-1).to(logits.device)  # (B*T,)
+    # the checks and the widest set read once per call, not per chunk (each read is a host sync on an accelerator)
+    _empty_cell_error(kept.sizes, cells, T)
+    widest = int(kept.sizes.max()) if kept.support_size_only and cells.numel() else 0
+    outside: list[torch.Tensor] = []  # per chunk (K,) bool: sampled token outside its kept set, checked at the end
 
     def value(c: torch.Tensor, z: torch.Tensor, check: bool = True) -> torch.Tensor:
         """(K,) log p_S(g) of the cells c (K,) from their scaled logits z (K, V)."""
         g = flat_tokens[c][:, None]  # (K, 1)
         if kept.support_size_only:
-            lse = _lse_top_prefix(z, kept.sizes.reshape(-1)[c.to(kept.sizes.device)])  # (K,)
+            lse = _lse_top_prefix(z, kept.sizes.reshape(-1)[c.to(kept.sizes.device)], widest)  # (K,)
         else:
             keep = kept.dense_cells(c, z.shape[-1]).to(z.device)  # (K, V)
             if check:
-                _inconsistent_rollout_error(keep, g, c, T)
+                outside.append(~keep.gather(1, g).squeeze(1))
             lse = torch.logsumexp(z.masked_fill(~keep, -math.inf), dim=-1)  # (K,)
         return z.gather(1, g).squeeze(1) - lse  # (K,)
 
     if isinstance(logits, HeadLogits) and logits.requires_grad and chunks:
         # under autograd every chunk's (K, V) fp32 logits, mask and log-sum-exp would live until backward: recompute
-        for c in chunks:
-            _empty_cell_error(kept.sizes, c, T)
-
         def from_hidden(c, h, *params, check):  # (K,) from the cells' hidden states (K, H) and the head's parameters
             return value(c, _scaled(logits.project(h, *params), c, temperature, penalty, T), check)
 
-        return _scatter(cells, [RecomputedCells.apply(from_hidden, chunks, logits.flat, *logits.params)], logits)
-    values = []
-    for c in chunks:
-        _empty_cell_error(kept.sizes, c, T)
-        values.append(value(c, _scaled(logits, c, temperature, penalty)))  # (K,)
+        values = [RecomputedCells.apply(from_hidden, chunks, logits.flat, *logits.params)]
+    else:
+        values = [value(c, _scaled(logits, c, temperature, penalty)) for c in chunks]  # (K,) each
+    _inconsistent_rollout_error(outside, flat_tokens, cells, kept, T)
     return _scatter(cells, values, logits)
 
 
-def _inconsistent_rollout_error(keep: torch.Tensor, g: torch.Tensor, cells: torch.Tensor, T: int) -> None:
-    """Raise when a sampled token g (K, 1) is outside its kept set keep (K, V)."""
-    inside = keep.gather(1, g).squeeze(1)  # (K,)
-    if not bool(inside.all()):
-        k = int((~inside).nonzero()[0, 0])
-        c = int(cells[k])
-        raise ValueError(f"inconsistent rollout: sampled token {int(g[k, 0])} at row {c // T}, position {c % T} is not "
-                         f"in its kept set (size {int(keep[k].sum())}); the kept sets do not belong to these "
-                         f"completions (row order, padding side or step offset differ)")
+def _inconsistent_rollout_error(outside: list[torch.Tensor], flat_tokens: torch.Tensor, cells: torch.Tensor,
+                                kept: KeptSets, T: int) -> None:
+    """Raise when a sampled token is outside its kept set: `outside` holds each chunk's (K,) bool flags, in the order
+    of `cells` (M,); one host sync for the whole call."""
+    if not outside:
+        return
+    flags = torch.cat(outside)  # (M,)
+    if bool(flags.any()):
+        c = int(cells[flags.nonzero()[0, 0]])
+        raise ValueError(f"inconsistent rollout: sampled token {int(flat_tokens[c])} at row {c // T}, position "
+                         f"{c % T} is not in its kept set (size {int(kept.sizes.reshape(-1)[c])}); the kept sets do "
+                         f"not belong to these completions (row order, padding side or step offset differ)")
 
 
 def is_top_prefix(
@@ -441,8 +445,9 @@ def recompute_kept_sets(
     if tuple(tokens.shape) != tuple(logits.shape[:2]):
         raise ValueError(f"tokens must be (B, T) = {tuple(logits.shape[:2])}, got {tuple(tokens.shape)}")
     B, T = logits.shape[:2]
-    sizes = torch.zeros(B * T, dtype=torch.int32)  # (B*T,)
-    added = torch.zeros(B * T, dtype=torch.bool)  # (B*T,)
+    # built on the logits' device: no per-chunk copy to the host (the CSR ids still size themselves by `nonzero`)
+    sizes = torch.zeros(B * T, dtype=torch.int32, device=logits.device)  # (B*T,)
+    added = torch.zeros(B * T, dtype=torch.bool, device=logits.device)  # (B*T,)
     ids = []
     cells, chunks = _chunks(valid, chunk_cells)
     flat_tokens = tokens.reshape(-1).to(logits.device)  # (B*T,)
@@ -452,11 +457,11 @@ def recompute_kept_sets(
         g = flat_tokens[c][:, None]  # (K, 1)
         outside = ~keep.gather(1, g).squeeze(1)  # (K,)
         keep.scatter_(1, g, True)
-        sizes[c.cpu()] = keep.sum(-1, dtype=torch.int32).cpu()
-        added[c.cpu()] = outside.cpu()
-        ids.append(keep.nonzero()[:, 1].to(torch.int32).cpu())  # (nnz_chunk,) row-major, ascending ids
+        sizes[c] = keep.sum(-1, dtype=torch.int32)
+        added[c] = outside
+        ids.append(keep.nonzero()[:, 1].to(torch.int32))  # (nnz_chunk,) row-major, ascending ids
     sizes = sizes.reshape(B, T)
-    flat_ids = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int32)
+    flat_ids = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int32, device=logits.device)
     return KeptSets(sizes, flat_ids, offsets_from_sizes(sizes)), added.reshape(B, T)
 
 

@@ -20,15 +20,18 @@ Shapes: B = sequences, P = prompt tokens, T = completion tokens, H = hidden size
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from trl.trainer.utils import maybe_gather_lm_head_ctx
 
 from ..corrections.kept_logprobs import HeadLogits, KeptLogprobs, concat_kept_logprobs, logprobs_on_kept_sets
 from ..corrections.kept_sets import KeptSets, SamplingSettings
 from ..corrections.processors import RepetitionPenalty
 from .adapters import base_model
+from .forward import patched_forward
 
 
 @contextlib.contextmanager
@@ -97,8 +100,36 @@ def kept_set_logps_from_hidden(model: nn.Module, hidden: torch.Tensor, tokens: t
     Raises:
         ValueError: a sampled token outside its kept set ("inconsistent rollout", naming row and position).
     """
-    logits = head_logits(model, hidden, fp32_head, autocast_ctx)  # (B, T, V), never built whole
-    return logprobs_on_kept_sets(logits, tokens, kept, temperature, mask, penalty)
+    head = base_model(model).get_output_embeddings()
+
+    def on_kept(h: torch.Tensor) -> KeptLogprobs:
+        logits = head_logits(model, h, fp32_head, autocast_ctx)  # (B, T, V), never built whole
+        return logprobs_on_kept_sets(logits, tokens, kept, temperature, mask, penalty)
+
+    if not is_zero3_partitioned(head):
+        return on_kept(hidden)
+    # DeepSpeed ZeRO-3: outside its forward the head's weight is an empty partition (TRL's fused head gathers it,
+    # `trl.trainer.utils.maybe_gather_lm_head_ctx`). Without autograd one gather around the whole computation (one
+    # collective per call on every rank, whatever its number of cells); under autograd the computation runs as the
+    # head's own forward, so ZeRO-3 gathers the head there and again before its backward (where `RecomputedCells`
+    # recomputes each chunk from it) and reduces its gradient as a module's
+    if not (torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))):
+        with maybe_gather_lm_head_ctx(*head.parameters()):
+            return on_kept(hidden)
+    result: list[KeptLogprobs] = []
+
+    def head_forward(h: torch.Tensor) -> torch.Tensor:  # (B, T): only tensors leave a ZeRO-3 module's forward
+        result.append(on_kept(h))
+        return result[0].logps
+
+    with patched_forward(head, head_forward):
+        logps = head(hidden)  # (B, T) fp32, hooked by ZeRO-3 for the backward
+    return dataclasses.replace(result[0], logps=logps)
+
+
+def is_zero3_partitioned(module: nn.Module) -> bool:
+    """Whether `module`'s parameters are DeepSpeed ZeRO-3 partitions (they carry `ds_id`; empty outside a forward)."""
+    return any(hasattr(p, "ds_id") for p in module.parameters())
 
 
 def kept_set_logps_of_chunks(model: nn.Module, hidden: list[torch.Tensor], input_ids: torch.Tensor,

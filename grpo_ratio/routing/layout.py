@@ -169,15 +169,17 @@ def vllm_routes(routed_experts: Sequence, prompt_lengths: Sequence[int], dst_pro
     """
     B, P = dst_prompt_mask.shape
     T = dst_completion_mask.size(1)
-    out = no_routes(B, P + T, num_layers, top_k, device=dst_prompt_mask.device)
+    # assembled on the host, where the engine's buffers are, and copied up once (not one sync and copy per row)
+    out = no_routes(B, P + T, num_layers, top_k, device="cpu")
     dense = [i for i in range(num_layers) if i not in set(moe_layers)]
+    completion_lengths = dst_completion_mask.sum(1).tolist()  # (B,) one transfer
     for i, (buffer, p) in enumerate(zip(routed_experts, prompt_lengths)):
         row = torch.as_tensor(buffer).to(ROUTE_DTYPE)  # (n, L, k)
         n = row.size(0)
         if row.dim() != 3 or tuple(row.shape[1:]) != (num_layers, top_k):
             raise ValueError(f"routed_experts row {i}: expected (seq_len - 1, {num_layers}, {top_k}), got "
                              f"{tuple(row.shape)}")
-        c = int(dst_completion_mask[i].sum()) or T  # 0: a truncated row TRL masked out; its ids fill up to T
+        c = int(completion_lengths[i]) or T  # 0: a truncated row TRL masked out; its ids fill up to T
         if n > p + c:
             raise ValueError(f"routed_experts row {i}: {n} positions for {p} prompt + {c} completion tokens")
         row = row.clone()
@@ -185,4 +187,4 @@ def vllm_routes(routed_experts: Sequence, prompt_lengths: Sequence[int], dst_pro
         n_prompt = min(n, p)
         out[i, P - p : P - p + n_prompt] = row[:n_prompt]
         out[i, P : P + n - n_prompt] = row[n_prompt:]
-    return out
+    return out.to(dst_prompt_mask.device)
