@@ -18,6 +18,11 @@ baseline is the arm's increment (`grpo_ratio.machine.PeakRSS`: the kernel's VmHW
 
     nice -n 19 python benchmarks/peak_memory.py --tokens 1024 --json results/peak_memory_1024.json
     python benchmarks/peak_memory.py --render results/peak_memory_1024.json   # the markdown table of a result
+    python benchmarks/peak_memory.py --device cuda --shape 1.5b --tokens 1024   # on a GPU (scripts/gpu_check.sh)
+
+On a GPU (`--device cuda`) the increment is `torch.cuda.max_memory_allocated()` during `train()` minus
+`torch.cuda.memory_allocated()` once the trainer is built (tensors only: the caching allocator's reserve is not
+counted), and `--shape 1.5b` builds a Qwen2.5-1.5B-shaped model (28 layers, hidden 1,536, untied) from its config.
 
 Caveats: RSS counts every resident page of the process, not only tensors; large allocations are made to return to
 the OS when freed (glibc `mallopt`, `grpo_ratio.machine.steady_malloc`), so one allocation's freed memory does not
@@ -49,6 +54,12 @@ VOCAB = 151_936  # Qwen2.5's vocabulary
 REFERENCE = "trl"  # the arm every ratio is taken against
 GOAL_RATIO = 1.25  # issue 31: increment <= 1.25 x stock TRL's + one fp32 copy of the model
 ROWS = 4  # completions per step: one prompt x 4 generations, one micro-batch
+# model shapes (Qwen2 configs, untied: TRL's cast_lm_head_to_fp32 needs an untied head); random weights, no Hub
+SHAPES = {
+    "tiny": {},  # grpo_ratio.testing.tiny_config("qwen2"): 2 layers, hidden 64
+    "1.5b": {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
+             "num_key_value_heads": 2, "max_position_embeddings": 32768},  # Qwen2.5-1.5B's shape
+}
 
 
 @dataclass(frozen=True)
@@ -97,7 +108,7 @@ def vocab_tokenizer(vocab_size: int):
                                    padding_side="left")
 
 
-def never_eos_model(vocab_size: int, scale: float = 50.0, eos_token_id: int = 1):
+def never_eos_model(vocab_size: int, scale: float = 50.0, eos_token_id: int = 1, shape: str = "tiny"):
     """`grpo_ratio.testing.tiny_model` (Qwen2, 2 layers, hidden 64, untied) at `vocab_size`, its head `scale` times
     the random one (peaked next-token distributions) with the EOS row zero: EOS is never sampled, every completion
     runs to `max_completion_length` (tests/trainer_fixtures.py `peaked_model(never_eos=True)`)."""
@@ -105,7 +116,7 @@ def never_eos_model(vocab_size: int, scale: float = 50.0, eos_token_id: int = 1)
 
     from grpo_ratio.testing import tiny_model
 
-    model = tiny_model("qwen2", vocab_size=vocab_size)
+    model = tiny_model("qwen2", vocab_size=vocab_size, **SHAPES[shape])
     with torch.no_grad():
         head = model.get_output_embeddings().weight
         head.mul_(scale)
@@ -113,22 +124,23 @@ def never_eos_model(vocab_size: int, scale: float = 50.0, eos_token_id: int = 1)
     return model
 
 
-def arm_config(arm: Arm, tokens: int, output_dir: str):
+def arm_config(arm: Arm, tokens: int, output_dir: str, device: str = "cpu"):
     """The arm's config: the common values (one step of one prompt x 4 completions of exactly `tokens` tokens) and
     the arm's fields, in TRL's `GRPOConfig` for stock arms."""
     from trl import GRPOConfig
 
     from grpo_ratio import RatioGRPOConfig
 
-    values = dict(output_dir=output_dir, use_cpu=True, bf16=True, per_device_train_batch_size=ROWS,
+    values = dict(output_dir=output_dir, use_cpu=device == "cpu", bf16=True, per_device_train_batch_size=ROWS,
                   num_generations=ROWS, max_completion_length=tokens, max_steps=1, logging_steps=1,
                   learning_rate=1e-6, report_to="none", save_strategy="no", seed=0, disable_tqdm=True,
                   gradient_checkpointing=False, **arm.fields)
     return (GRPOConfig if arm.trainer == "trl" else RatioGRPOConfig)(**values)
 
 
-def run_arm(arm: Arm, tokens: int) -> dict:
-    """Build the arm's trainer, then train one step: the RSS before `train()` and the peak RSS during it (bytes)."""
+def run_arm(arm: Arm, tokens: int, device: str = "cpu", shape: str = "tiny") -> dict:
+    """Build the arm's trainer, then train one step: the memory before `train()` and the peak during it (bytes):
+    the process's RSS on the CPU, the CUDA allocator's tensors on a GPU."""
     import torch
     from transformers import set_seed
     from trl import GRPOTrainer
@@ -139,16 +151,24 @@ def run_arm(arm: Arm, tokens: int) -> dict:
     steady_malloc()
     with tempfile.TemporaryDirectory(prefix="peak_memory_") as tmp:
         set_seed(0)
-        model = never_eos_model(VOCAB)
+        model = never_eos_model(VOCAB, shape=shape)
         model_fp32_bytes = sum(p.numel() for p in model.parameters()) * 4
         cls = GRPOTrainer if arm.trainer == "trl" else RatioGRPOTrainer
-        trainer = cls(model=model, reward_funcs=letter_reward, args=arm_config(arm, tokens, tmp),
+        trainer = cls(model=model, reward_funcs=letter_reward, args=arm_config(arm, tokens, tmp, device),
                       train_dataset=tiny_prompts(8), processing_class=vocab_tokenizer(VOCAB))
         release_memory()
-        baseline = rss_bytes()
         start = time.perf_counter()
-        with PeakRSS() as peak:
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            baseline = torch.cuda.memory_allocated()
             trainer.train()
+            torch.cuda.synchronize()
+            peak = CudaPeak(torch.cuda.max_memory_allocated())
+        else:
+            baseline = rss_bytes()
+            with PeakRSS() as peak:
+                trainer.train()
         seconds = time.perf_counter() - start
         logged = next(r for r in trainer.state.log_history if "loss" in r)
     return {"arm": arm.name, "baseline_bytes": baseline, "peak_bytes": peak.peak, "increment_bytes": peak.peak - baseline,
@@ -156,16 +176,25 @@ def run_arm(arm: Arm, tokens: int) -> dict:
             "completion_length": logged.get("completions/mean_length"), "threads": torch.get_num_threads()}
 
 
+@dataclass(frozen=True)
+class CudaPeak:
+    """The CUDA allocator's peak of allocated tensor bytes (`torch.cuda.max_memory_allocated`)."""
+
+    peak: int
+    method: str = "torch.cuda.max_memory_allocated (tensors; the allocator's reserve not counted)"
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # the benchmark: every arm in its own process
 
 
-def run_benchmark(tokens: int, arms=ARMS, log=print) -> list[dict]:
+def run_benchmark(tokens: int, arms=ARMS, log=print, device: str = "cpu", shape: str = "tiny") -> list[dict]:
     """Each arm in a fresh process of this file (`--arm`), one after the other; their records in `ARMS` order."""
     records = []
     for arm in arms:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
-            cmd = [sys.executable, __file__, "--arm", arm.name, "--tokens", str(tokens), "--arm-json", out.name]
+            cmd = [sys.executable, __file__, "--arm", arm.name, "--tokens", str(tokens), "--arm-json", out.name,
+                   "--device", device, "--shape", shape]
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0:
                 raise RuntimeError(f"arm {arm.name} failed:\n{done.stderr[-4000:]}")
@@ -192,9 +221,12 @@ def summarize(result: dict) -> list[dict]:
 def render(result: dict) -> str:
     """Markdown of one result (the JSON `--json` writes): a header naming the run and machine, then one row per arm."""
     first = result["records"][0]
-    lines = [f"`{result['command']}` — tiny-depth Qwen2 (2 layers, hidden 64, untied) with V = {result['vocab']:,}, "
+    model = {"tiny": "tiny-depth Qwen2 (2 layers, hidden 64, untied)",
+             "1.5b": "Qwen2.5-1.5B-shaped Qwen2 (28 layers, hidden 1,536, untied, random weights)"}
+    on = "bf16 on CUDA" if result.get("device") == "cuda" else "bf16 autocast on CPU"
+    lines = [f"`{result['command']}` — {model[result.get('shape', 'tiny')]} with V = {result['vocab']:,}, "
              f"{result['rows']} completions of {result['tokens']:,} tokens, one optimizer step per arm, each arm in "
-             f"its own process, bf16 autocast on CPU, {first['threads']} threads, torch {result['torch']}, TRL "
+             f"its own process, {on}, {first['threads']} threads, torch {result['torch']}, TRL "
              f"{result['trl']}, peak memory: {first['memory_method']}; {describe_machine(result['machine'])}. "
              f"Goal: increment <= {GOAL_RATIO} x stock TRL's + one fp32 copy of the model "
              f"({first['model_fp32_bytes'] / 2**20:.0f} MB).", "",
@@ -211,6 +243,10 @@ def main(argv=None):
     p.add_argument("--arms", default=",".join(a.name for a in ARMS), help="comma-separated subset of the arms")
     p.add_argument("--json", default=None, help="also write the result to this JSON file")
     p.add_argument("--render", default=None, help="print the markdown table of a result JSON and exit")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the arms train: peak RSS on the CPU, the CUDA allocator's peak on a GPU")
+    p.add_argument("--shape", choices=tuple(SHAPES), default="tiny", help="the model's shape (V = 151,936 in both)")
+    p.add_argument("--check-args", action="store_true", help="validate the arguments, say what would run, and exit")
     p.add_argument("--arm", default=None, help=argparse.SUPPRESS)  # the child process of one arm
     p.add_argument("--arm-json", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -219,7 +255,7 @@ def main(argv=None):
         return
     by_name = {arm.name: arm for arm in ARMS}
     if a.arm:
-        Path(a.arm_json).write_text(json.dumps(run_arm(by_name[a.arm], a.tokens)))
+        Path(a.arm_json).write_text(json.dumps(run_arm(by_name[a.arm], a.tokens, a.device, a.shape)))
         return
     import torch
     import trl
@@ -229,8 +265,18 @@ def main(argv=None):
         raise SystemExit(f"--arms must include {REFERENCE!r}, the reference of every ratio")
     command = "python benchmarks/peak_memory.py " + " ".join(argv if argv is not None else sys.argv[1:])
     machine = machine_record()  # before the run's own threads raise the load
-    records = run_benchmark(a.tokens, [by_name[n] for n in names], log=lambda m: print(m, file=sys.stderr, flush=True))
-    result = {"command": command, "vocab": VOCAB, "rows": ROWS, "tokens": a.tokens, "reference": REFERENCE,
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise SystemExit(f"--arms: unknown arm(s) {unknown}; allowed: {', '.join(by_name)}")
+    if a.check_args:
+        print(f"would run arms {', '.join(names)} on {a.device}, shape {a.shape}, {a.tokens} completion tokens")
+        return
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here (torch.cuda.is_available() is False)")
+    records = run_benchmark(a.tokens, [by_name[n] for n in names], log=lambda m: print(m, file=sys.stderr, flush=True),
+                            device=a.device, shape=a.shape)
+    result = {"command": command, "device": a.device, "shape": a.shape, "vocab": VOCAB, "rows": ROWS,
+              "tokens": a.tokens, "reference": REFERENCE,
               "goal_ratio": GOAL_RATIO, "torch": torch.__version__, "trl": trl.__version__, "machine": machine,
               "records": records}
     if a.json:

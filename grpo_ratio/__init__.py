@@ -2,6 +2,7 @@
 
 - `RatioGRPOConfig`, `RatioGRPOTrainer`: drop-in replacements for `trl.GRPOConfig` / `trl.GRPOTrainer` whose old
   log-probs are computed by a selectable scoring mode (`old_logprob_mode`).
+- `RatioRLOOConfig`, `RatioRLOOTrainer`: the same for `trl.RLOOConfig` / `trl.RLOOTrainer` (docs/rloo.md).
 - `grpo_ratio.old_pass`: the scoring modes usable outside any trainer (`OldLogprobScorer`; the probes use it).
 - `grpo_ratio.corrections`, `grpo_ratio.diagnostics.ratios`: pure tensor math (kept sets, truncation and
   importance-sampling corrections, ratio statistics).
@@ -24,6 +25,8 @@ _LAZY = {
     "OldLogprobScorer": "old_pass.scorer",
     "score_completion_logprobs": "old_pass.scorer",
     "RatioGRPOTrainer": "trainer",
+    "RatioRLOOConfig": "config",
+    "RatioRLOOTrainer": "rloo",
     "resolve_model_path": "models",
 }
 __all__ = list(_LAZY)

@@ -63,6 +63,8 @@ TRL_VLLM_ATTRIBUTES = ("vllm_generation",)
 TRL_MODULE_GLOBALS = {
     ("trl.generation.vllm_generation", "LLM"): "wrapped while TRL builds the colocate engine (return_sampling_mask)",
     ("trl.models.utils", "disable_gradient_checkpointing"): "no activation checkpointing in the mode's no-grad pass",
+    ("trl.kernels", "ChunkedLogProbFunction"): "the old pass's and fused head's log-probs in TRL's token x vocabulary tiles",
+    ("trl.trainer.utils", "maybe_gather_lm_head_ctx"): "the ZeRO-3 head gathered for kept-set log-probs outside a forward",
 }
 
 # keys of the batch dict `_generate_and_score_completions` returns (and `_compute_loss` receives) that grpo_ratio reads;
@@ -94,6 +96,64 @@ TRL_CONDITIONS = (
     "on self.model, before the reference pass (which, with PEFT and beta > 0, also calls self.model with the adapter "
     "disabled): the trainer tells the two apart by that order; tests/test_trl_internals.py checks it in TRL's source",
 )
+
+
+# TRL 1.16's RLOOTrainer (`rloo_trainer.py`), which `grpo_ratio.rloo.RatioRLOOTrainer` extends with the same four
+# hooks (`TRL_HOOKS`): what differs from GRPOTrainer and what grpo_ratio reads there (docs/rloo.md)
+TRL_RLOO_READS = {
+    "_generate_single_turn": "returns completion_ids only (GRPO: (completion_ids, logprobs)); RatioRLOOTrainer adapts "
+                             "it to GRPO's contract and back (`_trl_generate_single_turn`)",
+    "vllm_generation.logprobs": "RLOO builds VLLMGeneration with logprobs=None; set to 0 (the sampled token's "
+                                "processed log-prob) when a setting computes with the sampler's log-probs",
+    "vllm_generation.generate": "returns (prompt_ids, completion_ids, logprobs, logprob_token_ids); RLOO drops the "
+                                "log-probs, RatioRLOOTrainer keeps them (`sampler.vllm.VLLMLogprobCapture`)",
+    "old_logps": "batch key, (B,): the sum of the old pass's per-token log-probs over completion_mask; RLOO's loss "
+                 "reads it, not old_per_token_logps (which RatioRLOOTrainer adds for the diagnostics)",
+    "advantages": "batch key, (B,): leave-one-out advantages; RLOO's loss is -min(r A, clip(r) A) per sequence, so "
+                  "an IS weight w >= 0 of a sequence enters as w A (`rloo.weighted_advantages`)",
+}
+
+# TRL 1.16 RLOO behaviour grpo_ratio relies on
+TRL_RLOO_CONDITIONS = (
+    "RLOOTrainer always runs its old pass (no num_iterations condition), the first no-grad "
+    "_get_per_token_logps_and_entropies call on self.model, before the reference pass: grpo_ratio.plan.trl_runs_old_pass",
+    "the ratio of RLOO's loss is per sequence: exp(sum_t logp_t - old_logps), clipped per sequence; the per-token "
+    "ratio/* diagnostics measure its terms, and ratio/clip_flip_rate (a per-token clip) is not logged",
+    "the KL penalty enters the reward as beta * sum_t (old - ref): a scoring mode's (or the sampler arm's) old "
+    "log-probs are the ones it uses",
+)
+
+# GRPOConfig fields (and GRPOTrainer attributes) grpo_ratio reads that RLOOConfig / RLOOTrainer (TRL 1.16) lack,
+# with the value that means "off" there: RLOO has no vLLM IS correction, no off-policy mask, no loss_type (its loss
+# is the sequence-level PPO clip), no fp32 head cast, no tools
+GRPO_ONLY_FIELDS = {
+    "vllm_importance_sampling_correction": False,
+    "vllm_importance_sampling_mode": "sequence_mask",  # GRPOConfig's default; unused while the correction is off
+    "vllm_importance_sampling_clip_min": None,
+    "vllm_importance_sampling_clip_max": 3.0,
+    "off_policy_mask_threshold": None,
+    "loss_type": None,  # none of the token-level PPO clip losses of ratio_diagnostics.PPO_CLIP_LOSSES
+    "importance_sampling_level": "sequence",  # RLOO's ratio is one per sequence
+    "delta": None,
+    "cast_lm_head_to_fp32": False,
+    "tools": (),
+    "environment_factories": None,
+}
+
+
+def trl_field(obj, name: str):
+    """`obj.name` for a config or trainer field of `GRPO_ONLY_FIELDS`, or its "off" value where `obj` (an RLOO config
+    or trainer) has no such field.
+
+    Raises:
+        KeyError: `name` is not in `GRPO_ONLY_FIELDS` (read every other field directly).
+    """
+    return getattr(obj, name, GRPO_ONLY_FIELDS[name])
+
+
+def is_rloo(args) -> bool:
+    """The config is TRL's `RLOOConfig` (a `RatioRLOOConfig` too): RLOO's semantics (`TRL_RLOO_CONDITIONS`)."""
+    return isinstance(args, trl.RLOOConfig)
 
 
 @contextlib.contextmanager

@@ -25,7 +25,8 @@ import torch
 from torch import nn
 from trl import GRPOConfig
 
-from .corrections.is_correction import resolve_correction
+from ._compat import is_rloo, trl_field
+from .corrections.is_correction import PRESETS, resolve_correction
 from .corrections.kept_sets import SamplingSettings
 from .corrections.processors import MASKS, MODELLED, NO_EFFECT, PROCESSORS, VLLM_PROCESSORS, Processor
 from .diagnostics.gate import training_checks
@@ -134,6 +135,10 @@ def check_config(args) -> None:
     if args.sampler_logprobs_in_loss and not args.record_sampler_logprobs:
         raise ValueError("sampler_logprobs_in_loss=True needs record_sampler_logprobs=True (the log-probs it hands "
                          "to TRL are the recorded ones)")
+    if args.sampler_logprobs_in_loss and is_rloo(args):
+        raise ValueError("sampler_logprobs_in_loss=True hands the sampler's log-probs to TRL's loss, but RLOO's loss "
+                         "reads none (no off-policy mask, no vLLM IS correction); for an IS correction on RLOO set "
+                         "is_correction (docs/rloo.md)")
     if args.sampler_logprobs_in_loss and args.use_vllm:
         warnings.warn("sampler_logprobs_in_loss=True has no effect with use_vllm=True: TRL always receives vLLM's "
                       "log-probs as sampling_per_token_logps", stacklevel=4)
@@ -191,7 +196,8 @@ def _check_is_correction(args) -> None:
             sampler: the weight is 1); with vLLM, `vllm_importance_sampling_correction=False` (TRL's switch for
             applying the weight) or TRL's `vllm_importance_sampling_mode` / clip fields moved off their
             defaults (they would be silently unused); without vLLM, no recorded sampler log-probs; a
-            sequence-level correction with `loss_type="vespo"` (TRL's own rule for VESPO).
+            sequence-level correction with `loss_type="vespo"` (TRL's own rule for VESPO); on RLOO a token-level
+            correction (RLOO's ratio is per sequence, docs/rloo.md).
     """
     args.is_correction_spec = spec = resolve_correction(
         args.is_correction, args.is_correction_level, args.is_correction_action, args.is_correction_low,
@@ -202,7 +208,12 @@ def _check_is_correction(args) -> None:
     if args.old_logprob_mode == SAMPLER_MODE:
         raise ValueError(f"{name} with old_logprob_mode='sampler': the old log-probs are the sampler's, so the "
                          f"IS weight old/sampler is 1; unset is_correction or choose a precision mode")
-    if args.use_vllm:
+    if is_rloo(args) and not spec.sequence_level:
+        raise ValueError(f"{name} is token-level ({spec}), but RLOO's ratio and clip are per sequence, so its weight "
+                         f"must be too (docs/rloo.md); use a sequence-level preset ("
+                         f"{', '.join(n for n, p in PRESETS.items() if p.correction.sequence_level)}) or "
+                         f"is_correction='custom' with is_correction_level='sequence_product' or 'sequence_geometric'")
+    if args.use_vllm and not is_rloo(args):  # RLOO has no vLLM IS correction of its own: ours is the only one
         if not args.vllm_importance_sampling_correction:
             raise ValueError(f"{name} needs vllm_importance_sampling_correction=True with vLLM (TRL's switch for "
                              f"its old pass and for applying the weight in the loss)")
@@ -215,7 +226,7 @@ def _check_is_correction(args) -> None:
     elif args.use_transformers_continuous_batching or not args.record_sampler_logprobs:
         raise ValueError(f"{name} without vLLM needs the sampler's log-probs recorded during generate: "
                          f"record_sampler_logprobs=True and use_transformers_continuous_batching=False")
-    if args.loss_type == "vespo" and spec.sequence_level:
+    if trl_field(args, "loss_type") == "vespo" and spec.sequence_level:
         raise ValueError(f"{name} is sequence-level ({spec}); loss_type='vespo' needs a token-level weight, as "
                          f"TRL requires token_* modes for VESPO")
 
@@ -249,7 +260,7 @@ def _check_sampler_mode(args) -> None:
         raise ValueError("old_logprob_mode='sampler' with truncation_correction='lift_sampler': lifting needs the "
                          "old policy's kept mass, which only an old pass gives; use truncation_correction="
                          "'renormalize' (new and sampler log-probs both on the kept set)")
-    if args.use_vllm and args.vllm_importance_sampling_correction:
+    if args.use_vllm and trl_field(args, "vllm_importance_sampling_correction"):
         warnings.warn("old_logprob_mode='sampler': vllm_importance_sampling_correction turned off; the old "
                       "log-probs are the sampler's, so TRL's importance-sampling ratio old/sampler is 1 by "
                       "construction", stacklevel=4)
@@ -411,8 +422,8 @@ def check_sampling(args, sampling: SamplingSettings) -> None:
         return
     if correction != "none" or not sampling.truncated:
         return
-    sampler_in_loss = (args.use_vllm and args.vllm_importance_sampling_correction) or (
-        args.off_policy_mask_threshold is not None and (args.use_vllm or args.sampler_logprobs_in_loss))
+    sampler_in_loss = (args.use_vllm and trl_field(args, "vllm_importance_sampling_correction")) or (
+        trl_field(args, "off_policy_mask_threshold") is not None and (args.use_vllm or args.sampler_logprobs_in_loss))
     where = "sampler log-probs feed the importance ratio" if sampler_in_loss else "ratio/old_sampler/* will show it"
     warnings.warn(f"sampling is truncated ({sampling.describe()}, from the {sampling.source}) but "
                   f"truncation_correction='none': the sampler's log-probs are renormalised over the kept tokens, the "
@@ -479,7 +490,8 @@ def check_positions(args, model: nn.Module) -> None:
 def old_side_dtype(args, trainer_dtype: torch.dtype) -> torch.dtype:
     """The precision of the old log-probs' LM head: fp32 for the fp32 modes, fp16 for `fp16_clone`, the training
     forward's for `bf16` and `sampler` (whose new side is the training forward)."""
-    if args.old_logprob_mode in (FP32_CLONE.name, FP32_HEAD.name, GUIDED_FP32.name) or args.cast_lm_head_to_fp32:
+    if args.old_logprob_mode in (FP32_CLONE.name, FP32_HEAD.name, GUIDED_FP32.name) or trl_field(
+            args, "cast_lm_head_to_fp32"):
         return torch.float32
     return torch.float16 if args.old_logprob_mode == FP16_CLONE.name else trainer_dtype
 
@@ -529,7 +541,7 @@ def check_vllm(args, engine_dtype: torch.dtype | None, trainer_dtype: torch.dtyp
         pass  # no engine to compare, the body lint above already names the fix, or the heads agree
     elif head == torch.float32:
         warnings.warn(f"an fp32 LM head on the trainer side only (old_logprob_mode={args.old_logprob_mode!r}, "
-                      f"cast_lm_head_to_fp32={args.cast_lm_head_to_fp32}) while vLLM runs its head in {engine_head}: "
+                      f"cast_lm_head_to_fp32={trl_field(args, 'cast_lm_head_to_fp32')}) while vLLM runs its head in {engine_head}: "
                       f"an fp32 head on one side moves the old/sampler gap rather than closing it. Set "
                       f"vllm_lm_head_fp32=True (a server: {VLLM_FP32_HEAD_FLAG}) for the sampler-side twin",
                       stacklevel=3)
@@ -538,7 +550,7 @@ def check_vllm(args, engine_dtype: torch.dtype | None, trainer_dtype: torch.dtyp
                       f"use a {head} head (old_logprob_mode={args.old_logprob_mode!r}): an fp32 head on one side "
                       f"moves the old/sampler gap rather than closing it. Set old_logprob_mode='fp32_head' (or "
                       f"cast_lm_head_to_fp32=True) for the trainer-side twin", stacklevel=3)
-    if args.truncation_correction == "lift_sampler" and args.vllm_importance_sampling_correction:
+    if args.truncation_correction == "lift_sampler" and trl_field(args, "vllm_importance_sampling_correction"):
         warnings.warn("truncation_correction='lift_sampler': TRL computes its logged sampling/importance_sampling_"
                       "ratio/* before the lift (it still carries the kept mass); the lifted weights the loss uses "
                       "are logged as ratio/importance_sampling_ratio/*", stacklevel=3)

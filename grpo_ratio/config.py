@@ -1,11 +1,13 @@
-"""`RatioGRPOConfig`: `trl.GRPOConfig` plus the fields that choose how the old log-probs are computed, how truncated
-sampling is corrected and what ratio diagnostics are logged. Only new fields are declared here."""
+"""`RatioGRPOConfig` / `RatioRLOOConfig`: `trl.GRPOConfig` / `trl.RLOOConfig` plus the fields (`RatioFields`, declared
+once) that choose how the old log-probs are computed, how truncated sampling is corrected and what ratio diagnostics
+are logged. Only new fields are declared here."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
-from trl import GRPOConfig
+from trl import GRPOConfig, RLOOConfig
 
 from .checks import (  # noqa: F401
     KEPT_SET_SOURCES,
@@ -23,9 +25,11 @@ from .routing.replay import ROUTING_REPLAY_MODES  # noqa: F401  (re-exported: th
 
 
 @dataclass
-class RatioGRPOConfig(GRPOConfig):
+class RatioFields:
     r"""
-    Configuration class for [`RatioGRPOTrainer`]: every field of [`trl.GRPOConfig`] plus the ones below.
+    The fields grpo_ratio adds to a TRL config, declared once: [`RatioGRPOConfig`] (`trl.GRPOConfig` + these) and
+    [`RatioRLOOConfig`] (`trl.RLOOConfig` + these) inherit them. Mixed in before the TRL config, so `__post_init__`
+    runs grpo_ratio's checks around TRL's own.
 
     > Parameters that control how the old log-probs are computed
 
@@ -293,5 +297,26 @@ class RatioGRPOConfig(GRPOConfig):
         if self.kept_set_source != "auto":
             return self.kept_set_source
         return "recompute" if self.use_vllm else "recorded"
+
+
+@dataclass
+class RatioGRPOConfig(RatioFields, GRPOConfig):
+    """Configuration class for [`RatioGRPOTrainer`]: every field of [`trl.GRPOConfig`] plus grpo_ratio's
+    ([`RatioFields`], each with its `help`)."""
+
+    trl_trainer: ClassVar[str] = "grpo"  # recorded in run.json; `grpo-ratio train --trainer`
+
+
+@dataclass
+class RatioRLOOConfig(RatioFields, RLOOConfig):
+    """Configuration class for [`grpo_ratio.rloo.RatioRLOOTrainer`]: every field of [`trl.RLOOConfig`] plus
+    grpo_ratio's ([`RatioFields`]). What differs from GRPO (the sequence-level ratio, where an IS weight enters, which
+    `is_correction` levels are allowed): docs/rloo.md.
+
+    Raises (in `__post_init__`, besides `RatioGRPOConfig`'s): `ValueError` for a token-level `is_correction` (RLOO's
+    ratio is per sequence) and for `sampler_logprobs_in_loss=True` (RLOO's loss reads no sampler log-probs).
+    """
+
+    trl_trainer: ClassVar[str] = "rloo"
 
 

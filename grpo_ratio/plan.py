@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ._compat import is_rloo, trl_field
 from .corrections.is_correction import ISCorrection
 from .corrections.kept_sets import SamplingSettings
 from .modes import FP32_HEAD, SAMPLER, SAMPLER_MODE, SCORER_MODES
@@ -54,11 +55,14 @@ def kept_set_origin(args) -> str:
 
 
 def trl_runs_old_pass(args) -> bool:
-    """TRL 1.16's own condition for computing old log-probs (grpo_trainer.py, `_generate_and_score_completions`);
-    the trainer checks at run time that TRL really ran the pass where this says it does."""
+    """TRL 1.16's own condition for computing old log-probs (grpo_trainer.py, `_generate_and_score_completions`;
+    RLOOTrainer always computes them, `_compat.TRL_RLOO_CONDITIONS`); the trainer checks at run time that TRL really
+    ran the pass where this says it does."""
+    if is_rloo(args):
+        return True
     generate_every = args.steps_per_generation * args.num_iterations
     return args.gradient_accumulation_steps % generate_every != 0 or (
-        args.use_vllm and args.vllm_importance_sampling_correction)
+        args.use_vllm and trl_field(args, "vllm_importance_sampling_correction"))
 
 
 @dataclass(frozen=True)

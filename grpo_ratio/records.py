@@ -60,6 +60,12 @@ class GenerationRecord:
             the old pass's. Written by the trainer's `RoutingReplay` only; empty for a dense model.
         full_vocab (`tuple | None`, 3 x (B, T) fp32): with `ratio_full_vocab`, the scoring mode's pass's exact
             KL(old||policy), KL(policy||old) and TV per token (`ScoreResult.full_vocab`).
+        old_logps (`torch.Tensor | None`, (B, T) fp32): what the old pass returned to TRL (TRL's own, the scoring
+            mode's, or the sampler arm's stand-in); written by the old-pass hook. RLOO's batch keeps only their sum,
+            so `RatioRLOOTrainer` puts these in as `old_per_token_logps`.
+        sampler_logprobs (`list | None`, B lists of floats): RLOO only: the sampler's per-token log-probs of this
+            batch (the `generate` recording or vLLM's), which RLOOTrainer drops and `RatioRLOOTrainer` pads into
+            the batch as GRPOTrainer does.
     """
 
     mode: str
@@ -71,6 +77,8 @@ class GenerationRecord:
     fallback_rows: int = 0
     routes: GenerationRoutes = field(default_factory=GenerationRoutes)
     full_vocab: tuple | None = None
+    old_logps: torch.Tensor | None = None
+    sampler_logprobs: list | None = None
 
 
 @dataclass

@@ -35,7 +35,7 @@ import warnings
 import torch
 from trl import GRPOTrainer
 
-from ._compat import trl_is_weight_gate
+from ._compat import trl_field, trl_is_weight_gate
 from .checks import check_old_pass, check_run, check_sharded_mode, check_train_again, check_train_dataset, lint_trainer
 from .config import RatioGRPOConfig
 from .corrections.is_correction import importance_weights
@@ -66,15 +66,46 @@ class RatioHooks:
     with `super()`, none copied. `RatioGRPOTrainer` mixes them into `trl.GRPOTrainer`; another TRL trainer with the
     same four hooks (`_generate_and_score_completions`, `_generate_single_turn`, `_get_per_token_logps_and_entropies`,
     `_compute_loss`: RLOOTrainer, the experimental AsyncGRPOTrainer) reuses them by mixing this class in first and
-    calling `_init_ratio(args)` at the end of its `__init__`. What they read of the trainer is listed in
+    naming its `config_class` (`grpo_ratio.rloo.RatioRLOOTrainer`); where its TRL methods differ from GRPOTrainer's,
+    it overrides the small adapters `_trl_generate_single_turn`, `_complete_trl_output`, `_sampler_old_pass` and
+    `_is_weight_gate`. What they read of the trainer is listed in
     `grpo_ratio._compat` (`TRL_ATTRIBUTES`, `TRL_BATCH_KEYS`, `TRL_CONDITIONS`).
     """
+
+    config_class: type  # the trainer's config: TRL's config + `config.RatioFields` (RatioGRPOConfig, RatioRLOOConfig)
+
+    def __init__(self, model, reward_funcs=None, args=None, *pargs, **kwargs):
+        """TRL's constructor (same arguments), then `_init_ratio`; see the trainer classes for what it raises."""
+        config_class, trl_name = self.config_class, self._name  # e.g. RatioGRPOConfig, "GRPO" (TRL's `_name`)
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path
+            args = config_class(f"{str(name).split('/')[-1]}-{trl_name}-ratio")
+        if not isinstance(args, config_class):
+            raise TypeError(
+                f"{type(self).__name__} needs args={config_class.__name__}(...), got {type(args).__name__}; "
+                f"{config_class.__name__} accepts every {trl_name}Config field plus old_logprob_mode, "
+                f"guided_fp32_layers, ..."
+            )
+        if isinstance(model, str):  # resolved as the command line resolves it (offline: the converted SmolLM2)
+            model = trainer_model_source(model, (args.model_init_kwargs or {}).get("revision"))
+        check_train_dataset(kwargs["train_dataset"] if "train_dataset" in kwargs else (pargs[0] if pargs else None))
+        engine_kwargs = colocate_engine_kwargs(args, kept_set_origin(args) == VLLM_MASKS)  # what TRL does not pass
+        with vllm_engine_kwargs(**engine_kwargs) if engine_kwargs else contextlib.nullcontext():
+            super().__init__(model, reward_funcs, args, *pargs, **kwargs)
+        self._init_ratio(args)
+        self._train_calls = 0  # a second train() under ZeRO-3 is refused up front (`checks.check_train_again`)
+
+    def train(self, *args, **kwargs):
+        """TRL's `train`; under DeepSpeed ZeRO-3 only once per trainer (`checks.check_train_again`)."""
+        check_train_again(engine_of(self.accelerator), self._train_calls > 0)
+        self._train_calls += 1
+        return super().train(*args, **kwargs)
 
     def _init_ratio(self, args) -> None:
         """Everything grpo_ratio needs once TRL built the trainer: the plan, routing, the start-up checks that need
         the model, the weights version, the diagnostics and the gate, the two records."""
         policy = self.accelerator.unwrap_model(self.model)
-        multi_turn = bool(self.tools) or self.environment_factories is not None
+        multi_turn = bool(trl_field(self, "tools")) or trl_field(self, "environment_factories") is not None
         # what this run does (which old pass, where old log-probs and kept sets come from, which correction):
         # resolved once; the hooks below ask it instead of comparing config strings
         fused_fallback = self._fused_head_fallback() if args.old_logprob_mode == FP32_HEAD.name else None
@@ -159,6 +190,7 @@ class RatioHooks:
             missed, generation.old_pass_pending = generation.old_pass_pending, False
         if missed:
             raise RuntimeError("grpo_ratio: TRL did not run its old-logprob pass where 1.16 does; untested TRL?")
+        self._complete_trl_output(output, generation)
         if generation.recorded and not self.plan.sampler_in_loss:
             # ours, for the diagnostics only: TRL's loss reads `sampling_per_token_logps` (off_policy_mask_threshold)
             output["sampler_per_token_logps"] = output.pop("sampling_per_token_logps")
@@ -198,9 +230,30 @@ class RatioHooks:
         # the rest of TRL's arguments (images, multimodal fields, ...; GRPO's and RLOO's differ) pass through as is
         generation = self._generations.get(self._mode())
         if generation is None:  # called outside a generation batch (not by TRL 1.16): nothing to record
-            return super()._generate_single_turn(prompt_ids, *args, **kwargs)
+            return self._trl_generate_single_turn(prompt_ids, *args, **kwargs)
         with self._recording_routes(generation, prompt_ids):
             return self._generate_recorded(generation, prompt_ids, *args, **kwargs)
+
+    def _trl_generate_single_turn(self, prompt_ids, *args, **kwargs):
+        """TRL's `_generate_single_turn` as (completion_ids, logprobs): GRPOTrainer's own contract (per-row lists;
+        logprobs None where the backend gave none). A trainer whose TRL method returns something else adapts it here
+        (`RatioRLOOTrainer`)."""
+        return super()._generate_single_turn(prompt_ids, *args, **kwargs)
+
+    def _complete_trl_output(self, output: dict, generation: GenerationRecord) -> None:
+        """What TRL's batch lacks and the hooks below read, added in place right after TRL returned it. GRPOTrainer's
+        batch has it all (`_compat.TRL_BATCH_KEYS`); `RatioRLOOTrainer` adds its per-token keys."""
+
+    def _sampler_old_pass(self, generation: GenerationRecord, input_ids, logits_to_keep: int) -> torch.Tensor:
+        """The sampler arm's stand-in for TRL's old pass, (B, T): zeros, replaced by the sampler's log-probs once TRL
+        returns its batch (`sampler_anchor`). A trainer whose TRL code computes with the old pass's values before
+        returning (RLOO: `old_logps`, the KL penalty) returns the sampler's log-probs here (`RatioRLOOTrainer`)."""
+        return torch.zeros(input_ids.size(0), logits_to_keep, device=input_ids.device)
+
+    def _is_weight_gate(self, inputs: dict):
+        """Within the context, TRL's `_compute_loss` applies the micro-batch's `importance_sampling_ratio`: GRPO's own
+        multiplication, opened by `_compat.trl_is_weight_gate` (RLOO: `rloo.rloo_is_weight_gate`)."""
+        return trl_is_weight_gate(self)
 
     def _recording_routes(self, generation, prompt_ids):
         """The MoE policy's routes while `generate` decodes (R3's sampler routes, and `ratio/route/sampler_old`),
@@ -215,24 +268,25 @@ class RatioHooks:
 
     def _generate_recorded(self, generation, prompt_ids, *args, **kwargs):
         if self._vllm_capture is not None:  # vLLM colocate: keep the sampling masks and/or the routes
-            completion_ids, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
+            completion_ids, logprobs = self._trl_generate_single_turn(prompt_ids, *args, **kwargs)
             if self.plan.sampler_routes == VLLM:
                 self.routing.expect_vllm(generation.routes, *self._vllm_capture.routed_experts(len(completion_ids)))
             if self.plan.vllm_masks:
                 generation.kept = self._vllm_capture.kept_sets(len(completion_ids))
             return completion_ids, logprobs
         if not self.plan.record_generate:
-            return super()._generate_single_turn(prompt_ids, *args, **kwargs)
+            return self._trl_generate_single_turn(prompt_ids, *args, **kwargs)
         keep_sets = self.plan.records_kept_sets
         recorder = SamplerLogprobRecorder(support_size_only=not keep_sets)
         with recording_sampler(self.accelerator.unwrap_model(self.model_wrapped), recorder):
-            completion_ids, _ = super()._generate_single_turn(prompt_ids, *args, **kwargs)
+            completion_ids, _ = self._trl_generate_single_turn(prompt_ids, *args, **kwargs)
         record = self._finish_recording(recorder, completion_ids)
         if not generation.recorded:  # the first turn; later tool turns only extend the log-probs TRL stitches
             generation.recorded = True
             generation.kept = record.kept if keep_sets else None
         # TRL pads these into `sampling_per_token_logps` (B, T) and stitches tool turns; NaN = not recorded
-        return completion_ids, [record.logprobs[i, : len(ids)].tolist() for i, ids in enumerate(completion_ids)]
+        logprobs = record.logprobs.cpu()  # (B, T): TRL takes Python lists here; one copy, not one per row
+        return completion_ids, [logprobs[i, : len(ids)].tolist() for i, ids in enumerate(completion_ids)]
 
     def _finish_recording(self, recorder, completion_ids) -> SamplerRecord:
         """The recording of one generate call (`rollouts.finish_recording`); warns once when it saw none."""
@@ -334,10 +388,12 @@ class RatioHooks:
         if is_old_pass:  # TRL's old pass is the first no-grad call on the policy inside a generation
             generation.old_pass_pending = False
         if is_old_pass and self.plan.anchor_is_sampler:  # no old pass: the sampler's log-probs anchor it
-            return torch.zeros(input_ids.size(0), logits_to_keep, device=input_ids.device), None, None  # replaced
+            generation.old_logps = self._sampler_old_pass(generation, input_ids, logits_to_keep)
+            return generation.old_logps, None, None
         if is_old_pass and self.scorer is not None:
             check_text_only(args, kwargs)
-            return self._score_old(generation, input_ids, attention_mask, logits_to_keep, batch_size), None, None
+            generation.old_logps = self._score_old(generation, input_ids, attention_mask, logits_to_keep, batch_size)
+            return generation.old_logps, None, None
         kept = self._kept_rows(generation, micro_batch, input_ids.size(0), logits_to_keep)
         # TRL's own old pass (bf16): R3 replays the sampler's routes, R2 keeps its routes; the training forward: R3/R2
         # replay at the micro-batch's rows
@@ -354,6 +410,7 @@ class RatioHooks:
                                                                        self.temperature, self.weights_version.value)
         if is_old_pass:
             self._keep_old_sets(generation, on_kept)
+            generation.old_logps = logps
         if micro_batch is not None:
             self._keep_training_forward(micro_batch, logps, on_kept)
         return logps, entropies, aux
@@ -419,7 +476,7 @@ class RatioHooks:
         # one forward chunk of TRL's at a time, each projected K cells at a time: never the batch's (B, T, V) logits
         on_kept = kept_set_logps_of_chunks(
             unwrapped, hidden, input_ids, attention_mask, logits_to_keep, kept, self.temperature,
-            self.args.cast_lm_head_to_fp32, self.accelerator.autocast, self._penalty(input_ids, attention_mask))
+            trl_field(self.args, "cast_lm_head_to_fp32"), self.accelerator.autocast, self._penalty(input_ids, attention_mask))
         on_kept.log_mass = (logps - on_kept.logps).detach()  # (B, T) log M = log p_full(g) - log p_S(g)
         return self.plan.corrected_logps(logps, on_kept.logps), entropies, aux, on_kept
 
@@ -439,7 +496,7 @@ class RatioHooks:
             return self.plan.sampling if self.plan.recomputes_kept_sets else None
         kept = generation.kept
         if micro_batch is not None:
-            kept = kept.select_rows(micro_batch.inputs["kept_row_index"].cpu())
+            kept = kept.select_rows(micro_batch.inputs["kept_row_index"])  # on the sets' device: no copy up front
         if kept.num_rows != num_rows:
             raise RuntimeError(f"grpo_ratio: {num_rows} rows scored but {kept.num_rows} kept-set rows recorded")
         return kept.resize_steps(logits_to_keep)
@@ -461,7 +518,7 @@ class RatioHooks:
         try:
             # is_correction on `generate`: TRL's own multiplication applies our weight (grpo_ratio._compat)
             weighs = self.plan.weights_is and "importance_sampling_ratio" in inputs
-            with trl_is_weight_gate(self) if weighs else contextlib.nullcontext():
+            with self._is_weight_gate(inputs) if weighs else contextlib.nullcontext():
                 loss = super()._compute_loss(model, inputs)
         finally:
             self._micro_batch = None
@@ -504,27 +561,4 @@ class RatioGRPOTrainer(RatioHooks, GRPOTrainer):
     """
 
     _tag_names = ["trl", "grpo", "grpo-ratio"]
-
-    def __init__(self, model, reward_funcs=None, args: RatioGRPOConfig | None = None, *pargs, **kwargs):
-        if args is None:
-            name = model if isinstance(model, str) else model.config._name_or_path
-            args = RatioGRPOConfig(f"{str(name).split('/')[-1]}-GRPO-ratio")
-        if not isinstance(args, RatioGRPOConfig):
-            raise TypeError(
-                f"RatioGRPOTrainer needs args=RatioGRPOConfig(...), got {type(args).__name__}; RatioGRPOConfig accepts "
-                f"every GRPOConfig field plus old_logprob_mode, guided_fp32_layers, ..."
-            )
-        if isinstance(model, str):  # resolved as the command line resolves it (offline: the converted SmolLM2)
-            model = trainer_model_source(model, (args.model_init_kwargs or {}).get("revision"))
-        check_train_dataset(kwargs["train_dataset"] if "train_dataset" in kwargs else (pargs[0] if pargs else None))
-        engine_kwargs = colocate_engine_kwargs(args, kept_set_origin(args) == VLLM_MASKS)  # what TRL does not pass
-        with vllm_engine_kwargs(**engine_kwargs) if engine_kwargs else contextlib.nullcontext():
-            super().__init__(model, reward_funcs, args, *pargs, **kwargs)
-        self._init_ratio(args)
-        self._train_calls = 0  # a second train() under ZeRO-3 is refused up front (`checks.check_train_again`)
-
-    def train(self, *args, **kwargs):
-        """`trl.GRPOTrainer.train`; under DeepSpeed ZeRO-3 only once per trainer (`checks.check_train_again`)."""
-        check_train_again(engine_of(self.accelerator), self._train_calls > 0)
-        self._train_calls += 1
-        return super().train(*args, **kwargs)
+    config_class = RatioGRPOConfig

@@ -10,8 +10,9 @@
 #                 on CUDA (fp32- and bf16-stored policies), the default mode equal to stock TRL, IEEE fp32 with TF32
 #                 on, an fp16 copy at position 30,000, fp32 passes under FlashAttention 2 (when flash-attn is
 #                 installed), the diagnostics' and kept sets' device; the vLLM test skips (no vLLM here)
-#   peak_memory   the peak-memory table at a 1.5B-shaped config against stock TRL (benchmarks/peak_memory.py
-#                 --device cuda); a loud failure while that benchmark has no --device flag
+#   peak_memory   the peak-memory table at a Qwen2.5-1.5B-shaped config against stock TRL (benchmarks/peak_memory.py
+#                 --device cuda --shape 1.5b: the CUDA allocator's peak per arm, each in its own process; 512
+#                 completion tokens and the arms whose memory differs from TRL's, to fit the 200 s of this step)
 # The JSON holds each step's status, seconds and output tail, pytest's counts per node, the benchmark's output, and
 # "ok": true only when every step passed.
 #
@@ -78,26 +79,13 @@ step() {
   echo $(( $(date +%s) - t0 )) > "$WORK/$name.seconds"
 }
 
-peak_memory() {
-  if [ ! -f "$PEAK_MEMORY" ]; then
-    echo "TODO(issue 31 item 1): $PEAK_MEMORY does not exist yet: the peak-memory table on CUDA is not measured" >&2
-    return 3
-  fi
-  if ! "$PYTHON" "$PEAK_MEMORY" --help 2>/dev/null | grep -q -- "--device"; then
-    echo "TODO(issue 31 item 1): $PEAK_MEMORY has no --device flag yet: the peak-memory table on CUDA is not measured" >&2
-    return 3
-  fi
-  "$PYTHON" "$PEAK_MEMORY" --device cuda
-}
+PEAK_MEMORY_ARGS=(--device cuda --shape 1.5b --tokens 512
+                  --arms trl,trl_cast_lm_head_to_fp32,fp32_clone,fp16_clone,fp32_head,renormalize)
 
 if [ "$DRY_RUN" = 1 ]; then
   step collect 120 "$PYTHON" -m pytest --collect-only -q -p no:cacheprovider -m gpu "${GPU_TESTS[@]}"
-  if [ -f "$PEAK_MEMORY" ] && "$PYTHON" "$PEAK_MEMORY" --help 2>/dev/null | grep -q -- "--device"; then
-    echo "peak_memory: would run $PEAK_MEMORY --device cuda" > "$WORK/peak_memory_plan.log"
-  else
-    echo "peak_memory: TODO(issue 31 item 1): $PEAK_MEMORY with --device is missing; the real check fails there" \
-      > "$WORK/peak_memory_plan.log"
-  fi
+  step peak_memory_args 60 "$PYTHON" "$PEAK_MEMORY" --check-args "${PEAK_MEMORY_ARGS[@]}"
+  echo "peak_memory: would run $PEAK_MEMORY ${PEAK_MEMORY_ARGS[*]}" > "$WORK/peak_memory_plan.log"
   cat "$WORK/peak_memory_plan.log"
 else
   step environment 60 "$PYTHON" -c '
@@ -110,9 +98,7 @@ print(torch.cuda.get_device_name(0), f"{torch.cuda.get_device_properties(0).tota
   if [ "$(cat "$WORK/environment.rc")" = 0 ]; then
     step gpu_tests 390 "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider -rs --junitxml="$WORK/gpu_tests.xml" \
       "${GPU_TESTS[@]}"
-    export PYTHON PEAK_MEMORY
-    export -f peak_memory
-    step peak_memory 200 bash -c peak_memory
+    step peak_memory 200 "$PYTHON" "$PEAK_MEMORY" "${PEAK_MEMORY_ARGS[@]}" --json "$WORK/peak_memory.json"
   fi
 fi
 
@@ -144,8 +130,9 @@ if junit.exists():
 plan = work / "peak_memory_plan.log"
 if plan.exists():
     report["peak_memory_plan"] = plan.read_text().strip()
-if "peak_memory" in report["steps"] and report["steps"]["peak_memory"]["exit_code"] == 3:
-    report["steps"]["peak_memory"]["status"] = "todo"
+table = work / "peak_memory.json"
+if table.exists():
+    report["peak_memory"] = json.loads(table.read_text())  # the benchmark's result, as its --json writes it
 report["ok"] = bool(steps) and all(s["status"] == "passed" for s in report["steps"].values())
 Path(out).write_text(json.dumps(report, indent=2) + "\n")
 print(f"gpu_check: {'ok' if report['ok'] else 'NOT ok'}; {out}")

@@ -163,7 +163,8 @@ def test_the_design_is_the_inventory_of_every_module():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# fields: each new RatioGRPOConfig field is described once, in its `help`; the feature pages list theirs on a
+# fields: each new field (`RatioFields`, shared by RatioGRPOConfig and RatioRLOOConfig) is described once, in its
+# `help`; the feature pages list theirs on a
 # "Fields:" line linking to grpo_ratio/config.py, and every field has such a page
 
 FIELDS_LINE = re.compile(r"^Fields:(.*?)(?:\n\n|\Z)", re.S | re.M)
@@ -172,7 +173,7 @@ CONFIG_LINK = re.compile(r"\[([^\]]*)\]\(\.\./grpo_ratio/config\.py\)")
 
 def config_fields() -> set[str]:
     tree = ast.parse((PACKAGE / "config.py").read_text())
-    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "RatioGRPOConfig")
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "RatioFields")  # both configs
     return {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
 
 

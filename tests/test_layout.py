@@ -121,7 +121,7 @@ def test_no_mode_name_outside_its_registry():
 
 
 # The wings (docs/design.md, "Modules"): which imports must never be. A wing is a folder of grpo_ratio, or a module.
-CORE = ("config", "checks", "plan", "records", "trainer")
+CORE = ("config", "checks", "plan", "records", "trainer", "rloo")
 NEVER = {  # wing -> wings it must not import, and why
     "corrections": (CORE + ("sampler", "old_pass"), "the correction math knows no trainer, recorder or model pass"),
     "diagnostics": (CORE, "statistics know no trainer"),

@@ -130,12 +130,13 @@ def _parser_kind(action) -> str | None:
 
 def test_the_recorded_field_types_are_the_parsers_conversions():
     # cli_fields.json's "types" (from the dataclass field types) against what the real parser does with a string
-    from grpo_ratio.cli.train import make_parser
+    from grpo_ratio.cli.train import TRAINER_NAMES, make_parser
 
     stored = json.loads(precheck.FIELDS_FILE.read_text())["types"]
     assert stored == precheck.current_types(), \
         "grpo_ratio/cli/cli_fields.json is stale: run python -m grpo_ratio.cli.precheck --write"
-    probed = {a.dest: _parser_kind(a) for a in make_parser()._actions if _parser_kind(a) is not None}
+    probed = {a.dest: _parser_kind(a) for trainer in TRAINER_NAMES for a in make_parser(trainer)._actions
+              if _parser_kind(a) is not None}  # GRPO's fields and RLOO's (`trainer: rloo`)
     assert probed == stored
     assert {stored[f] for f in ("bf16", "num_generations", "learning_rate", "max_steps", "reward_weights")} == \
         {"bool", "int | None", "float", "int", "list[float]"}

@@ -49,7 +49,7 @@ from transformers import TrainerCallback, set_seed
 from grpo_ratio.analysis.plots import plot_comparison
 from grpo_ratio.analysis.report import render_verdicts
 from grpo_ratio.analysis.verdict import compare_arms, run_series
-from grpo_ratio.cli.train import build_trainer, make_parser
+from grpo_ratio.cli.train import build_trainer, make_parser, trainer_of
 from grpo_ratio.diagnostics import metric_keys as keys
 from grpo_ratio.diagnostics.run_record import run_config, update_run_record, write_log_history
 from grpo_ratio.machine import describe_machine, machine_record
@@ -457,7 +457,8 @@ def load_recipe(recipe: str, seed: int, run_dir: Path, overrides: Sequence[str] 
     """`(script_args, training_args, model_args)` of `recipe` with the command-line `overrides`, then this run's
     seed, output_dir and run_name. A fresh parser per call: TrlParser keeps a recipe's values as its defaults."""
     run_args = ["--seed", str(seed), "--output_dir", str(run_dir), "--run_name", f"{Path(recipe).stem}-s{seed}"]
-    return make_parser().parse_args_and_config(["--config", recipe, *overrides, *run_args])
+    argv = ["--config", recipe, *overrides, *run_args]
+    return make_parser(trainer_of(argv)).parse_args_and_config(argv)
 
 
 def recipe_builder(recipes: dict[str, str], overrides: Sequence[str] = ()) -> Callable:

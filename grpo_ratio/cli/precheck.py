@@ -306,14 +306,14 @@ def current_types() -> dict[str, str]:
     import dataclasses
     import typing
 
-    from .train import make_parser
+    from .train import TRAINER_NAMES, make_parser
 
-    parser = make_parser()
+    parsers = [make_parser(trainer) for trainer in TRAINER_NAMES]  # a recipe key of either trainer (`trainer: rloo`)
     flags = {}
-    for action in parser._actions:
+    for action in (a for parser in parsers for a in parser._actions):
         flags.setdefault(action.dest, set()).update(o.lstrip("-") for o in action.option_strings)
     found = {}
-    for dtype in parser.dataclass_types:
+    for dtype in dict.fromkeys(d for parser in parsers for d in parser.dataclass_types):
         hints = typing.get_type_hints(dtype)
         for field in dataclasses.fields(dtype):
             kind = _kind(hints[field.name]) if field.init else None
@@ -329,12 +329,12 @@ def current_fields() -> dict[str, dict[str, list | None]]:
     """{"flags": {flag: allowed values}, "keys": {field: allowed values}} from the real parser (the heavy import):
     what `cli_fields.json` must hold (with `current_types`)."""
     from ..config import KEPT_SET_SOURCES, SCORING_MODES, TRUNCATION_CORRECTIONS, VLLM_DTYPES
-    from .train import make_parser
+    from .train import TRAINER_NAMES, make_parser
 
     validated = {"old_logprob_mode": SCORING_MODES, "truncation_correction": TRUNCATION_CORRECTIONS,
                  "kept_set_source": KEPT_SET_SOURCES, "vllm_dtype": VLLM_DTYPES}
     flags, keys = {}, {}
-    for action in make_parser()._actions:
+    for action in (a for trainer in TRAINER_NAMES for a in make_parser(trainer)._actions):  # GRPO's and RLOO's fields
         choices = validated.get(action.dest, action.choices)
         choices = None if choices is None else [str(c) for c in choices]
         if action.dest != "help":

@@ -40,7 +40,7 @@ from pathlib import Path
 from transformers import TrainerCallback, set_seed
 from trl import ModelConfig, TrlParser, get_peft_config
 
-from grpo_ratio import RatioGRPOConfig, RatioGRPOTrainer
+from grpo_ratio import RatioGRPOConfig, RatioGRPOTrainer, RatioRLOOConfig, RatioRLOOTrainer
 from grpo_ratio.analysis.plots import plot_metrics, run_title
 from grpo_ratio.diagnostics.gate_callback import RatioGateCallback
 from grpo_ratio.diagnostics.run_record import (
@@ -54,9 +54,21 @@ from grpo_ratio.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
 from grpo_ratio.tasks import TASKS, load_task
 
 
+# `trainer` (a recipe key and flag): which TRL trainer a run extends, and its config class (docs/rloo.md)
+TRAINERS = {"grpo": (RatioGRPOConfig, RatioGRPOTrainer), "rloo": (RatioRLOOConfig, RatioRLOOTrainer)}
+TRAINER_NAMES = tuple(TRAINERS)
+
+
 @dataclass
 class GRPOScriptArguments:
     """Task and data of a run; `None` leaves the task's own default (see `grpo_ratio.tasks`)."""
+
+    trainer: str = field(
+        default="grpo",
+        metadata={"help": "Which TRL trainer the run extends: 'grpo' (RatioGRPOTrainer, trl.GRPOTrainer) or 'rloo' "
+                  "(RatioRLOOTrainer, trl.RLOOTrainer; its config fields, docs/rloo.md).",
+                  "choices": list(TRAINER_NAMES)},
+    )
 
     task: str = field(
         default="arithmetic", metadata={"help": "Task: 'arithmetic' (built in) or 'gsm8k'.", "choices": list(TASKS)}
@@ -199,7 +211,8 @@ def build_trainer(script_args, training_args, model_args, callbacks=None) -> Rat
     ################
     # Trainer
     ################
-    return RatioGRPOTrainer(
+    trainer_class = TRAINERS[script_args.trainer][1]  # RatioGRPOTrainer or RatioRLOOTrainer
+    return trainer_class(
         model=model_path,  # a path, not a model object: TRL re-loads it as the reference model when beta != 0
         reward_funcs=reward_funcs,
         args=training_args,
@@ -307,11 +320,35 @@ def gate_stop(trainer) -> str | None:
     return next((g.stopped_by for g in gates if g.stopped_by is not None), None)
 
 
-def make_parser() -> TrlParser:
-    """`TrlParser` over (GRPOScriptArguments, RatioGRPOConfig, trl.ModelConfig): `--config recipe.yaml` plus flags.
-    Abbreviated flags are refused (argparse's default takes `--old_logprob_mod` for `--old_logprob_mode`: a typo that
-    trains)."""
-    return TrlParser((GRPOScriptArguments, RatioGRPOConfig, ModelConfig), allow_abbrev=False)
+def make_parser(trainer: str = "grpo") -> TrlParser:
+    """`TrlParser` over (GRPOScriptArguments, the trainer's config: RatioGRPOConfig or RatioRLOOConfig,
+    trl.ModelConfig): `--config recipe.yaml` plus flags. Abbreviated flags are refused (argparse's default takes
+    `--old_logprob_mod` for `--old_logprob_mode`: a typo that trains)."""
+    return TrlParser((GRPOScriptArguments, TRAINERS[trainer][0], ModelConfig), allow_abbrev=False)
+
+
+def trainer_of(argv: list[str]) -> str:
+    """The `trainer` a command line asks for, before it is parsed (the config class depends on it): `--trainer X`
+    (or `--trainer=X`), else the `--config` recipe's `trainer:` key, else "grpo".
+
+    Raises:
+        ValueError: a value not in `TRAINER_NAMES`, naming the field and the allowed values.
+    """
+    import yaml
+
+    value = None
+    for i, token in enumerate(argv):
+        if token.startswith("--trainer="):
+            value = token.split("=", 1)[1]
+        elif token == "--trainer" and i + 1 < len(argv):
+            value = argv[i + 1]
+    if value is None and "--config" in argv and argv.index("--config") + 1 < len(argv):
+        recipe = yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text()) or {}
+        value = recipe.get("trainer") if isinstance(recipe, dict) else None
+    value = "grpo" if value is None else str(value)
+    if value not in TRAINERS:
+        raise ValueError(f"trainer={value!r} is not allowed; allowed: {', '.join(TRAINER_NAMES)}")
+    return value
 
 
 # what a mistake in the recipe, the flags or the data raises before training starts: printed in one line
@@ -323,7 +360,8 @@ def cli_main(argv: list[str] | None = None) -> None:
     (a bad value, a missing data path or model, a finished run in output_dir) is printed as one line
     `grpo-ratio train: error: ...` with exit status 2, not a traceback (`GRPO_RATIO_TRACEBACK=1` shows it)."""
     try:
-        script_args, training_args, model_args = make_parser().parse_args_and_config(argv)
+        trainer_name = trainer_of(list(sys.argv[1:] if argv is None else argv))
+        script_args, training_args, model_args = make_parser(trainer_name).parse_args_and_config(argv)
         trainer = setup(script_args, training_args, model_args)
     except SETUP_ERRORS as err:
         if os.environ.get("GRPO_RATIO_TRACEBACK") == "1":

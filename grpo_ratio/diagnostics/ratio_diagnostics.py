@@ -36,6 +36,7 @@ import warnings
 
 import torch
 
+from .._compat import trl_field
 from ..corrections.is_correction import ISCorrection, importance_weights
 from ..modes import MODES
 from . import metric_keys as keys
@@ -69,15 +70,16 @@ class RatioDiagnostics:
         self.band = (args.ratio_band_low, args.ratio_band_high)
         eps_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
         self.epsilons = (args.epsilon, eps_high)
-        self.flips_supported = (
-            args.loss_type in PPO_CLIP_LOSSES
-            and args.importance_sampling_level == "token"
-            and (args.delta is None or args.delta > 1 + eps_high)  # ratios.ppo_clip_active's domain
+        delta = trl_field(args, "delta")
+        self.flips_supported = (  # RLOO (no loss_type, a per-sequence clip): not supported
+            trl_field(args, "loss_type") in PPO_CLIP_LOSSES
+            and trl_field(args, "importance_sampling_level") == "token"
+            and (delta is None or delta > 1 + eps_high)  # ratios.ppo_clip_active's domain
         )
         # the correction behind the loss's `importance_sampling_ratio`: ours, else TRL's vLLM mode
         self.is_correction = self.plan.is_correction or ISCorrection.from_trl(
-            args.vllm_importance_sampling_mode, args.vllm_importance_sampling_clip_min,
-            args.vllm_importance_sampling_clip_max)
+            trl_field(args, "vllm_importance_sampling_mode"), trl_field(args, "vllm_importance_sampling_clip_min"),
+            trl_field(args, "vllm_importance_sampling_clip_max"))
         self.num_updates = 0  # optimizer updates that carried a first inner step (for clip_flip_every)
         self.warned_no_tokens = False
         self._reset()
@@ -154,7 +156,7 @@ class RatioDiagnostics:
         if self.flips_supported and every and self.num_updates % every == 0:
             policy_log_ratio = new_old if mode_is_policy else torch.zeros_like(new_old)  # policy anchor: r == 1
             stats = clip_flips(new_old, policy_log_ratio, inputs["advantages"], mask, *self.epsilons,
-                               delta=self.args.delta)
+                               delta=trl_field(self.args, "delta"))
             self.flips = stats if self.flips is None else self.flips.merge(stats)
         self.touched = True
 

@@ -50,11 +50,13 @@ RUN_FIELDS = ("old_logprob_mode", "guided_fp32_layers", "truncation_correction",
               "min_p", "temperature", "bf16", "fp16", "use_vllm", "vllm_dtype", "vllm_importance_sampling_correction",
               "num_iterations", "disable_dropout", "mask_truncated_completions", "max_completion_length",
               "ratio_diagnostics", "learning_rate", "max_steps", "per_device_train_batch_size", "num_generations",
-              "routing_replay")
+              "routing_replay", "trl_trainer")
 
 
 def run_config(args) -> dict:
-    """`RUN_FIELDS` of a `RatioGRPOConfig` (None where the config lacks one): what `findings` reads of a run."""
+    """`RUN_FIELDS` of a `RatioGRPOConfig` or `RatioRLOOConfig` (None where the config lacks one: RLOO has no
+    `vllm_importance_sampling_correction`); `trl_trainer` says which TRL trainer ran ("grpo", "rloo"): what
+    `findings` reads of a run."""
     return {k: getattr(args, k, None) for k in RUN_FIELDS}
 
 

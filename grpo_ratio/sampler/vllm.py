@@ -162,3 +162,41 @@ class VLLMOutputCapture:
             raise RuntimeError(f"grpo_ratio: vLLM returned kept sets for {kept.num_rows} completions, TRL kept "
                                f"{num_rows}")
         return kept
+
+
+class VLLMLogprobCapture:
+    """Keeps the sampled tokens' log-probs of the last `VLLMGeneration.generate` call (wraps it on the instance), for
+    a TRL trainer that drops them (RLOOTrainer: `_, completion_ids, _, _ = self.vllm_generation.generate(...)`), and
+    asks for them: `vllm_generation.logprobs = 0`, the sampled token's log-prob only, which TRL's colocate engine
+    computes as `processed_logprobs` (after temperature, penalties and top_k/top_p/min_p; a server must run with
+    `--logprobs-mode processed_logprobs`, `checks.check_server_logprobs`).
+
+    Args:
+        vllm_generation: TRL's `VLLMGeneration` (`trainer.vllm_generation`).
+    """
+
+    def __init__(self, vllm_generation):
+        self.logprobs = None
+        vllm_generation.logprobs = 0
+        generate = vllm_generation.generate
+
+        def capturing_generate(*args, **kwargs):
+            prompt_ids, completion_ids, logprobs, token_ids = generate(*args, **kwargs)
+            self.logprobs = logprobs
+            return prompt_ids, completion_ids, logprobs, token_ids
+
+        vllm_generation.generate = capturing_generate
+
+    def take(self, num_rows: int) -> list[list[float | None]]:
+        """The sampled tokens' log-probs of the last call, one list per completion in TRL's order (vLLM's `None` for
+        a NaN log-prob kept, as GRPOTrainer keeps it); cleared after.
+
+        Raises:
+            RuntimeError: nothing captured, or the row count differs from TRL's completions.
+        """
+        if self.logprobs is None:
+            raise RuntimeError("grpo_ratio: no vLLM log-probs captured for this generation batch")
+        rows, self.logprobs = [[top[0] for top in row] for row in self.logprobs], None  # top-1 = the sampled token
+        if len(rows) != num_rows:
+            raise RuntimeError(f"grpo_ratio: vLLM returned log-probs for {len(rows)} completions, TRL kept {num_rows}")
+        return rows

@@ -44,7 +44,8 @@ def test_dry_run_writes_its_json(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads((tmp_path / "check.json").read_text())
     assert report["dry_run"] and report["ok"] and report["steps"]["collect"]["status"] == "passed"
-    assert "peak_memory" in report["peak_memory_plan"]
+    assert report["steps"]["peak_memory_args"]["status"] == "passed"  # the benchmark accepts the GPU arguments
+    assert "--device cuda --shape 1.5b" in report["peak_memory_plan"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the real check runs (bash scripts/gpu_check.sh)")
