@@ -188,8 +188,10 @@ class CudaPeak:
 # the benchmark: every arm in its own process
 
 
-def run_benchmark(tokens: int, arms=ARMS, log=print, device: str = "cpu", shape: str = "tiny") -> list[dict]:
-    """Each arm in a fresh process of this file (`--arm`), one after the other; their records in `ARMS` order."""
+def run_benchmark(tokens: int, arms=ARMS, log=print, device: str = "cpu", shape: str = "tiny",
+                  on_arm=None) -> list[dict]:
+    """Each arm in a fresh process of this file (`--arm`), one after the other; their records in the order of `arms`.
+    `on_arm(records)` is called after each, so a long run keeps the arms it finished."""
     records = []
     for arm in arms:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
@@ -199,6 +201,8 @@ def run_benchmark(tokens: int, arms=ARMS, log=print, device: str = "cpu", shape:
             if done.returncode != 0:
                 raise RuntimeError(f"arm {arm.name} failed:\n{done.stderr[-4000:]}")
             records.append(json.loads(Path(out.name).read_text()))
+        if on_arm is not None:
+            on_arm(records)
         r = records[-1]
         log(f"{arm.name}: peak {r['peak_bytes'] / 2**20:.0f} MB, +{r['increment_bytes'] / 2**20:.0f} MB over "
             f"{r['baseline_bytes'] / 2**20:.0f} MB, {r['seconds']} s, completions of {r['completion_length']} tokens")
@@ -231,6 +235,9 @@ def render(result: dict) -> str:
              f"Goal: increment <= {GOAL_RATIO} x stock TRL's + one fp32 copy of the model "
              f"({first['model_fp32_bytes'] / 2**20:.0f} MB).", "",
              "| arm | peak MB | increment MB | increment / TRL | goal MB | within goal |", "|---|---|---|---|---|---|"]
+    done, asked = [r["arm"] for r in result["records"]], result.get("arms_requested", [])
+    if len(done) < len(asked):
+        lines[0] += f" Stopped after {len(done)} of the {len(asked)} arms asked for (not run: {', '.join(asked[len(done):])})."
     for row in summarize(result):
         lines.append(f"| {row['arm']} | {row['peak_mb']:.0f} | {row['increment_mb']:.0f} | {row['ratio']:.2f}x | "
                      f"{row['goal_mb']:.0f} | {'yes' if row['within'] else 'no'} |")
@@ -273,16 +280,20 @@ def main(argv=None):
         return
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here (torch.cuda.is_available() is False)")
+
+    def save(records):  # after every arm (the reference first): a run stopped early keeps what it measured
+        result = {"command": command, "device": a.device, "shape": a.shape, "vocab": VOCAB, "rows": ROWS,
+                  "tokens": a.tokens, "reference": REFERENCE, "goal_ratio": GOAL_RATIO, "torch": torch.__version__,
+                  "trl": trl.__version__, "machine": machine, "arms_requested": names, "records": records}
+        if a.json:
+            Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.json).write_text(json.dumps(result, indent=1) + "\n")
+        return result
+
+    names = [REFERENCE] + [n for n in names if n != REFERENCE]  # the reference first: every saved table has it
     records = run_benchmark(a.tokens, [by_name[n] for n in names], log=lambda m: print(m, file=sys.stderr, flush=True),
-                            device=a.device, shape=a.shape)
-    result = {"command": command, "device": a.device, "shape": a.shape, "vocab": VOCAB, "rows": ROWS,
-              "tokens": a.tokens, "reference": REFERENCE,
-              "goal_ratio": GOAL_RATIO, "torch": torch.__version__, "trl": trl.__version__, "machine": machine,
-              "records": records}
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(result, indent=1) + "\n")
-    print(render(result))
+                            device=a.device, shape=a.shape, on_arm=save)
+    print(render(save(records)))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,12 @@ the next one. Only one trainer is alive at a time, so an arm's peak memory is it
     python benchmarks/step_cost.py --model smollm2 --rounds 3 --steps 2 --warmup 0 \
         --json results/step_cost_smollm2.json     # 7 arms x 6 steps: hours where a SmolLM2 step takes minutes
     python benchmarks/step_cost.py --render results/step_cost_smollm2.json   # markdown tables of a result
+    python benchmarks/step_cost.py --trainer rloo --model smollm2 --rounds 1 --steps 2 --warmup 1 \
+        --json results/step_cost_smollm2_rloo.json   # RLOO: stock trl.RLOOTrainer and RatioRLOOTrainer per mode
+
+With `--trainer rloo` every arm is TRL's `RLOOTrainer` (stock) or `RatioRLOOTrainer` on the RLOO recipe (docs/rloo.md),
+without the `cast_lm_head_to_fp32` arm (RLOOConfig has no such field). RLOO always runs its old pass, so every mode
+replaces TRL's pass instead of adding one, and `fp32_head` keeps a separate pass there (no fused head).
 
 Step time: wall seconds from `on_step_begin` to `on_step_end` of one optimizer step (generation, scoring, loss,
 backward, optimizer), the first --warmup steps of each trainer left out (one-time costs: optimizer state, building a
@@ -76,6 +82,7 @@ from grpo_ratio.machine import PeakRSS, describe_machine, machine_record, releas
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "recipes/smollm2-135m/arithmetic/bf16.yaml"
+RECIPES = {"grpo": RECIPE, "rloo": "recipes/smollm2-135m/rloo/arithmetic/bf16.yaml"}  # --trainer's default recipe
 CALIBRATION = "recipes/smollm2-135m/calibration.json"
 REFERENCE = "trl"  # the arm every ratio is taken against
 PARTS = ("generation", "trl_old_pass", "mode_old_pass", "fused_head", "copy_refresh", "train_forward", "backward",
@@ -108,6 +115,18 @@ ARMS = (
     Arm("guided_fp32", "ratio", {"old_logprob_mode": "guided_fp32"}, guided=True),
     Arm("sampler", "ratio", {"old_logprob_mode": "sampler"}),  # the rollout's own log-probs: no old pass at all
 )
+TRAINER_ARMS = {"grpo": ARMS, "rloo": tuple(a for a in ARMS if "cast_lm_head_to_fp32" not in a.fields)}
+
+
+def trainer_classes(trainer: str) -> tuple:
+    """(stock config, stock trainer, grpo_ratio config, grpo_ratio trainer) of `--trainer` ("grpo" or "rloo")."""
+    from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+
+    from grpo_ratio import RatioGRPOConfig, RatioGRPOTrainer, RatioRLOOConfig, RatioRLOOTrainer
+
+    if trainer == "rloo":
+        return RLOOConfig, RLOOTrainer, RatioRLOOConfig, RatioRLOOTrainer
+    return GRPOConfig, GRPOTrainer, RatioGRPOConfig, RatioGRPOTrainer
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -188,7 +207,7 @@ def _logps_part(*args, **kwargs) -> str:
 
 def class_parts() -> tuple:
     """(class, method, part) triples wrapped at class level for the run, so calls made through `super()` count too."""
-    from trl import GRPOTrainer
+    from trl import GRPOTrainer, RLOOTrainer
 
     from grpo_ratio.old_pass.copies import VersionedCopy
     from grpo_ratio.old_pass.scorer import OldLogprobScorer
@@ -196,6 +215,8 @@ def class_parts() -> tuple:
     return (
         (GRPOTrainer, "_generate_single_turn", lambda *a, **k: "generation"),
         (GRPOTrainer, "_get_per_token_logps_and_entropies", _logps_part),
+        (RLOOTrainer, "_generate_single_turn", lambda *a, **k: "generation"),  # RLOO defines its own
+        (RLOOTrainer, "_get_per_token_logps_and_entropies", _logps_part),
         (OldLogprobScorer, "score", lambda *a, **k: "mode_old_pass"),
         (OldLogprobScorer, "head_logprobs", lambda *a, **k: "fused_head"),
         (VersionedCopy, "refresh", lambda *a, **k: "copy_refresh"),  # every copy: module copies, sharded shadows
@@ -320,13 +341,11 @@ def read_recipe(path: str | Path) -> dict:
 
 
 def arm_config(arm: Arm, spec: ModelSpec, recipe: dict, seed: int, max_steps: int, output_dir: str):
-    """The arm's `GRPOConfig` (stock TRL) or `RatioGRPOConfig`: the recipe's trainer fields, the arm's fields, and
-    what a benchmark changes (no reporting, no saving, `max_steps`, `seed`)."""
-    from trl import GRPOConfig
-
-    from grpo_ratio import RatioGRPOConfig
-
-    cls = GRPOConfig if arm.trainer == "trl" else RatioGRPOConfig
+    """The arm's `GRPOConfig` (stock TRL) or `RatioGRPOConfig` (`RLOOConfig` / `RatioRLOOConfig` for a recipe with
+    `trainer: rloo`): the recipe's trainer fields, the arm's fields, and what a benchmark changes (no reporting, no
+    saving, `max_steps`, `seed`)."""
+    stock, _, ours, _ = trainer_classes(recipe.get("trainer", "grpo"))
+    cls = stock if arm.trainer == "trl" else ours
     names = {k for k, f in cls.__dataclass_fields__.items() if f.init}
     values = {k: v for k, v in recipe.items() if k in names and k != "old_logprob_mode"}
     values.update(arm.fields)
@@ -338,14 +357,13 @@ def arm_config(arm: Arm, spec: ModelSpec, recipe: dict, seed: int, max_steps: in
 
 
 def build_trainer(arm: Arm, spec: ModelSpec, recipe: dict, seed: int, max_steps: int, output_dir: str):
-    """A fresh trainer of `arm`; the model is loaded from its directory by TRL, as `trainers/grpo.py` does."""
+    """A fresh trainer of `arm` (the recipe's `trainer`: GRPO by default); the model is loaded from its directory by
+    TRL, as `trainers/grpo.py` does."""
     from transformers import set_seed
-    from trl import GRPOTrainer
-
-    from grpo_ratio import RatioGRPOTrainer
 
     args = arm_config(arm, spec, recipe, seed, max_steps, output_dir)
-    cls = GRPOTrainer if arm.trainer == "trl" else RatioGRPOTrainer
+    _, stock, _, ours = trainer_classes(recipe.get("trainer", "grpo"))
+    cls = stock if arm.trainer == "trl" else ours
     set_seed(seed)
     return cls(model=spec.untied_path if arm.untied else spec.path, reward_funcs=spec.reward_funcs, args=args,
                train_dataset=spec.dataset, processing_class=spec.tokenizer)
@@ -441,7 +459,8 @@ def _header(result: dict) -> str:
     c = result["config"]
     stopped = result.get("rounds_requested", result["rounds"]) != result["rounds"]
     rounds = f"{result['rounds']} round(s)" + (f" (stopped early, of {result['rounds_requested']})" if stopped else "")
-    return (f"`{result['command']}` — {result['label']}, {rounds} x {result['steps']} timed "
+    trainer = {"grpo": "", "rloo": "TRL's RLOOTrainer, "}[result.get("trainer", "grpo")]
+    return (f"`{result['command']}` — {trainer}{result['label']}, {rounds} x {result['steps']} timed "
             f"step(s) per arm (+{result['warmup']} warm-up), {c['per_device_train_batch_size']} completions "
             f"({c['num_generations']} per prompt) of <= {c['max_completion_length']} tokens, {c['dtype']} weights, "
             f"bf16 autocast={c['bf16']}, CPU, {result['threads']} threads, peak memory: {result['memory_method']}; "
@@ -479,13 +498,13 @@ def render(result: dict) -> str:
 
 
 def make_result(command: str, spec: ModelSpec, recipe_path: str, recipe: dict, runs: list[dict], rounds: int,
-                steps: int, warmup: int, machine: dict | None = None) -> dict:
+                steps: int, warmup: int, machine: dict | None = None, arms=ARMS) -> dict:
     """The JSON record of a run: command, settings, versions, arms and the (round, arm) records of every complete
     round (`rounds` counts those; `rounds_requested` what was asked for)."""
     import torch
     import trl
 
-    done = [r for r in range(rounds) if sum(run["round"] == r for run in runs) == len(ARMS)]
+    done = [r for r in range(rounds) if sum(run["round"] == r for run in runs) == len(arms)]
     runs = [run for run in runs if run["round"] in done]
     keys = ("per_device_train_batch_size", "num_generations", "max_completion_length", "bf16", "use_cpu", "dtype",
             "activation_checkpointing", "beta", "learning_rate", "temperature")
@@ -494,14 +513,18 @@ def make_result(command: str, spec: ModelSpec, recipe_path: str, recipe: dict, r
         "rounds": len(done), "rounds_requested": rounds, "steps": steps, "warmup": warmup,
         "threads": torch.get_num_threads(), "torch": torch.__version__, "trl": trl.__version__,
         "memory_method": runs[0]["memory_method"] if runs else None,
-        "reference": REFERENCE, "arms": [vars(arm) for arm in ARMS], "runs": runs, "machine": machine,
+        "trainer": recipe.get("trainer", "grpo"), "reference": REFERENCE, "arms": [vars(arm) for arm in arms],
+        "runs": runs, "machine": machine,
     }
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=["smollm2", "tiny"], default="tiny")
-    p.add_argument("--recipe", default=RECIPE, help="recipe YAML whose trainer values every arm uses")
+    p.add_argument("--trainer", choices=tuple(RECIPES), default="grpo",
+                   help="TRL's GRPOTrainer or RLOOTrainer, stock and with grpo_ratio (the default recipe follows it)")
+    p.add_argument("--recipe", default=None, help="recipe YAML whose trainer values every arm uses (default: the "
+                   "SmolLM2 arithmetic bf16 recipe of --trainer)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; each runs every arm")
     p.add_argument("--steps", type=int, default=2, help="timed optimizer steps per arm and round")
     p.add_argument("--warmup", type=int, default=1, help="untimed first steps per arm and round")
@@ -512,12 +535,17 @@ def main(argv=None):
         print(render(json.loads(Path(a.render).read_text())))
         return
     steady_malloc()
+    a.recipe = a.recipe or RECIPES[a.trainer]
     recipe = read_recipe(ROOT / a.recipe)
+    if recipe.get("trainer", "grpo") != a.trainer:
+        raise SystemExit(f"--recipe {a.recipe} is a {recipe.get('trainer', 'grpo')} recipe (its `trainer` key); "
+                         f"--trainer is {a.trainer}")
+    arms = TRAINER_ARMS[a.trainer]
     command = "python benchmarks/step_cost.py " + " ".join(argv if argv is not None else sys.argv[1:])
     machine = machine_record()  # before the run's own threads raise the load
 
     def save(runs):  # after every arm: a long run stopped early keeps its complete rounds
-        result = make_result(command, spec, a.recipe, recipe, runs, a.rounds, a.steps, a.warmup, machine)
+        result = make_result(command, spec, a.recipe, recipe, runs, a.rounds, a.steps, a.warmup, machine, arms)
         if a.json and result["rounds"]:
             Path(a.json).parent.mkdir(parents=True, exist_ok=True)
             Path(a.json).write_text(json.dumps(result, indent=1))
@@ -525,7 +553,7 @@ def main(argv=None):
 
     with tempfile.TemporaryDirectory(prefix="step_cost_") as tmp:
         spec = load_spec(a.model, Path(tmp), recipe)
-        runs = run_benchmark(spec, recipe, ARMS, a.rounds, a.warmup, a.steps, Path(tmp),
+        runs = run_benchmark(spec, recipe, arms, a.rounds, a.warmup, a.steps, Path(tmp),
                              log=lambda m: print(m, file=sys.stderr, flush=True), on_run=save)
     print(render(save(runs)))
 
