@@ -51,9 +51,9 @@ def fused_head_fallback(args, policy: nn.Module, engine: str | None, trl_runs_ol
     if args.old_logprob_mode != FP32_HEAD.name:
         return "not fp32_head"
     if trl_runs_old_pass:
-        return ("TRL runs its own old pass here (num_iterations > 1, steps_per_generation > gradient accumulation, "
-                "or vLLM importance-sampling correction): the old policy is not the training forward's, and the "
-                "mode's pass replaces TRL's")
+        return ("TRL runs its own old pass here (GRPO: num_iterations > 1, steps_per_generation > gradient "
+                "accumulation, or vLLM importance-sampling correction; RLOO: always): the old policy is not the "
+                "training forward's, and the mode's pass replaces TRL's")
     if engine not in (None, "none"):
         return f"sharded engine ({engine}): the fp32 norm and head are gathered only inside the engine's scoring pass"
     if args.truncation_correction != "none":
