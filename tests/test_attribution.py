@@ -158,9 +158,16 @@ def _term(row: dict, term: str, stat: str = "mean_abs") -> float:
     return row[keys.attribution_key(term, stat)]
 
 
-def test_with_top_p_the_truncation_term_is_the_largest_and_the_identity_holds(tmp_path):
+def test_with_top_p_the_truncation_term_is_the_largest_and_the_identity_holds(tmp_path, capsys):
+    from grpo_ratio.analysis.report import main
+
     trainer = tiny_trainer(tmp_path, top_p=0.8, ratio_attribution=True)  # bf16 autocast, no correction
     trainer.train()
+    assert main([str(tmp_path)]) == 0  # the report reads the run's log_history.json
+    report = capsys.readouterr().out
+    assert "| step | drift | precision | routing | truncation | engine | identity error |" in report
+    assert report.count("| 1 | 0% (0) |") == 1 and "| 2 | 0% (0) |" in report  # one row per step, no drift
+    assert "The largest cause is **truncation**" in report and "truncation_correction='renormalize'" in report
     steps = _steps(trainer)
     assert len(steps) == 2 and all(row[keys.ATTRIBUTION_NUM_TOKENS] >= 4 * 7 for row in steps)
     for row in steps:

@@ -22,6 +22,8 @@ generation, where new/old must be 1 (the batch-logprob-gap report: "it is the id
 - `ratio/is_*`: of the IS weight in the loss (TRL's vLLM correction, or `is_correction`): the shares truncated, masked
   or rejected, the effective sample size, the raw weights' quantiles (`mismatch.ISWeightStats`).
 - `ratio/fp16_fallback_rows`: `fp16_clone` rows re-scored in fp32 after an fp16 overflow, per generation batch.
+- `ratio/attribution/*` (`ratio_attribution`): log new - log sampler of the sampled rows split into drift,
+  precision, routing, truncation and engine terms (`grpo_ratio.diagnostics.attribution`, docs/attribution.md).
 - `ratio/importance_sampling_ratio/{min,mean,max}`: under `lift_sampler` with vLLM's IS correction, the IS weights
   the loss uses (TRL's `sampling/importance_sampling_ratio/*` is computed before the lift).
 
