@@ -55,6 +55,7 @@ from .routing.replay import ROUTING_REPLAY_MODES
 TRUNCATION_CORRECTIONS = ("none", "renormalize", "lift_sampler")
 KEPT_SET_SOURCES = ("auto", "recorded", "recompute")
 VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
+ALL_ROWS = 2**31 - 1  # `ratio_attribution=True`: every row of a generation batch (`args.ratio_attribution_rows`)
 # vLLM's `vllm serve` flag (also `trl vllm-serve`, which passes it through) for the engine's LM head in fp32
 VLLM_FP32_HEAD_FLAG = """--hf-overrides '{"head_dtype": "float32"}'"""
 
@@ -128,6 +129,7 @@ def check_config(args) -> None:
     _check_sampler_mode(args)
     _check_routing_replay(args)
     _check_gate(args)
+    _check_attribution(args)
     if args.ratio_full_vocab and args.old_logprob_mode not in SCORER_MODES:
         raise ValueError(f"ratio_full_vocab=True compares a scoring mode's old distribution with the policy's "
                          f"own, but old_logprob_mode={args.old_logprob_mode!r} (bf16: the old pass is the policy's "
@@ -240,6 +242,31 @@ def _check_gate(args) -> None:
     if ratio_keys and not args.ratio_diagnostics:
         raise ValueError(f"ratio_gate checks {', '.join(ratio_keys)} but ratio_diagnostics=False: no ratio/* key "
                          f"is logged; set ratio_diagnostics=True")
+
+
+def _check_attribution(args) -> None:
+    """`ratio_attribution`: off (unset, False, "false"), True / "true" (every row) or a row count >= 1 (an int or its
+    digits); resolved into `args.ratio_attribution_rows` (None: off; `ALL_ROWS`: every row). It is logged by the ratio
+    diagnostics and needs the sampler's log-probs."""
+    value = args.ratio_attribution
+    text = value.strip().lower() if isinstance(value, str) else None
+    if value is None or value is False or text in ("false", "none", "off", "0"):
+        args.ratio_attribution_rows = None
+        return
+    if value is True or text == "true":
+        rows = ALL_ROWS
+    elif isinstance(value, int) and value >= 1 or (text is not None and text.isdigit()):
+        rows = int(value)
+    else:
+        raise ValueError(f"ratio_attribution={value!r} is not allowed; allowed: True (every row of each generation "
+                         f"batch), a number of rows >= 1 to sample per generation batch, or False/unset (off)")
+    if not args.ratio_diagnostics:
+        raise ValueError("ratio_attribution is logged with the ratio diagnostics, but ratio_diagnostics=False; set "
+                         "ratio_diagnostics=True")
+    if not (args.use_vllm or args.record_sampler_logprobs):
+        raise ValueError("ratio_attribution splits log(new) - log(sampler), but record_sampler_logprobs=False without "
+                         "vLLM: no sampler log-probs; set record_sampler_logprobs=True")
+    args.ratio_attribution_rows = rows
 
 
 def _check_sampler_mode(args) -> None:

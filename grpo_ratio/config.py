@@ -111,6 +111,12 @@ class RatioFields:
         With a scoring mode (`fp32_clone`, `fp16_clone`, `fp32_head`, `guided_fp32`): also log the exact
         full-vocabulary KL and total variation between the mode's old distribution and the policy's own at its
         training precision (`ratio/new_old/full_*`), from one more policy forward per old pass.
+    ratio_attribution (`bool` or `int`, *optional*, defaults to `False`):
+        Split log(new) - log(sampler) of each scored token into named causes that add up (drift, precision,
+        routing, truncation, engine; `ratio/attribution/*`, docs/attribution.md): `True` on every row of each
+        generation batch, or a number of rows to sample per generation batch. Costs one fp32 reference pass of the
+        sampled rows per generation batch (two on an MoE policy whose old pass routes itself). Needs
+        `ratio_diagnostics` and sampler log-probs (`record_sampler_logprobs`, or vLLM).
     ratio_gate (`list[str]`, *optional*):
         Tolerance checks on logged metrics during training (`grpo_ratio.diagnostics.gate`: `"ratio/new_old/oob_rate<=0.01"`,
         `"first:ratio/new_old/mean_abs_log_ratio<1e-8"`; scopes `each` and `first`).
@@ -269,6 +275,14 @@ class RatioFields:
         metadata={"help": "With a scoring mode (not bf16 or sampler): log ratio/new_old/full_kl, full_reverse_kl and "
                   "full_tv, the exact full-vocabulary divergences between the mode's old distribution and the "
                   "policy's own at training precision (one more policy forward per old pass)."},
+    )
+    ratio_attribution: str | None = field(
+        default=None,
+        metadata={"help": "Split log(new) - log(sampler) per token into drift, precision, routing, truncation and "
+                  "engine terms that add up (ratio/attribution/*, docs/attribution.md): true (every row of each "
+                  "generation batch) or a number of rows to sample per generation batch; unset or false: off. Costs "
+                  "one fp32 reference pass of the sampled rows per generation batch (two on an MoE policy routing "
+                  "itself)."},
     )
     ratio_gate: list[str] | None = field(
         default=None,

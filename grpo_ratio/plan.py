@@ -19,6 +19,7 @@ question (`plan.corrects`, `plan.anchor_is_sampler`, ...) instead of comparing c
 | `routing_replay` | `"none"`, `"R2"`, `"R3"` (`grpo_ratio.routing.replay`) | `routing_replay` |
 | `sampler_routes` | where the sampler's MoE routes come from: `"generate"` (recorded), `"vllm"` (`routed_experts`), `"none"` | `routing_replay`, `ratio_diagnostics`, backend |
 | `is_correction` | the `ISCorrection` the loss's IS weight comes from, or None (TRL's behaviour) | `is_correction(_*)` |
+| `attribution_rows` | rows per generation batch whose log(new) - log(sampler) is attributed to its causes, or None (off) | `ratio_attribution` |
 
 To add a setting (routing replay, an IS correction): add a field with a default that means "off", resolve it in
 `RunPlan.resolve` (one line, or one `_resolve_*` function), put its refusals in `grpo_ratio.checks` (the plan
@@ -82,6 +83,7 @@ class RunPlan:
     routing_replay: str = "none"
     sampler_routes: str = "none"
     is_correction: ISCorrection | None = None
+    attribution_rows: int | None = None
 
     @classmethod
     def resolve(cls, args, sampling: SamplingSettings, backend: str = GENERATE, multi_turn: bool = False,
@@ -109,6 +111,7 @@ class RunPlan:
             routing_replay=args.routing_replay,
             sampler_routes=_resolve_sampler_routes(args, sampling, backend, multi_turn),
             is_correction=getattr(args, "is_correction_spec", None),
+            attribution_rows=getattr(args, "ratio_attribution_rows", None),
         )
 
     # -- questions the hooks ask ----------------------------------------------------------------------------------
@@ -175,6 +178,12 @@ class RunPlan:
     def weights_is(self) -> bool:
         """An IS correction of ours computes the loss's `importance_sampling_ratio` (vLLM and `generate` alike)."""
         return self.is_correction is not None
+
+    @property
+    def attributes(self) -> bool:
+        """`ratio_attribution` is on: the fp32 reference passes of sampled rows run at each training generation
+        batch and `ratio/attribution/*` is logged (`grpo_ratio.diagnostics.attribution`)."""
+        return self.attribution_rows is not None
 
     def corrected_logps(self, full: torch.Tensor, on_kept: torch.Tensor) -> torch.Tensor:
         """The trainer's log-probs (B, T) as the correction wants them: over the kept sets (`on_kept`) under

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .corrections.kept_sets import KeptSets
+from .diagnostics.attribution import AttributionReference
 from .routing.replay import GenerationRoutes
 
 
@@ -66,6 +67,9 @@ class GenerationRecord:
         sampler_logprobs (`list | None`, B lists of floats): RLOO only: the sampler's per-token log-probs of this
             batch (the `generate` recording or vLLM's), which RLOOTrainer drops and `RatioRLOOTrainer` pads into
             the batch as GRPOTrainer does.
+        attribution (`AttributionReference | None`, (n, T) fp32): with `ratio_attribution`, the fp32 reference passes
+            of the n sampled rows (their positions go with the batch as `attribution_row`, (B,) int64, -1 = not
+            sampled); written by the trainer's `_score_reference` after the old pass, read by the micro-batches.
     """
 
     mode: str
@@ -79,6 +83,7 @@ class GenerationRecord:
     full_vocab: tuple | None = None
     old_logps: torch.Tensor | None = None
     sampler_logprobs: list | None = None
+    attribution: AttributionReference | None = None
 
 
 @dataclass
@@ -95,9 +100,12 @@ class MicroBatchRecord:
             first inner step). Kept sets only.
         kept_added (`torch.Tensor | None`, (b, T) bool): recomputed kept sets only: the cells whose sampled token the
             filter dropped (added back), from the pass that recomputed the sets.
+        attribution (`AttributionReference | None`, (b, T) fp32): with `ratio_attribution`, the reference passes of
+            these rows (NaN and `present` False where a row was not sampled).
     """
 
     inputs: dict
     train_logps: torch.Tensor | None = None
     old_log_kept_mass: torch.Tensor | None = None
     kept_added: torch.Tensor | None = None
+    attribution: AttributionReference | None = None

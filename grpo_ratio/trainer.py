@@ -41,12 +41,13 @@ from .config import RatioGRPOConfig
 from .corrections.is_correction import importance_weights
 from .corrections.kept_logprobs import lift_sampler_logprobs
 from .corrections.processors import RepetitionPenalty
+from .diagnostics.attribution import AttributionReference, row_positions, sample_rows
 from .diagnostics.gate_callback import RatioGateCallback
 from .diagnostics.ratio_diagnostics import FULL_VOCAB_KEYS, RatioDiagnostics
 from .diagnostics.ratios import importance_sampling_weights
 from .diagnostics.run_record_callback import RunRecordCallback
 from .models import trainer_model_source
-from .modes import FP32_HEAD
+from .modes import FP32_CLONE, FP32_HEAD
 from .old_pass.copies import WeightsVersion, WeightsVersionCallback
 from .old_pass.fused_head import capture_norm_inputs, fused_head_fallback, fused_old_logps, say_fused_head
 from .old_pass.kept_head import capture_last_hidden, kept_set_logps_of_chunks
@@ -129,6 +130,7 @@ class RatioHooks:
         check_sharded_mode(self.accelerator, self.model, args)  # FSDP2/ZeRO-3 combinations that cannot be exact
         check_old_pass(policy, args, self.plan.scorer_mode)  # layer indices, anatomy, copy storage: here, not at step 1
         self._scorer = None  # built on first use (`scorer`): accelerate wraps FSDP2/ZeRO-3 models inside train()
+        self._reference_scorer = None  # ratio_attribution's fp32 reference, built on first use (`reference_scorer`)
         # The two records between TRL's hooks (grpo_ratio/records.py): one per generation batch and mode, one per
         # loss micro-batch. No other attribute is written in one hook and read in another.
         self._generations: dict[str, GenerationRecord] = {}
@@ -143,12 +145,24 @@ class RatioHooks:
         """The scoring mode's `OldLogprobScorer` (None for `bf16` and `sampler`), built on first use, after accelerate wrapped the
         model: under FSDP2/ZeRO-3 its shadows and compute dtype come from the wrapped model (`grpo_ratio.old_pass.sharding.engines`)."""
         if self._scorer is None and self.plan.scorer_mode is not None:
-            policy = self.accelerator.unwrap_model(self.model)
-            self._scorer = OldLogprobScorer(policy, self.plan.scorer_mode, layers=self.args.guided_fp32_layer_ids,
-                                            policy_autocast=self.accelerator.autocast,
-                                            sharded=sharded_policy(self.accelerator, policy),
-                                            copy_storage=self.args.copy_storage, route_hooks=self.routing.hooks)
+            self._scorer = self._new_scorer(self.plan.scorer_mode, self.args.guided_fp32_layer_ids)
         return self._scorer
+
+    @property
+    def reference_scorer(self) -> OldLogprobScorer:
+        """`ratio_attribution`'s fp32 reference (`fp32_clone`): the run's own scorer under `fp32_clone`, else one built
+        on first use (no copy on fp32-stored weights, an fp32 copy on bf16-stored ones, as `fp32_clone`)."""
+        if self.plan.scorer_mode == FP32_CLONE.name:
+            return self.scorer
+        if self._reference_scorer is None:
+            self._reference_scorer = self._new_scorer(FP32_CLONE.name)
+        return self._reference_scorer
+
+    def _new_scorer(self, mode: str, layers=None) -> OldLogprobScorer:
+        policy = self.accelerator.unwrap_model(self.model)
+        return OldLogprobScorer(policy, mode, layers=layers, policy_autocast=self.accelerator.autocast,
+                                sharded=sharded_policy(self.accelerator, policy), copy_storage=self.args.copy_storage,
+                                route_hooks=self.routing.hooks)
 
     def _fused_head_fallback(self) -> str | None:
         """Why `fp32_head` must keep its separate old pass in this run, or None (`fused_head.fused_head_fallback`)."""
@@ -215,6 +229,8 @@ class RatioHooks:
             self._lift_sampler(output, generation)
         if self.plan.weights_is:
             self._weigh(output, generation)
+        if self.plan.attributes and generation.mode == "train":  # ratio_attribution: the fp32 reference passes
+            self._score_reference(output, generation)
         if generation.old_log_kept_mass is not None:
             output["old_log_kept_mass"] = generation.old_log_kept_mass  # (B, T), for the diagnostics
         if generation.kept_added is not None:
@@ -325,6 +341,32 @@ class RatioHooks:
         self._keep_old_sets(generation, result.on_kept)
         return self.plan.corrected_logps(result.logps, result.on_kept.logps)
 
+    def _score_reference(self, output, generation) -> None:
+        """`ratio_attribution`: the fp32 reference passes (`reference_scorer`) of the sampled rows, at the weights that
+        generated them, kept on `generation` (`AttributionReference`); the rows' positions go with the batch
+        (`attribution_row`) to the micro-batches, where the diagnostics add the drift term (docs/attribution.md)."""
+        input_ids, attention_mask, T, batch_size = self._scoring_inputs(output, generation.mode)
+        rows = sample_rows(input_ids.size(0), self.plan.attribution_rows, input_ids.device)  # (n,)
+        ids, mask = input_ids[rows], attention_mask[rows]  # (n, P+T)
+        # the correction's kept sets, else the sampler's filter re-applied to the reference's logits
+        kept = generation.kept.select_rows(rows).resize_steps(T) if generation.kept is not None else (
+            self.plan.sampling if self.plan.sampling.truncated else None)
+        penalty = None if kept is None else self._penalty(ids, mask)
+
+        def reference(routes):  # (n, T) on the loss's support, (n, T) on the sampler's kept set
+            with torch.no_grad(), self._no_gradient_checkpointing(), self.routing.reference_pass(routes):
+                result = self.reference_scorer.score(ids, mask, T, temperature=self.temperature, batch_size=batch_size,
+                                                     version=self.weights_version.value, kept=kept, penalty=penalty)
+            if result.on_kept is None:
+                return result.logps, result.logps  # one tensor: the truncation term is exactly 0
+            return self.plan.corrected_logps(result.logps, result.on_kept.logps), result.on_kept.logps
+
+        own_routes, sampler_routes = self.routing.reference_routes(generation.routes, rows)
+        on_support, on_kept = reference(sampler_routes)
+        own = on_support if own_routes is sampler_routes else reference(own_routes)[0]
+        generation.attribution = AttributionReference(own, on_support, on_kept)
+        output["attribution_row"] = row_positions(rows, input_ids.size(0))  # (B,) shuffled and split with the batch
+
     def _trl_old_pass(self, output, generation) -> torch.Tensor:
         """(B, T) old log-probs of the policy's own pass, as TRL runs it: TRL's helper on the whole batch in TRL's
         chunking, no grad, no activation checkpointing; routed through `_get_per_token_logps_and_entropies` as TRL's
@@ -412,7 +454,7 @@ class RatioHooks:
             self._keep_old_sets(generation, on_kept)
             generation.old_logps = logps
         if micro_batch is not None:
-            self._keep_training_forward(micro_batch, logps, on_kept)
+            self._keep_training_forward(micro_batch, logps, on_kept, generation)
         return logps, entropies, aux
 
     def _routes(self, generation, micro_batch, attention_mask, logits_to_keep: int, old_pass: bool):
@@ -447,16 +489,19 @@ class RatioHooks:
         if on_kept.added is not None:
             generation.kept, generation.kept_added = on_kept.kept, on_kept.added
 
-    def _keep_training_forward(self, micro_batch, logps, on_kept) -> None:
+    def _keep_training_forward(self, micro_batch, logps, on_kept, generation) -> None:
         """What the diagnostics read of a micro-batch, each value from one place: the training forward's log-probs;
         log M_old and the recomputed additions from the old pass (in the batch TRL split), or, where no old pass ran
-        (on-policy, the sampler arm), from this forward, which at the first inner step runs the old policy's weights."""
+        (on-policy, the sampler arm), from this forward, which at the first inner step runs the old policy's weights;
+        the attribution's reference passes of its rows (`ratio_attribution`)."""
         inputs = micro_batch.inputs
         micro_batch.train_logps = logps.detach()
         train_mass, train_added = (None, None) if on_kept is None else (on_kept.log_mass, on_kept.added)
         no_old_pass = "old_per_token_logps" not in inputs or self.plan.anchor_is_sampler
         micro_batch.old_log_kept_mass = inputs.get("old_log_kept_mass", train_mass if no_old_pass else None)
         micro_batch.kept_added = inputs.get("kept_set_added", train_added)
+        if "attribution_row" in inputs and generation is not None and generation.attribution is not None:
+            micro_batch.attribution = generation.attribution.for_rows(inputs["attribution_row"])  # (b, T)
 
     def _policy_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size, kept, *args, **kwargs):
         """TRL's own call; with kept sets (or a filter that recomputes them), plus the log-probs over them from the

@@ -105,6 +105,9 @@ PEERS: dict[str, tuple[str, str, str, str]] = {
     # no peer logs routing agreement (TensorRT-LLM#19501 asks for a per-layer one; prime-rl's `routing_confidence`,
     # #2545, is the router's own confidence, not agreement between two passes)
     **{key: (_, _, _, _) for key in keys.ROUTE_KEYS},
+    # no peer splits the mismatch into causes per step (the batch-logprob-gap report and Hugging Face's write-up do
+    # it offline)
+    **{key: (_, _, _, _) for key in keys.ATTRIBUTION_KEYS},
 }
 
 

@@ -114,6 +114,43 @@ def render_run(name: str, stats: dict, found: list[Finding], config: dict | None
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# where the distance comes from (ratio_attribution, docs/attribution.md)
+
+# term -> the setting that removes it (the report's sentence); drift and engine have none of the four
+ATTRIBUTION_FIXES = {
+    "drift": "none of the four: at the first inner step the weights are the old ones, so this is the training "
+             "forward against the old pass (batch shape, precision of the anchor; docs/arms.md)",
+    "precision": "a precision arm: old_logprob_mode='fp32_clone' (or 'fp32_head' / 'guided_fp32' for less memory)",
+    "routing": "routing_replay='R3' (the sampler's expert routes in the old pass and the updates)",
+    "truncation": "truncation_correction='renormalize' (or 'lift_sampler')",
+    "engine": "none: the engine (the sampler's kernels against the trainer's fp32 reference on the same support and "
+              "routes; vllm_dtype / vllm_lm_head_fp32 narrow it on vLLM, an is_correction weighs it)",
+}
+
+
+def render_attribution(history: list[dict]) -> str:
+    """Markdown: per logged step, each term's share of the summed |terms| and its mean |term|, and one sentence
+    naming the largest cause over the run and the setting that removes it; "" when the run logged no
+    `ratio/attribution/*` key."""
+    terms = tuple(keys.ATTRIBUTION_TERMS)
+    rows = [row for row in history if keys.ATTRIBUTION_NUM_TOKENS in row and "train_runtime" not in row]
+    if not rows:
+        return ""
+    lines = ["Where log(new) - log(sampler) comes from (`ratio_attribution`, docs/attribution.md): share of the "
+             "summed |terms| (mean |term| in nats).", "",
+             "| step | " + " | ".join(terms) + " | identity error |", "|---" * (len(terms) + 2) + "|"]
+    for row in rows:
+        cells = [f"{100 * row[keys.attribution_key(t, 'share')]:.0f}% ({_fmt(row[keys.attribution_key(t, 'mean_abs')])})"
+                 for t in terms]
+        lines.append(f"| {row.get('step', '')} | " + " | ".join(cells) + f" | {_fmt(row[keys.ATTRIBUTION_IDENTITY_ERROR])} |")
+    means = {t: statistics.fmean(row[keys.attribution_key(t, "mean_abs")] for row in rows) for t in terms}
+    largest = max(means, key=means.get)
+    lines += ["", f"The largest cause is **{largest}** (mean |term| {_fmt(means[largest])} nats per token over "
+                  f"{len(rows)} steps); the setting that removes it: {ATTRIBUTION_FIXES[largest]}."]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # the comparison verdict
 
 
@@ -489,8 +526,10 @@ def main(argv: list[str] | None = None) -> int:
                           for n, s, fs, c in results], indent=1))
         return _gate(runs, checks, sys.stderr)
     print(f"## grpo-ratio report: {' '.join(args.path)}\n\n{_versions()}\n")
-    for name, stats, found, config in results:
+    for (name, stats, found, config), (_, history, _) in zip(results, runs, strict=True):
         print(render_run(name, stats, found, config))
+        if attribution := render_attribution(history):
+            print(attribution)
     for p, s in summaries:
         print(render_comparison(s, comparison_series(p if p.is_dir() else p.parent)))
     return _gate(runs, checks, sys.stdout)

@@ -192,9 +192,45 @@ ROUTE_LAYER_ROWS = {f"{ROUTE_PREFIX}/{pair}/layer_<i>": KeyInfo(present, f"{what
                                                                        f"differs at MoE layer i, routes used")
                     for pair, (present, what) in ROUTE_PAIRS.items()}
 
+# the attribution of log(new) - log(sampler) into named causes (ratio_attribution, grpo_ratio.diagnostics.attribution,
+# docs/attribution.md): `ratio/attribution/<term>/<stat>` and the identity's rounding error
+ATTRIBUTION_PREFIX = f"{PREFIX}/attribution"
+ATTRIBUTION_TERMS = {  # in the order of the chain new -> old -> reference -> sampler
+    "drift": "new - old: the training forward vs the old log-probs (the policy moved, or the two passes differ)",
+    "precision": "old - the fp32 reference pass of the same weights and routes",
+    "routing": "the fp32 reference with the old pass's routes - with the sampler's (MoE; 0 for a dense policy)",
+    "truncation": "the kept-mass term left once the sampler's log-probs are processed (0 at top_p=1)",
+    "engine": "the fp32 reference on the sampler's support and routes - the sampler's log-prob (the rest)",
+}
+ATTRIBUTION_STATS = {
+    "mean_abs": "mean |term| over the attributed tokens (nats)",
+    "share": "sum |term| / sum over the five terms of |term|",
+    "mean": "mean signed term (nats)",
+}
+_ATTRIBUTION_PRESENT = "ratio_attribution on, sampler log-probs exist"
+
+
+def attribution_key(term: str, stat: str) -> str:
+    """`ratio/attribution/{term}/{stat}`. Raises KeyError for a term or stat not in the tables."""
+    if term not in ATTRIBUTION_TERMS or stat not in ATTRIBUTION_STATS:
+        raise KeyError(f"no attribution key {term!r}/{stat!r}; terms {', '.join(ATTRIBUTION_TERMS)}, stats "
+                       f"{', '.join(ATTRIBUTION_STATS)}")
+    return f"{ATTRIBUTION_PREFIX}/{term}/{stat}"
+
+
+ATTRIBUTION_IDENTITY_ERROR = f"{ATTRIBUTION_PREFIX}/identity_error"
+ATTRIBUTION_NUM_TOKENS = f"{ATTRIBUTION_PREFIX}/num_tokens"
+ATTRIBUTION_KEYS = {attribution_key(term, stat): KeyInfo(_ATTRIBUTION_PRESENT, f"{what}: {meaning}")
+                    for term, what in ATTRIBUTION_TERMS.items() for stat, meaning in ATTRIBUTION_STATS.items()} | {
+    ATTRIBUTION_IDENTITY_ERROR: KeyInfo(_ATTRIBUTION_PRESENT, "largest |sum of the five terms - (log new - log "
+                                        "sampler)| over the attributed tokens: fp32 rounding only"),
+    ATTRIBUTION_NUM_TOKENS: KeyInfo(_ATTRIBUTION_PRESENT, "tokens attributed (the sampled rows' valid tokens with a "
+                                    "sampler log-prob, all processes)"),
+}
+
 # every key the diagnostics can emit (the per-layer route keys: `known`)
 TABLE: dict[str, KeyInfo] = ({k: v for family in FAMILIES for k, v in family.keys().items()} | MISMATCH_KEYS
-                             | SINGLE_KEYS | ROUTE_KEYS)
+                             | SINGLE_KEYS | ROUTE_KEYS | ATTRIBUTION_KEYS)
 
 
 def known(key: str) -> bool:

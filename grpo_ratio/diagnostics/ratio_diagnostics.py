@@ -22,6 +22,8 @@ generation, where new/old must be 1 (the batch-logprob-gap report: "it is the id
 - `ratio/is_*`: of the IS weight in the loss (TRL's vLLM correction, or `is_correction`): the shares truncated, masked
   or rejected, the effective sample size, the raw weights' quantiles (`mismatch.ISWeightStats`).
 - `ratio/fp16_fallback_rows`: `fp16_clone` rows re-scored in fp32 after an fp16 overflow, per generation batch.
+- `ratio/attribution/*` (`ratio_attribution`): log new - log sampler of the sampled rows split into drift,
+  precision, routing, truncation and engine terms (`grpo_ratio.diagnostics.attribution`, docs/attribution.md).
 - `ratio/importance_sampling_ratio/{min,mean,max}`: under `lift_sampler` with vLLM's IS correction, the IS weights
   the loss uses (TRL's `sampling/importance_sampling_ratio/*` is computed before the lift).
 
@@ -40,6 +42,7 @@ from .._compat import trl_field
 from ..corrections.is_correction import ISCorrection, importance_weights
 from ..modes import MODES
 from . import metric_keys as keys
+from .attribution import AttributionStats, attribution_terms
 from .mismatch import FullVocabStats, ISWeightStats, MismatchStats
 from .ratios import MeanStats, RatioStats, clip_flips, valid_token_mask
 
@@ -92,6 +95,7 @@ class RatioDiagnostics:
         self.full_vocab = FullVocabStats()
         self.kept_mass = MeanStats()  # M_old on the kept sets, on the device of the log-probs
         self.kept_set_added = MeanStats()  # recomputed kept sets: share of sampled tokens added back
+        self.attribution = AttributionStats()  # ratio_attribution: the five terms of log new - log sampler
         self.flips = None
         self.is_stats = None
         self.touched = False
@@ -149,6 +153,8 @@ class RatioDiagnostics:
             self._update_kept_mass(log_mass, mask & ~torch.isnan(sampler))
         elif sampler is not None:
             self._update_old_sampler(old, sampler, log_mass, mask, inputs)
+        if micro_batch.attribution is not None and sampler is not None:
+            self._update_attribution(micro_batch, old, sampler, log_mass, mask)
         added = micro_batch.kept_added  # (B, T) bool | None
         if added is not None:
             self.kept_set_added.update(added.bool(), mask)
@@ -177,6 +183,15 @@ class RatioDiagnostics:
             weights = importance_weights(old - sampler, mask, self.is_correction)
             stats = ISWeightStats.of(self.is_correction).update(weights)
             self.is_stats = stats if self.is_stats is None else self.is_stats.merge(stats)
+
+    def _update_attribution(self, micro_batch, old, sampler, log_mass, mask) -> None:
+        """`ratio/attribution/*`: the micro-batch's sampled rows, log new - log sampler (the sampler's log-probs as the
+        loss's side processed them: + log M_old under `lift_sampler`) split into its five terms."""
+        reference = micro_batch.attribution
+        lift = log_mass if self.plan.lifts_sampler else None  # (B, T) | None: what the lift added
+        terms = attribution_terms(micro_batch.train_logps, old, sampler, reference, lift)
+        rows = reference.present.to(mask.device).unsqueeze(1)  # (B, 1) the rows that were sampled
+        self.attribution.update(terms, mask & rows & ~torch.isnan(sampler))
 
     def _update_kept_mass(self, log_mass, mask) -> None:
         if log_mass is not None and self.plan.corrects:
@@ -211,6 +226,8 @@ class RatioDiagnostics:
             added_rate = self.kept_set_added.all_reduce(acc).mean()
             if added_rate is not None:
                 metrics[keys.KEPT_SET_ADDED_RATE] = added_rate
+        if self.plan.attributes:
+            metrics.update(self.attribution.all_reduce(acc).as_metrics())
         if self.flips is not None:
             metrics.update(self.flips.all_reduce(acc).as_metrics(keys.PREFIX))
         if self.is_stats is not None:

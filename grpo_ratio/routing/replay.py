@@ -222,6 +222,29 @@ class RoutingReplay:
             self.tally.add("sampler_old", sampler, used, mask)
             self.tally.add("sampler_old_native", sampler, native, mask)
 
+    # -- the attribution's fp32 reference passes (ratio_attribution, grpo_ratio.diagnostics.attribution) -------------
+
+    def reference_routes(self, routes: GenerationRoutes, rows: torch.Tensor
+                         ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The routes of the two reference passes over rows `rows` (n,) of a generation batch, (n, S, L, k) each or
+        None (the routers route themselves): (the old pass's routes: the sampler's under R3, None where no old pass
+        recorded any; the sampler's, or the first one where none were recorded, so that the routing term is 0 and
+        the engine term holds it). The same object twice means one pass. Inactive (dense): (None, None)."""
+        if not self.active:
+            return None, None
+        sampler = None if routes.sampler is None else routes.sampler[rows.to(routes.sampler.device)]
+        if self.mode == "R3":
+            return sampler, sampler
+        own = None if routes.old is None else routes.old[rows.to(routes.old.device)]
+        return own, own if sampler is None else sampler
+
+    def reference_pass(self, routes: torch.Tensor | None):
+        """The session of one reference pass: `routes` (n, S, L, k) replayed, rows in order; none (the routers route
+        themselves, nothing counted) for None or a dense policy."""
+        if not self.active or routes is None:
+            return contextlib.nullcontext()
+        return self.hooks.replaying(routes)
+
     def metrics(self, reduce: Callable | None = None, device=None) -> dict[str, float]:
         """The `ratio/route/*` metrics since the last call ({} when inactive); a collective under `reduce`."""
         return {} if self.tally is None or not self.measure else self.tally.metrics(reduce, device)

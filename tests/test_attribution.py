@@ -1,0 +1,247 @@
+"""`ratio_attribution`: log(new) - log(sampler) per token split into drift, precision, routing, truncation and engine
+(grpo_ratio/diagnostics/attribution.py, docs/attribution.md): the identity on literal tensors, the statistics, the
+config, and on tiny models which term each setting makes the largest or exactly 0.
+
+Run: HF_HUB_OFFLINE=1 pytest tests/test_attribution.py
+"""
+
+import math
+
+import pytest
+import torch
+from routing_fixtures import near_tie_model
+from trainer_fixtures import tiny_trainer, trl_logged_values
+
+from grpo_ratio.diagnostics import metric_keys as keys
+from grpo_ratio.diagnostics.attribution import (
+    TERMS,
+    AttributionReference,
+    AttributionStats,
+    attribution_terms,
+    largest_term,
+    row_positions,
+    sample_rows,
+)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the math, on literal tensors
+
+
+def _reference():
+    own = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]])  # the fp32 reference with the old pass's routes
+    sampler_routes = torch.tensor([[-1.25, -2.0], [-0.5, -2.5]])  # the same with the sampler's routes
+    kept = torch.tensor([[-1.0, -1.5], [-0.25, -2.5]])  # the latter over the sampler's kept set (>= full)
+    return AttributionReference(own, sampler_routes, kept)
+
+
+def test_the_five_terms_are_the_differences_of_their_passes_and_add_up_to_new_minus_sampler():
+    new = torch.tensor([[-0.75, -2.0], [-0.5, -3.5]])
+    old = torch.tensor([[-1.0, -2.0], [-0.25, -3.0]])
+    sampler = torch.tensor([[-1.0, -1.0], [-0.5, -2.0]])
+    terms = attribution_terms(new, old, sampler, _reference())
+    expected = {
+        "drift": [[0.25, 0.0], [-0.25, -0.5]],  # new - old
+        "precision": [[0.0, 0.0], [0.25, 0.0]],  # old - own
+        "routing": [[0.25, 0.0], [0.0, -0.5]],  # own - sampler_routes
+        "truncation": [[-0.25, -0.5], [-0.25, 0.0]],  # sampler_routes - kept (log M of the reference)
+        "engine": [[0.0, -0.5], [0.25, -0.5]],  # kept - sampler
+        "total": [[0.25, -1.0], [0.0, -1.5]],  # new - sampler
+    }
+    for name, values in expected.items():
+        torch.testing.assert_close(terms[name], torch.tensor(values), rtol=0, atol=0)
+    summed = sum(terms[t] for t in TERMS)
+    torch.testing.assert_close(summed, terms["total"], rtol=0, atol=0)  # dyadic values: no rounding at all
+
+
+def test_under_lift_sampler_the_lift_leaves_the_truncation_term_and_the_engine_sees_the_raw_sampler():
+    ref = _reference()
+    new = old = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]])  # = own: drift and precision 0
+    raw = torch.tensor([[-1.0, -1.5], [-0.25, -2.5]])  # the sampler's own log-probs = the reference over S
+    lift = torch.tensor([[-0.25, -0.5], [-0.25, 0.0]])  # log M_old = log M of the reference here
+    terms = attribution_terms(new, old, raw + lift, ref, lift)
+    # truncation = (ref - kept) - lift = log M_ref - log M_old: 0 where the lift is exact
+    torch.testing.assert_close(terms["truncation"], torch.zeros(2, 2), rtol=0, atol=0)
+    torch.testing.assert_close(terms["engine"], torch.zeros(2, 2), rtol=0, atol=0)  # kept - raw
+    torch.testing.assert_close(sum(terms[t] for t in TERMS), terms["total"], rtol=0, atol=0)
+
+
+def test_one_pass_for_both_routes_and_no_kept_set_give_exact_zeros():
+    full = torch.tensor([[-1.1, -2.3], [-0.7, -3.9]])
+    ref = AttributionReference(full, full, full)  # a dense policy at top_p=1: one tensor
+    terms = attribution_terms(full + 0.1, full - 0.3, full + 0.2, ref)
+    assert torch.equal(terms["routing"], torch.zeros(2, 2)) and torch.equal(terms["truncation"], torch.zeros(2, 2))
+    with pytest.raises(ValueError, match="one shape"):
+        attribution_terms(full[:1], full, full, ref)
+
+
+def test_the_statistics_pool_tokens_and_report_shares_means_and_the_rounding_error():
+    terms = attribution_terms(torch.tensor([[-0.75, -2.0], [-0.5, -3.5]]), torch.tensor([[-1.0, -2.0], [-0.25, -3.0]]),
+                              torch.tensor([[-1.0, -1.0], [-0.5, -2.0]]), _reference())
+    mask = torch.tensor([[True, True], [True, False]])  # 3 tokens
+    stats = AttributionStats().update(terms, mask)
+    m = stats.as_metrics()
+    # |terms| over the 3 tokens: drift .5, precision .25, routing .25, truncation 1.0, engine .75; total 2.75
+    assert m[keys.attribution_key("truncation", "mean_abs")] == pytest.approx(1.0 / 3)
+    assert m[keys.attribution_key("truncation", "share")] == pytest.approx(1.0 / 2.75)
+    assert m[keys.attribution_key("drift", "mean")] == pytest.approx(0.0)  # 0.25 + 0 - 0.25
+    assert m[keys.attribution_key("engine", "mean")] == pytest.approx(-0.25 / 3)
+    assert sum(m[keys.attribution_key(t, "share")] for t in TERMS) == pytest.approx(1.0)
+    assert m[keys.ATTRIBUTION_IDENTITY_ERROR] == 0.0 and m[keys.ATTRIBUTION_NUM_TOKENS] == 3
+    assert set(m) <= set(keys.TABLE) and len(m) == 3 * 5 + 2
+    assert largest_term(m) == "truncation"
+    # a second micro-batch adds up; a non-finite token is left out; an empty update logs nothing
+    other = AttributionStats().update(terms, torch.tensor([[False, False], [False, True]]))
+    assert stats.merge(other).as_metrics()[keys.ATTRIBUTION_NUM_TOKENS] == 4
+    assert AttributionStats().update(terms, torch.zeros(2, 2, dtype=torch.bool)).as_metrics() == {}
+    terms["engine"][0, 0] = float("nan")
+    assert AttributionStats().update(terms, mask).as_metrics()[keys.ATTRIBUTION_NUM_TOKENS] == 2
+
+
+def test_the_rounding_error_of_an_fp32_sum_is_measured():
+    new, old = torch.tensor([[1.0e-8]]), torch.tensor([[1.0]])
+    ref = AttributionReference(torch.tensor([[-1.0]]), torch.tensor([[-1.0]]), torch.tensor([[-1.0]]))
+    terms = attribution_terms(new, old, torch.tensor([[3.0e-8]]), ref)
+    error = AttributionStats().update(terms, torch.ones(1, 1, dtype=torch.bool)).identity_error.item()
+    exact = abs(sum(float(terms[t]) for t in TERMS) - float(terms["total"]))
+    assert 0 < error < 1e-6 and error == pytest.approx(exact, rel=1e-6, abs=1e-9)
+
+
+def test_rows_are_sampled_evenly_and_found_again_after_the_shuffle():
+    assert sample_rows(16, 4).tolist() == [0, 5, 10, 15]
+    assert sample_rows(3, 8).tolist() == [0, 1, 2]
+    with pytest.raises(ValueError, match="limit >= 1"):
+        sample_rows(4, 0)
+    positions = row_positions(torch.tensor([0, 5, 10, 15]), 16)
+    assert positions[[0, 5, 10, 15]].tolist() == [0, 1, 2, 3] and (positions >= 0).sum() == 4
+    ref = AttributionReference(torch.arange(8.0).reshape(4, 2), torch.arange(8.0).reshape(4, 2) + 1,
+                               torch.arange(8.0).reshape(4, 2) + 2)
+    micro = ref.for_rows(torch.tensor([2, -1, 0]))  # a shuffled micro-batch: row 1 was not sampled
+    assert micro.own_routes[0].tolist() == [4.0, 5.0] and micro.own_routes[2].tolist() == [0.0, 1.0]
+    assert torch.isnan(micro.own_routes[1]).all() and micro.present.tolist() == [True, False, True]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the config
+
+
+@pytest.mark.parametrize(("value", "rows"), [(None, None), (False, None), ("false", None), (True, 2**31 - 1),
+                                             ("true", 2**31 - 1), (8, 8), ("8", 8)])
+def test_the_field_accepts_true_a_row_count_or_off(tmp_path, value, rows):
+    from trainer_fixtures import tiny_grpo_args
+
+    assert tiny_grpo_args(tmp_path, ratio_attribution=value).ratio_attribution_rows == rows
+
+
+@pytest.mark.parametrize(("overrides", "match"), [
+    (dict(ratio_attribution=-2), "ratio_attribution=-2 is not allowed; allowed: True"),
+    (dict(ratio_attribution="all"), "ratio_attribution='all' is not allowed"),
+    (dict(ratio_attribution=True, ratio_diagnostics=False), "ratio_diagnostics=False"),
+    (dict(ratio_attribution=4, record_sampler_logprobs=False), "record_sampler_logprobs=False"),
+])
+def test_bad_values_are_refused_naming_the_field(tmp_path, overrides, match):
+    from trainer_fixtures import tiny_grpo_args
+
+    with pytest.raises(ValueError, match=match):
+        tiny_grpo_args(tmp_path, **overrides)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# on tiny models (CPU, transformers generate)
+
+
+def _steps(trainer) -> list[dict]:
+    return [row for row in trainer.state.log_history if keys.ATTRIBUTION_NUM_TOKENS in row]
+
+
+def _term(row: dict, term: str, stat: str = "mean_abs") -> float:
+    return row[keys.attribution_key(term, stat)]
+
+
+def test_with_top_p_the_truncation_term_is_the_largest_and_the_identity_holds(tmp_path, capsys):
+    from grpo_ratio.analysis.report import main
+
+    trainer = tiny_trainer(tmp_path, top_p=0.8, ratio_attribution=True)  # bf16 autocast, no correction
+    trainer.train()
+    assert main([str(tmp_path)]) == 0  # the report reads the run's log_history.json
+    report = capsys.readouterr().out
+    assert "| step | drift | precision | routing | truncation | engine | identity error |" in report
+    assert report.count("| 1 | 0% (0) |") == 1 and "| 2 | 0% (0) |" in report  # one row per step, no drift
+    assert "The largest cause is **truncation**" in report and "truncation_correction='renormalize'" in report
+    steps = _steps(trainer)
+    assert len(steps) == 2 and all(row[keys.ATTRIBUTION_NUM_TOKENS] >= 4 * 7 for row in steps)
+    for row in steps:
+        assert largest_term(row) == "truncation" and _term(row, "truncation", "share") > 0.9
+        # log M of a near-uniform tiny model at top_p=0.8: about log 0.8 = -0.223 per token, always negative
+        assert _term(row, "truncation", "mean") == pytest.approx(math.log(0.8), abs=0.01)
+        assert _term(row, "drift") == 0.0  # on-policy, no old pass: old := new
+        assert _term(row, "routing") == 0.0  # a dense policy: one reference pass
+        assert 0 < _term(row, "precision") < 1e-2 and 0 < _term(row, "engine") < 1e-2  # bf16 vs fp32
+        assert row[keys.ATTRIBUTION_IDENTITY_ERROR] <= 1e-6
+        # the five signed means add up to mean log(new / sampler), here -mean log(old/sampler) (new == old)
+        signed = sum(_term(row, t, "mean") for t in TERMS)
+        assert signed == pytest.approx(-row[keys.OLD_SAMPLER.mean_abs_log_ratio], abs=2e-3)
+
+
+def test_at_top_p_1_the_truncation_term_is_exactly_0(tmp_path):
+    trainer = tiny_trainer(tmp_path, top_p=1.0, ratio_attribution=2)  # 2 sampled rows per generation batch
+    trainer.train()
+    steps = _steps(trainer)
+    assert len(steps) == 2
+    assert all(_term(row, "truncation") == 0.0 and _term(row, "truncation", "share") == 0.0 for row in steps)
+    assert all(row[keys.ATTRIBUTION_NUM_TOKENS] <= 2 * 8 for row in steps)  # 2 rows x 8 tokens at most
+    assert all(_term(row, "precision") > 0 for row in steps)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_the_precision_term_is_0_in_fp32_to_rounding_and_not_in_bf16(tmp_path, bf16):
+    trainer = tiny_trainer(tmp_path, bf16=bf16, ratio_attribution=True)
+    trainer.train()
+    precision = [_term(row, "precision") for row in _steps(trainer)]
+    assert len(precision) == 2
+    if bf16:
+        assert min(precision) > 1e-4  # bf16 autocast vs the fp32 reference: ~4e-4 nats per token
+    else:
+        assert max(precision) < 1e-5  # the same fp32 weights; only the batch shape and positions differ
+
+
+@pytest.mark.parametrize("replay", ["none", "R3"])
+def test_on_a_tiny_moe_the_routing_term_is_non_zero_without_replay_and_0_with_r3(tmp_path, replay):
+    # near-tied routers: the bf16 sampler's routes flip against an fp32 pass (tests/test_routing_trainer.py); an fp32
+    # old pass (fp32_clone) with num_iterations=2, so the old pass records its routes
+    trainer = tiny_trainer(tmp_path, "fp32_clone", model=near_tie_model("qwen3_moe"), routing_replay=replay,
+                           num_iterations=2, max_steps=4, ratio_attribution=True)
+    trainer.train()
+    routing = [_term(row, "routing") for row in _steps(trainer)]
+    assert len(routing) == 2
+    if replay == "R3":
+        assert routing == [0.0, 0.0]  # the old pass replays the sampler's routes: one reference pass
+    else:
+        assert max(routing) > 1e-4
+    assert all(_term(row, "precision") == 0.0 for row in _steps(trainer))  # the reference is the fp32_clone pass
+
+
+def test_off_by_default_no_key_and_stock_trl_values_and_on_it_changes_no_trl_value(tmp_path):
+    from trl import GRPOTrainer
+
+    runs = {}
+    for name, cls, extra in (("stock", GRPOTrainer, {}), ("off", None, {}), ("on", None, dict(ratio_attribution=True))):
+        trainer = tiny_trainer(tmp_path / name, trainer_cls=cls, top_p=0.8, **extra)
+        trainer.train()
+        runs[name] = trainer
+    off_keys = {k for row in runs["off"].state.log_history for k in row}
+    assert not any(k.startswith(keys.ATTRIBUTION_PREFIX) for k in off_keys)
+    assert runs["off"].args.ratio_attribution is None and not runs["off"].plan.attributes
+    assert trl_logged_values(runs["off"]) == trl_logged_values(runs["stock"])  # loss, reward, ...: bit for bit
+    assert trl_logged_values(runs["on"]) == trl_logged_values(runs["stock"])  # the reference passes change nothing
+    assert len(_steps(runs["on"])) == 2
+
+
+def test_on_rloo(tmp_path):
+    from test_rloo import tiny_rloo
+
+    trainer = tiny_rloo(tmp_path, top_p=0.8, ratio_attribution=True)
+    trainer.train()
+    steps = _steps(trainer)
+    assert len(steps) == 2 and all(largest_term(row) == "truncation" for row in steps)
+    assert all(row[keys.ATTRIBUTION_IDENTITY_ERROR] <= 1e-6 for row in steps)
