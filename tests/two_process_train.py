@@ -28,6 +28,10 @@ def main(out_dir: str, mode: str) -> None:
         with open(os.path.join(out_dir, "result.json"), "w") as f:
             json.dump({"world_size": trainer.accelerator.num_processes, "history": trainer.state.log_history,
                        "checksums": checksums, "fused_head": trainer.plan.fused_head}, f)
+    # a clean shutdown of the gloo group, as the sharded harnesses do (tests/sharded_modes.py): without it one run in
+    # a few aborted at exit ("terminate called without an active exception", SIGABRT) after training had passed
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
