@@ -9,6 +9,8 @@ identity error and TRL's step_time. Cost: two more runs, bf16 at top_p=0.8 with 
 
     python benchmarks/attribution_smollm2.py --steps 3 --json results/attribution_smollm2.json   # ~11 min, 2 shared cores
     python benchmarks/attribution_smollm2.py --render results/attribution_smollm2.json           # the markdown
+    python benchmarks/attribution_smollm2.py --steps 3 --cost-rounds 2 --json results/attribution_smollm2.json
+        # the cost alone, again: with/without pairs run alternately, replacing the result's cost (idle machine)
 """
 
 from __future__ import annotations
@@ -100,6 +102,14 @@ def render(data: dict) -> str:
         out.append(f"| {run['fields']['old_logprob_mode']} | {run['fields']['top_p']} | " + " | ".join(cells)
                    + f" | {_cell(m[keys.ATTRIBUTION_IDENTITY_ERROR], '.1e')} |")
     c = data["cost"]
+    if "rounds" in c:  # alternating pairs (--cost-rounds)
+        out += ["", "Share: the term's part of the summed |terms|; mean: its signed mean (nats per token); mean over "
+                "the steps that logged the attribution (those with a first inner step).", "",
+                f"Cost: bf16, top_p=0.8, {c['rounds']} pairs run alternately (with, without), {s['steps']} steps "
+                f"each, same seed: mean step_time {c['with']:.1f} s with `ratio_attribution` (every row) vs "
+                f"{c['without']:.1f} s without, x{c['ratio']:.2f} (median of the pairs' ratios; per pair "
+                f"{', '.join(f'x{r:.2f}' for r in c['pair_ratios'])}); load {c['load_before']:.2f} at the start."]
+        return "\n".join(out)
     twin = next(r["summary"]["step_time"] for r in data["runs"] if r["fields"] == COST[0])  # the same configuration
     out += ["", "Share: the term's part of the summed |terms|; mean: its signed mean (nats per token); mean over the "
             "steps that logged the attribution (those with a first inner step).", "",
@@ -111,17 +121,47 @@ def render(data: dict) -> str:
     return "\n".join(out)
 
 
+def cost_only(recipe: dict, args) -> None:
+    """`--cost-rounds N`: N (with, without) pairs alternately; their step times replace the cost in `--json`."""
+    if not args.json or not Path(args.json).is_file():
+        raise SystemExit("--cost-rounds needs --json naming an existing result (its table stays, its cost is replaced)")
+    data = json.loads(Path(args.json).read_text())
+    load = machine_record().get("load_before")
+    pairs = []
+    for r in range(args.cost_rounds):
+        pair = []
+        for fields in COST:
+            print(f"cost round {r + 1}/{args.cost_rounds}: {fields}", flush=True)
+            run = run_one(recipe, fields, args.steps)
+            pair.append(summarise(run)["step_time"])
+        pairs.append(pair)
+    ratios = [w / wo for w, wo in pairs]
+    data["cost_runs"] = [{"fields": f, "step_time": t} for pair in pairs for f, t in zip(COST, pair)]
+    data["cost"] = {"rounds": args.cost_rounds, "with": statistics.fmean(p[0] for p in pairs),
+                    "without": statistics.fmean(p[1] for p in pairs), "ratio": statistics.median(ratios),
+                    "pair_ratios": ratios, "load_before": load,
+                    "command": f"python benchmarks/attribution_smollm2.py --steps {args.steps} "
+                               f"--cost-rounds {args.cost_rounds} --json {args.json}"}
+    Path(args.json).write_text(json.dumps(data, indent=1) + "\n")
+    print(render(data))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--recipe", default=RECIPE)
     parser.add_argument("--json", help="write the result JSON here")
     parser.add_argument("--render", metavar="JSON", help="print the markdown of a result JSON and exit")
+    parser.add_argument("--cost-rounds", type=int, default=0, help="only the cost: this many (with, without) pairs "
+                        "run alternately, replacing the cost of the result in --json")
     args = parser.parse_args(argv)
     if args.render:
         print(render(json.loads(Path(args.render).read_text())))
         return
     recipe = read_recipe(ROOT / args.recipe)
+    if args.cost_rounds:
+        cost_only(recipe, args)
+        return
     data = {"settings": {"command": f"python benchmarks/attribution_smollm2.py --steps {args.steps}",
                          "model": "SmolLM2-135M-Instruct, arithmetic", "steps": args.steps, "recipe": args.recipe,
                          "config": f"{recipe['per_device_train_batch_size'] // recipe['num_generations']} prompts x "
