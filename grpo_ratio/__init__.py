@@ -3,6 +3,8 @@
 - `RatioGRPOConfig`, `RatioGRPOTrainer`: drop-in replacements for `trl.GRPOConfig` / `trl.GRPOTrainer` whose old
   log-probs are computed by a selectable scoring mode (`old_logprob_mode`).
 - `RatioRLOOConfig`, `RatioRLOOTrainer`: the same for `trl.RLOOConfig` / `trl.RLOOTrainer` (docs/rloo.md).
+- `RatioAsyncGRPOConfig`, `RatioAsyncGRPOTrainer`: TRL's experimental `AsyncGRPOTrainer` with a choice of objective
+  (`async_objective`: coupled, decoupled, decoupled_loglinear) and per-staleness diagnostics (docs/async.md).
 - `grpo_ratio.old_pass`: the scoring modes usable outside any trainer (`OldLogprobScorer`; the probes use it).
 - `grpo_ratio.corrections`, `grpo_ratio.diagnostics.ratios`: pure tensor math (kept sets, truncation and
   importance-sampling corrections, ratio statistics).
@@ -27,6 +29,8 @@ _LAZY = {
     "RatioGRPOTrainer": "trainer",
     "RatioRLOOConfig": "config",
     "RatioRLOOTrainer": "rloo",
+    "RatioAsyncGRPOConfig": "async_grpo",
+    "RatioAsyncGRPOTrainer": "async_grpo",
     "resolve_model_path": "models",
 }
 __all__ = list(_LAZY)

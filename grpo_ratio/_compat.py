@@ -113,6 +113,28 @@ TRL_RLOO_READS = {
                   "an IS weight w >= 0 of a sequence enters as w A (`rloo.weighted_advantages`)",
 }
 
+# what RatioAsyncGRPOTrainer reads of TRL 1.16's experimental AsyncGRPOTrainer (trl/experimental/async_grpo)
+TRL_ASYNC_READS = {
+    "compute_loss": "called twice per micro-batch under the decoupled objectives: first with a probe as the model "
+                    "(TRL builds the forward's arguments from the packed batch and calls it; nothing before that call "
+                    "changes state), then on the rewritten batch; its loss is -min(r A, clip(r) A) per term with "
+                    "r = exp(log_probs - old_log_probs), so old = proximal and A -> w A give the decoupled loss",
+    "rollout_queue": "the worker's queue (rank 0), wrapped so each sample carries its staleness; TRL's "
+                     "RolloutQueueDataset calls .get(timeout=...) and .qsize() on it",
+    "model_version": "the version TRL compares a sample's model_version with (staleness = model_version - "
+                     "sample.model_version, its drop rule)",
+    "RolloutSample.metrics": "a dict per sample that TRL's collator averages into metrics; the staleness tag rides in "
+                             "a copy of it and is removed before TRL's collator reads it",
+    "get_train_dataloader": "returns accelerate's DataLoaderDispatcher; its base_dataloader.collate_fn (TRL's "
+                            "DataCollatorForRollout) is wrapped to add the per-term staleness",
+    "batch keys": "token_index (R, M_max), -1 padding: the loss terms; segment_id: each term's sample in its row (terms "
+                  "of a sample contiguous, in TreeRow.samples order); old_log_probs, advantages",
+    "_step_forward_s": "the step's forward time TRL accumulates; the log-linear objective adds its probe's forward",
+    "_metrics": "TRL's metric sink; the ratio/staleness/* values are added to the logs in log()",
+    "packing._flash_attn, async_grpo_trainer.get_peak_flops_per_device": "module globals swapped by "
+                                                                         "old_pass.tree_attention and testing.async_cpu",
+}
+
 # TRL 1.16 RLOO behaviour grpo_ratio relies on
 TRL_RLOO_CONDITIONS = (
     "RLOOTrainer always runs its old pass (no num_iterations condition), the first no-grad "

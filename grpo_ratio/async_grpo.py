@@ -10,8 +10,8 @@ exp(logp_theta - logp_vLLM): policy lag, engine numerics and truncated sampling 
 - `"decoupled_loglinear"`: the same loss with A-3PO's proximal log-probs (arXiv 2512.06547), interpolated between
   behaviour and current by staleness: no proximal forward.
 
-Hooks (no TRL method copied): the rollout queue (each sample's staleness, tagged where TRL computes it), the
-collator (the staleness of every loss term), and `compute_loss`, which runs TRL's own `compute_loss` on rewritten
+Hooks (no TRL method copied): the rollout queue (each sample's policy version), the collator (the version of every
+loss term; its staleness is counted at the loss), and `compute_loss`, which runs TRL's own `compute_loss` on rewritten
 `old_log_probs` / `advantages` (`grpo_ratio.corrections.decoupled`) and observes the forward's log-probs.
 """
 
@@ -20,13 +20,16 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field, fields
+from typing import ClassVar
 
 import torch
+from accelerate.utils import broadcast_object_list
 from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
 from .checks import check_async_config
 from .config import RatioFields
 from .corrections.decoupled import OBJECTIVES, decoupled_inputs, loglinear_proximal, proximal_weights
+from .diagnostics.run_record_callback import RunRecordCallback
 from .diagnostics.staleness import StalenessStats
 from .modes import TRL_MODE
 from .old_pass.copies import WeightsVersion, WeightsVersionCallback
@@ -74,6 +77,8 @@ class RatioAsyncGRPOConfig(AsyncGRPOConfig):
     ratio_band_low: float = _declared("ratio_band_low")
     ratio_band_high: float = _declared("ratio_band_high")
 
+    trl_trainer: ClassVar[str] = "async_grpo"  # recorded in run.json
+
     def __post_init__(self):
         super().__post_init__()
         check_async_config(self)  # every refusal of the new fields (grpo_ratio/checks.py)
@@ -84,46 +89,45 @@ class RatioAsyncGRPOConfig(AsyncGRPOConfig):
         return self.async_objective != "coupled"
 
 
-# the key under which the rollout queue tags each sample's staleness in its `metrics` dict; the collator removes it
-# before TRL's collator aggregates the metrics, so it never reaches a log
-STALENESS_TAG = "_grpo_ratio_staleness"
+# the key under which the rollout queue tags each sample's policy version in its `metrics` dict; the collator
+# removes it before TRL's collator aggregates the metrics, so it never reaches a log
+VERSION_TAG = "_grpo_ratio_policy_version"
 
 
-class StalenessTaggingQueue:
-    """The worker's rollout queue, seen by TRL's `RolloutQueueDataset`: each sample it hands out carries its staleness
-    (`model_version_fn() - sample.model_version`, the value TRL computes right after for its drop rule) in a copy of
-    its `metrics` dict. Every other attribute is the queue's."""
+class VersionTaggingQueue:
+    """The worker's rollout queue, seen by TRL's `RolloutQueueDataset`: each sample it hands out carries the version of
+    the policy that sampled it (`sample.model_version`) in a copy of its `metrics` dict, for the collator. Every other
+    attribute is the queue's."""
 
-    def __init__(self, queue, model_version_fn):
+    def __init__(self, queue):
         self._queue = queue
-        self._model_version_fn = model_version_fn
 
     def get(self, *args, **kwargs):
         sample = self._queue.get(*args, **kwargs)
-        sample.metrics = {**sample.metrics, STALENESS_TAG: self._model_version_fn() - sample.model_version}
+        sample.metrics = {**sample.metrics, VERSION_TAG: sample.model_version}
         return sample
 
     def __getattr__(self, name):
         return getattr(self._queue, name)
 
 
-class StalenessCollator:
-    """TRL's `DataCollatorForRollout` plus `staleness` (R, M_max) int64: the staleness of every loss term, in the
-    order of TRL's `token_index` (-1 on padding, and on a sample that carried no tag)."""
+class VersionCollator:
+    """TRL's `DataCollatorForRollout` plus `policy_version` (R, M_max) int64: the version of the policy that sampled
+    every loss term, in the order of TRL's `token_index` (-1 on padding, and on a sample that carried no tag)."""
 
     def __init__(self, collate):
         self.collate = collate
 
     def __call__(self, examples):
         (rows,) = examples  # one micro-batch: R pre-packed rows (TRL's planner)
-        per_row = [[example["metrics"].pop(STALENESS_TAG, -1) for example in row.samples] for row in rows]
+        per_row = [[example["metrics"].pop(VERSION_TAG, -1) for example in row.samples] for row in rows]
         batch = self.collate(examples)
         segment_id, selected = batch["segment_id"], batch["token_index"] >= 0  # (R, M_max)
-        staleness = torch.full_like(segment_id, -1)
+        versions = torch.full_like(segment_id, -1)
         for r, values in enumerate(per_row):
             of_sample = torch.tensor(values, dtype=torch.long)  # (S_r,)
-            staleness[r] = torch.where(selected[r], of_sample[segment_id[r].clamp(max=len(values) - 1)], -1)
-        batch["staleness"] = staleness
+            versions[r] = torch.where(selected[r], of_sample[segment_id[r].clamp(max=len(values) - 1)], -1)
+        batch["policy_version"] = versions
         return batch
 
 
@@ -194,6 +198,7 @@ class RatioAsyncGRPOTrainer(AsyncGRPOTrainer):
         super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         self.weights_version = WeightsVersion()
         self.add_callback(WeightsVersionCallback(self.weights_version, self.accelerator))
+        self.add_callback(RunRecordCallback())  # run.json + log_history.json in output_dir: what the report reads
         self.is_correction = args.is_correction_spec
         self.proximal_forwards = 0
         self._proximal = None
@@ -202,33 +207,55 @@ class RatioAsyncGRPOTrainer(AsyncGRPOTrainer):
                                               copy_storage=args.copy_storage)
         self.staleness_stats = None
         if args.ratio_diagnostics:
-            self.staleness_stats = StalenessStats(args.max_staleness, (args.ratio_band_low, args.ratio_band_high),
+            # + 1: a sample TRL let through at max_staleness can be trained one sync later (the dispatcher's prefetch)
+            self.staleness_stats = StalenessStats(args.max_staleness + 1, (args.ratio_band_low, args.ratio_band_high),
                                                   self.epsilon_low, self.epsilon_high, args.decoupled)
         if self.rollout_queue is not None:  # rank 0 holds the queue
-            self.rollout_queue = StalenessTaggingQueue(self.rollout_queue, lambda: self.model_version)
+            self.rollout_queue = VersionTaggingQueue(self.rollout_queue)
+        self._syncs_seen = 0  # weight syncs, counted on every rank (TRL counts `model_version` on rank 0 only)
 
-    # -- data: the staleness of every loss term ---------------------------------------------------------------------
+    # -- versions: the staleness of every loss term -----------------------------------------------------------------
+
+    def _sync_weight(self):
+        super()._sync_weight()
+        self._syncs_seen += 1
+        if self.accelerator.num_processes > 1:  # rank 0's count (a resume restores it there): one small broadcast
+            self._syncs_seen = broadcast_object_list([self.model_version], from_process=0)[0]
+
+    @property
+    def policy_version(self) -> int:
+        """The version of the weights the loss is computed with: TRL's `model_version` (rank 0, where a resume restores
+        it; the other ranks receive it at every sync)."""
+        return self.model_version if self.accelerator.is_main_process else self._syncs_seen
+
+    def staleness_of(self, versions: torch.Tensor) -> torch.Tensor:
+        """Staleness k of each loss term at the loss: weight syncs between the sampling policy and the weights of this
+        forward (-1 where no version was tagged). TRL's own count (`sample/staleness_*`, its drop rule) is taken when
+        the sample leaves the queue; accelerate's dispatcher fetches the next micro-batch before yielding this one, so
+        the first micro-batch of a step left the queue before the previous step's sync and TRL counts it one short."""
+        return torch.where(versions >= 0, self.policy_version - versions, -1)
 
     def get_train_dataloader(self):
         loader = super().get_train_dataloader()
         base = getattr(loader, "base_dataloader", loader)  # accelerate's DataLoaderDispatcher wraps the DataLoader
-        base.collate_fn = StalenessCollator(base.collate_fn)
+        base.collate_fn = VersionCollator(base.collate_fn)
         return loader
 
     def _set_signature_columns_if_needed(self):
         super()._set_signature_columns_if_needed()
-        if "staleness" not in self._signature_columns:
-            self._signature_columns.append("staleness")
+        if "policy_version" not in self._signature_columns:
+            self._signature_columns.append("policy_version")
 
     # -- the loss ---------------------------------------------------------------------------------------------------
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         inputs = dict(inputs)
-        staleness = inputs.pop("staleness", None)  # (R, M_max) int64, TRL reads no such key
+        versions = inputs.pop("policy_version", None)  # (R, M_max) int64, TRL reads no such key
         selected = inputs["token_index"] >= 0  # (R, M_max): TRL's loss terms
         behaviour = inputs["old_log_probs"][selected]  # (M,) the sampler's log-probs
         advantages = inputs["advantages"][selected]  # (M,)
-        terms_staleness = staleness[selected] if staleness is not None else torch.full_like(advantages, -1).long()
+        terms_staleness = (self.staleness_of(versions[selected]) if versions is not None
+                           else torch.full_like(advantages, -1, dtype=torch.long))
         if not self.args.decoupled:
             with _forward_outputs(model) as seen:
                 loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)

@@ -3,7 +3,9 @@ rollout worker (the vLLM server is the async lane's: scripts/test_async.sh). TRL
 portable kernel of grpo_ratio.testing.tree_attention, tested here against the unpacked forward.
 """
 
+import contextlib
 import dataclasses
+import io
 import math
 import os
 import queue
@@ -21,6 +23,7 @@ from trl.experimental.async_grpo.async_grpo_trainer import DataCollatorForRollou
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample  # noqa: E402
 from trl.experimental.async_grpo.packing import TreeRow  # noqa: E402
 
+from grpo_ratio.analysis.report import main as report_main  # noqa: E402
 from grpo_ratio.async_grpo import RatioAsyncGRPOConfig, RatioAsyncGRPOTrainer  # noqa: E402
 from grpo_ratio.corrections.decoupled import (  # noqa: E402
     decoupled_inputs,
@@ -35,6 +38,7 @@ from grpo_ratio.testing.async_cpu import async_grpo_on_cpu  # noqa: E402
 
 
 PROMPT = [5, 9, 12, 7]
+VERSION = 5  # the policy version of the trainers of the loss tests
 COMPLETIONS = [[20, 21, 22, 23, 1], [20, 21, 30, 31, 32, 1], [40, 41, 1], [20, 50, 51, 1]]  # shared prefixes
 
 
@@ -74,9 +78,9 @@ def packed_batch(samples, staleness: list[int] | None = None):
                  "old_log_probs": torch.tensor(s.old_log_probs), "advantage": s.advantage, "group_id": s.group_id,
                  "metrics": dict(s.metrics)})
     batch = DataCollatorForRollout(pad_token_id=0)([[row]])
-    if staleness is not None:
+    if staleness is not None:  # sampled VERSION - k: the trainers below are at VERSION (make_trainer)
         selected = batch["token_index"] >= 0
-        batch["staleness"] = torch.where(selected, torch.tensor(staleness)[batch["segment_id"]], -1)
+        batch["policy_version"] = torch.where(selected, VERSION - torch.tensor(staleness)[batch["segment_id"]], -1)
     return batch
 
 
@@ -152,6 +156,7 @@ def make_trainer(model_dir, tmp_path, cls=RatioAsyncGRPOTrainer, samples=(), sta
                       processing_class=tiny_tokenizer(), rollout_worker=worker, weight_transfer=StubTransfer())
     worker.trainer = trainer
     trainer.current_gradient_accumulation_steps = 1
+    trainer.model_version = VERSION  # train() restarts from 0: its first sync
     return trainer
 
 
@@ -199,7 +204,7 @@ def test_coupled_is_stock_loss_and_metrics_bit_for_bit(model_dir, tmp_path):
     stock = make_trainer(model_dir, tmp_path, cls=AsyncGRPOTrainer)
     ours = make_trainer(model_dir, tmp_path)
     batch = packed_batch(samples_of(shift=-0.3), staleness=[0, 1, 2, 1])
-    loss_s, grads_s = _loss_and_grads(stock, {k: v for k, v in batch.items() if k != "staleness"})
+    loss_s, grads_s = _loss_and_grads(stock, {k: v for k, v in batch.items() if k != "policy_version"})
     loss_o, grads_o = _loss_and_grads(ours, batch)
     assert torch.equal(loss_s, loss_o)
     assert grads_s.keys() == grads_o.keys() and all(torch.equal(grads_s[n], grads_o[n]) for n in grads_s)
@@ -312,14 +317,20 @@ def test_each_objective_trains_through_the_real_queue_and_collator(model_dir, tm
         trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 3 and all(math.isfinite(h["loss"]) for h in logs)
-    assert max(h["sample/staleness_max"] for h in logs) == 2
+    assert max(h["sample/staleness_max"] for h in logs) == 2  # TRL's count, when the sample left the queue
     keys = {k for h in logs for k in h if k.startswith("ratio/staleness/")}
-    assert {staleness_key(k, "num_tokens") for k in (0, 1, 2)} <= keys
+    # at the loss: the stub's k, plus one sync for a micro-batch the dispatcher fetched before the previous step's sync
+    assert {staleness_key(k, "num_tokens") for k in (0, 1, 2, 3)} <= keys  # 3: a k = 2 sample fetched early
     assert all(known(k) for k in keys)
     assert (staleness_key(1, "is_ess") in keys) == (objective != "coupled")
-    tokens = sum(h[staleness_key(k, "num_tokens")] for h in logs for k in (0, 1, 2) if staleness_key(k, "num_tokens")
-                 in h)
+    tokens = sum(h.get(staleness_key(k, "num_tokens"), 0) for h in logs for k in range(5))
     assert tokens == 3 * sum(len(c) for c in COMPLETIONS)  # every trained token of 3 steps bucketed once
+    # the run record: `grpo-ratio report` reads the run and renders the per-staleness table
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert report_main([trainer.args.output_dir]) == 0
+    text = out.getvalue()
+    assert f"async_objective={objective}" in text and "| 2 |" in text and "clip_flip_rate" in text
 
 
 def test_fp32_clone_proximal_pass_on_a_bf16_policy(model_dir, tmp_path):

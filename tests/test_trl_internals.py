@@ -48,3 +48,28 @@ def test_trls_old_pass_comes_before_its_reference_pass():
                                            source)]
     assert len(refs) == 2 and old < min(refs)
     assert source.count("self._get_per_token_logps_and_entropies(") == 3
+
+
+def test_what_the_async_trainer_reads_exists():
+    """`_compat.TRL_ASYNC_READS`: the attributes, methods and module globals of TRL's experimental AsyncGRPOTrainer
+    that RatioAsyncGRPOTrainer relies on exist in the installed TRL."""
+    import inspect
+
+    from trl.experimental.async_grpo import async_grpo_trainer, packing
+    from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
+
+    from grpo_ratio._compat import TRL_ASYNC_READS
+
+    trainer_cls = async_grpo_trainer.AsyncGRPOTrainer
+    for name in ("compute_loss", "get_train_dataloader", "_set_signature_columns_if_needed", "log"):
+        assert name in TRL_ASYNC_READS or name in ("_set_signature_columns_if_needed", "log")
+        assert callable(getattr(trainer_cls, name))
+    source = inspect.getsource(trainer_cls)
+    for attribute in ("self.rollout_queue", "self.model_version", "self._step_forward_s", "self._metrics"):
+        assert attribute in source
+    assert "metrics" in RolloutSample.__dataclass_fields__ and "model_version" in RolloutSample.__dataclass_fields__
+    assert callable(packing._flash_attn) and callable(async_grpo_trainer.get_peak_flops_per_device)
+    loss_source = inspect.getsource(trainer_cls.compute_loss)
+    # the decoupled objectives rely on TRL's loss being the PPO clip of exp(log_probs - old_log_probs) times A
+    assert "log_ratio = log_probs - old_log_probs" in loss_source
+    assert "per_token_loss = -torch.min(per_token_loss1, per_token_loss2)" in loss_source

@@ -151,6 +151,45 @@ def render_attribution(history: list[dict]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# an asynchronous run, per staleness (RatioAsyncGRPOTrainer, docs/async.md)
+
+
+def render_staleness(history: list[dict]) -> str:
+    """Markdown: per staleness k, every `ratio/staleness/<k>/*` statistic over the run, each step's value weighted by
+    its tokens of staleness k, and one sentence on the oldest bucket; "" when the run logged none."""
+    stats = list(keys.STALENESS_STATS)[1:]  # num_tokens is the weight
+    buckets: dict[int, dict[str, list[tuple[float, float]]]] = {}
+    for row in history:
+        if "train_runtime" in row:
+            continue
+        for k in range(64):
+            n = row.get(keys.staleness_key(k, "num_tokens"))
+            if n:
+                for stat in stats:
+                    if (value := row.get(keys.staleness_key(k, stat))) is not None:
+                        buckets.setdefault(k, {}).setdefault(stat, []).append((value, n))
+    if not buckets:
+        return ""
+    present = [stat for stat in stats if any(stat in b for b in buckets.values())]
+    lines = ["Ratios by staleness k (weight syncs between the sampling policy and the trainer; docs/async.md), "
+             "token-weighted over the run.", "", "| k | tokens | " + " | ".join(present) + " |",
+             "|---" * (len(present) + 2) + "|"]
+    for k in sorted(buckets):
+        tokens = sum(n for _, n in next(iter(buckets[k].values())))
+        cells = [_fmt(sum(v * n for v, n in buckets[k][s]) / sum(n for _, n in buckets[k][s])) if s in buckets[k]
+                 else "" for s in present]
+        lines.append(f"| {k} | {int(tokens)} | " + " | ".join(cells) + " |")
+    oldest = max(buckets)
+    flips = buckets[oldest].get("clip_flip_rate")
+    if flips:
+        rate = sum(v * n for v, n in flips) / sum(n for _, n in flips)
+        lines += ["", f"At staleness {oldest}, {100 * rate:.1f}% of tokens have a clip decision that the staleness and "
+                      "the engine change (`clip_flip_rate`); a decoupled objective clips on new/proximal only "
+                      "(docs/async.md)."]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # the comparison verdict
 
 
@@ -530,6 +569,8 @@ def main(argv: list[str] | None = None) -> int:
         print(render_run(name, stats, found, config))
         if attribution := render_attribution(history):
             print(attribution)
+        if staleness := render_staleness(history):
+            print(staleness)
     for p, s in summaries:
         print(render_comparison(s, comparison_series(p if p.is_dir() else p.parent)))
     return _gate(runs, checks, sys.stdout)
