@@ -26,6 +26,7 @@ from torch import nn
 from trl import GRPOConfig
 
 from ._compat import is_rloo, trl_field
+from .corrections.decoupled import OBJECTIVES
 from .corrections.is_correction import PRESETS, resolve_correction
 from .corrections.kept_sets import SamplingSettings
 from .corrections.processors import MASKS, MODELLED, NO_EFFECT, PROCESSORS, VLLM_PROCESSORS, Processor
@@ -41,6 +42,7 @@ from .modes import (
     SAMPLER_MODE,
     SCORER_MODES,
     SCORING_MODES,
+    TRL_MODE,
 )
 from .old_pass.adapters import has_adapters
 from .old_pass.copies import COPY_STORAGES
@@ -144,6 +146,51 @@ def check_config(args) -> None:
     if args.sampler_logprobs_in_loss and args.use_vllm:
         warnings.warn("sampler_logprobs_in_loss=True has no effect with use_vllm=True: TRL always receives vLLM's "
                       "log-probs as sampling_per_token_logps", stacklevel=4)
+
+
+def check_async_config(args) -> None:
+    """Every refusal that needs a `RatioAsyncGRPOConfig` alone (its `__post_init__` calls it), and what it resolves:
+    `args.guided_fp32_layer_ids`, `args.guided_fp32_calibration`, `args.is_correction_spec` (docs/async.md).
+
+    Raises:
+        ValueError: naming the field, the value and the allowed values: an unknown `async_objective` or
+            `old_logprob_mode`; `old_logprob_mode` other than "bf16" (or `guided_fp32_layers`, `copy_storage`) without
+            `async_objective="decoupled"` (only that objective runs a proximal pass); `old_logprob_mode="sampler"`
+            (a proximal policy that is the behaviour policy is `"coupled"`); `is_correction` with `"coupled"` (no
+            proximal policy to weight towards: TRL's loss); an invalid `is_correction` setting or ratio band.
+    """
+    if args.async_objective not in OBJECTIVES:
+        raise ValueError(f"async_objective={args.async_objective!r} is not allowed; allowed: {', '.join(OBJECTIVES)}")
+    if args.old_logprob_mode not in SCORING_MODES:
+        raise ValueError(f"old_logprob_mode={args.old_logprob_mode!r} is not a scoring mode; allowed: "
+                         f"{', '.join(SCORING_MODES)}")
+    if args.async_objective != "decoupled" and args.old_logprob_mode != TRL_MODE:
+        raise ValueError(f"old_logprob_mode={args.old_logprob_mode!r} chooses the proximal pass, which only "
+                         f"async_objective='decoupled' runs, but async_objective={args.async_objective!r}; set "
+                         f"async_objective='decoupled' or leave old_logprob_mode at {TRL_MODE!r}")
+    if args.old_logprob_mode == SAMPLER_MODE:
+        raise ValueError("old_logprob_mode='sampler' makes the proximal policy the behaviour policy: that is "
+                         "async_objective='coupled' (TRL's loss); choose a proximal pass among "
+                         f"{', '.join(m for m in SCORING_MODES if m != SAMPLER_MODE)}")
+    _check_copy_storage(args)
+    layers, args.guided_fp32_calibration = resolve_layer_spec(args.guided_fp32_layers)
+    if MODES[args.old_logprob_mode].fp32_layers != bool(layers):
+        raise ValueError("guided_fp32_layers goes with old_logprob_mode='guided_fp32' and only with it (got "
+                         f"old_logprob_mode={args.old_logprob_mode!r}, guided_fp32_layers={args.guided_fp32_layers!r})")
+    args.guided_fp32_layer_ids = layers
+    if not 0.0 < args.ratio_band_low < 1.0 < args.ratio_band_high:
+        raise ValueError(f"ratio band must satisfy 0 < ratio_band_low < 1 < ratio_band_high, got "
+                         f"[{args.ratio_band_low}, {args.ratio_band_high}]")
+    if not isinstance(args.ratio_diagnostics, bool):
+        raise ValueError(f"ratio_diagnostics must be True or False, got {args.ratio_diagnostics!r}")
+    args.is_correction_spec = resolve_correction(args.is_correction, args.is_correction_level,
+                                                 args.is_correction_action, args.is_correction_low,
+                                                 args.is_correction_high, args.is_correction_rejection,
+                                                 args.is_correction_veto)
+    if args.is_correction_spec is not None and args.async_objective == "coupled":
+        raise ValueError(f"is_correction={args.is_correction!r} weights the behaviour -> proximal ratio, which "
+                         "async_objective='coupled' does not have (its loss is TRL's); set async_objective="
+                         "'decoupled' or 'decoupled_loglinear'")
 
 
 def _check_sampling_fields(args) -> None:

@@ -228,23 +228,57 @@ ATTRIBUTION_KEYS = {attribution_key(term, stat): KeyInfo(_ATTRIBUTION_PRESENT, f
                                     "sampler log-prob, all processes)"),
 }
 
+# asynchronous runs (RatioAsyncGRPOTrainer, grpo_ratio.diagnostics.staleness, docs/async.md): the ratios of each
+# trained token, bucketed by its sample's staleness k, `ratio/staleness/<k>/<stat>` (k = 0 .. max_staleness)
+STALENESS_PREFIX = f"{PREFIX}/staleness"
+_ASYNC = "RatioAsyncGRPOTrainer, a token of staleness k trained in the window"
+_DECOUPLED = "RatioAsyncGRPOTrainer with async_objective 'decoupled' or 'decoupled_loglinear'"
+STALENESS_STATS = {
+    "num_tokens": (_ASYNC, "trained tokens of staleness k (all processes)"),
+    "new_behav_oob_rate": (_ASYNC, "share whose new/behaviour ratio (TRL's coupled ratio) is out of band"),
+    "new_behav_clip_rate": (_ASYNC, "share whose PPO clip on new/behaviour is active (what the coupled loss clips)"),
+    "new_behav_mean_abs_log_ratio": (_ASYNC, "mean |log new/behaviour| (nats; non-finite as 0)"),
+    "clip_flip_rate": (_ASYNC, "share whose clip status differs between new/behaviour and the ratio the objective "
+                               "clips (coupled: against the training forward itself, never clipped)"),
+    "new_prox_oob_rate": (_DECOUPLED, "share whose new/proximal ratio (the one clipped) is out of band"),
+    "new_prox_clip_rate": (_DECOUPLED, "share whose PPO clip on new/proximal is active"),
+    "prox_behav_oob_rate": (_DECOUPLED, "share whose proximal/behaviour ratio (the IS ratio) is out of band"),
+    "is_weight_mean": (_DECOUPLED, "mean behaviour -> proximal IS weight applied (is_correction; 0 = rejected)"),
+    "is_ess": (_DECOUPLED, "normalised effective sample size of the applied IS weights, (sum w)^2 / (n sum w^2)"),
+}
+
+
+def staleness_key(k: int, stat: str) -> str:
+    """`ratio/staleness/{k}/{stat}`. Raises KeyError for a stat not in `STALENESS_STATS`, ValueError for k < 0."""
+    if stat not in STALENESS_STATS:
+        raise KeyError(f"no staleness stat {stat!r}; allowed: {', '.join(STALENESS_STATS)}")
+    if k < 0:
+        raise ValueError(f"staleness k must be >= 0, got {k}")
+    return f"{STALENESS_PREFIX}/{k}/{stat}"
+
+
+STALENESS_ROWS = {f"{STALENESS_PREFIX}/<k>/{stat}": KeyInfo(present, meaning)
+                  for stat, (present, meaning) in STALENESS_STATS.items()}
+
 # every key the diagnostics can emit (the per-layer route keys: `known`)
 TABLE: dict[str, KeyInfo] = ({k: v for family in FAMILIES for k, v in family.keys().items()} | MISMATCH_KEYS
                              | SINGLE_KEYS | ROUTE_KEYS | ATTRIBUTION_KEYS)
 
 
 def known(key: str) -> bool:
-    """Whether the diagnostics can emit `key`: a key of `TABLE`, or a per-layer route key."""
+    """Whether the diagnostics can emit `key`: a key of `TABLE`, a per-layer route key or a per-staleness key."""
     if key in TABLE:
         return True
     parts = key.split("/")
+    if len(parts) == 4 and parts[:2] == [PREFIX, "staleness"]:
+        return parts[2].isdigit() and parts[3] in STALENESS_STATS
     return len(parts) == 4 and parts[:2] == [PREFIX, "route"] and parts[2] in ROUTE_PAIRS and _is_layer_stat(parts[3])
 
 
 def render() -> str:
     """The table as markdown (docs/metrics.md, "Every key")."""
     lines = ["| key | present when | meaning |", "| --- | --- | --- |"]
-    lines += [f"| `{key}` | {info.present} | {info.meaning} |" for key, info in (TABLE | ROUTE_LAYER_ROWS).items()]
+    lines += [f"| `{key}` | {info.present} | {info.meaning} |" for key, info in (TABLE | ROUTE_LAYER_ROWS | STALENESS_ROWS).items()]
     return "\n".join(lines)
 
 

@@ -411,6 +411,25 @@ def join_head_inputs(seen: list[tuple[torch.Tensor, HeadProjection]], positions:
     return HeadInput(hidden, seen[0][1])
 
 
+# TRL's fused-head arguments, which a plain forward must not receive
+_FUSED_HEAD_KWARGS = ("fused_lm_head", "shift_labels", "labels", "num_items_in_batch")
+
+
+def packed_head_input(model: nn.Module, forward_kwargs: dict) -> HeadInput:
+    """One forward of a packed row up to the LM head: TRL `AsyncGRPOTrainer`'s layout, `input_ids` and `position_ids`
+    (1, N) plus the tree-attention arguments, exactly as its `compute_loss` passes them (the fused-head ones dropped).
+
+    Returns:
+        `HeadInput` with hidden (1, N, H): every packed position (a row's trained positions are scattered over it), the
+        head itself run on none (`head_inputs`).
+    """
+    kwargs = {k: v for k, v in forward_kwargs.items() if k not in _FUSED_HEAD_KWARGS}
+    with head_inputs(model) as seen:
+        # type(model).forward: the class forward, past TRL's fused-head and accelerate's autocast instance patches
+        type(model).forward(model, **kwargs, use_cache=False)
+    return join_head_inputs(seen, kwargs["input_ids"].size(-1))
+
+
 def generation_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     """Position ids as transformers' `generate` counts them: the number of attended tokens before each one, so a
     left-padded row's first real token is at 0 whatever its padding (padding positions get 1, as in `generate`).

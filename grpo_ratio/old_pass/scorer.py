@@ -57,11 +57,13 @@ from .forward import (
     ieee_fp32,
     join_head_inputs,
     model_anatomy,
+    packed_head_input,
     patched_forward,
     plain_forward,
     rope_fp32_forward,
 )
 from .sharding.base import ShardedPolicy
+from .tree_attention import torch_tree_attention
 
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
@@ -247,12 +249,13 @@ class OldLogprobScorer:
 
     # -- one chunk per mode ------------------------------------------------------------------------------------------
 
-    def _head_full(self, dtype: torch.dtype, input_ids, attention_mask, logits_to_keep, version) -> HeadInput:
-        """Whole forward in `dtype` outside autocast: the policy itself when its weights are already `dtype`."""
+    def _head_full(self, dtype: torch.dtype, run: Callable[[nn.Module], HeadInput], version) -> HeadInput:
+        """Whole forward in `dtype` outside autocast: the policy itself when its weights are already `dtype`. `run`
+        runs one forward of the module it is given up to the LM head (`_forward`, `packed_head_input`)."""
         if self.sharded is not None:
             with self.sharded.whole_model(dtype, version) as model, self._no_autocast():
                 self._attach_routes(model, None)
-                return self._forward(model, input_ids, attention_mask, logits_to_keep)
+                return run(model)
         if self.weight_dtype == dtype:
             model, casts = self.model, contextlib.nullcontext(self.model)
         elif self.copy_storage == "per_layer":
@@ -260,11 +263,11 @@ class OldLogprobScorer:
         else:
             model, casts = self._copy_of(self.model, dtype, version, True), contextlib.nullcontext()
         with casts, self._no_autocast():
-            return self._forward(model, input_ids, attention_mask, logits_to_keep)
+            return run(model)
 
-    def _head_policy(self, input_ids, attention_mask, logits_to_keep) -> HeadInput:
+    def _head_policy(self, run: Callable[[nn.Module], HeadInput]) -> HeadInput:
         with self.policy_autocast():
-            return self._forward(self.model, input_ids, attention_mask, logits_to_keep)
+            return run(self.model)
 
     def _fp32_runner(self, module: nn.Module, version: int, feeds_fp32: bool):
         """(runner, output dtype) running `module` in fp32: the module itself where its fp32 weights are at hand."""
@@ -277,7 +280,7 @@ class OldLogprobScorer:
             return module, None  # fp32 weights: just leave autocast; no copy, no cast back
         return self._copy_of(module, torch.float32, version), None if feeds_fp32 else self.weight_dtype
 
-    def _head_upcast(self, input_ids, attention_mask, logits_to_keep, version) -> HeadInput:
+    def _head_upcast(self, run: Callable[[nn.Module], HeadInput], version) -> HeadInput:
         """The policy's forward with `self.layers`, the final norm and the head in fp32 (fp32_head, guided_fp32)."""
         a = self._anatomy
         chain = [a.layers[i] for i in self.layers] + [a.norm, a.head]
@@ -294,7 +297,7 @@ class OldLogprobScorer:
                 stack.enter_context(patched_forward(module, forward))
             if self.layers and a.rotary is not None and self.hidden_dtype != torch.float32:
                 stack.enter_context(patched_forward(a.rotary, rope_fp32_forward(a.rotary, rope_cache)))
-            return self._head_policy(input_ids, attention_mask, logits_to_keep)
+            return self._head_policy(run)
 
     @torch.no_grad()
     def head_logprobs(self, hidden: torch.Tensor, completion_ids: torch.Tensor, temperature: float = 1.0,
@@ -332,6 +335,14 @@ class OldLogprobScorer:
         with self.policy_autocast():
             return self._forward(self.model, input_ids, attention_mask, logits_to_keep, positions=False)
 
+    def _head_of_mode(self, run: Callable[[nn.Module], HeadInput], version: int) -> HeadInput:
+        """The head input of one forward (`run`) under this scorer's mode."""
+        if self.spec.trl_pass:
+            return self._head_policy(run)
+        if self.spec.whole_model_dtype is not None:
+            return self._head_full(_DTYPES[self.spec.whole_model_dtype], run, version)
+        return self._head_upcast(run, version)
+
     def _chunk_logprobs(self, input_ids, attention_mask, logits_to_keep, temperature, version, kept=None,
                         penalty=None, compare_policy=False):
         """(b, T) fp32 log-probs of one chunk and the number of its rows re-scored in fp32; with `kept` (KeptSets
@@ -354,13 +365,8 @@ class OldLogprobScorer:
         """(b, T) fp32 log-probs of one chunk, how many of its rows were re-scored in fp32, and its (b, T, V) logits
         as `HeadLogits` (computed K cells at a time where the kept sets or the divergences read them)."""
         completion_ids = input_ids[:, -logits_to_keep:]  # (b, T)
-        if self.spec.trl_pass:
-            head = self._head_policy(input_ids, attention_mask, logits_to_keep)
-        elif self.spec.whole_model_dtype is not None:
-            head = self._head_full(_DTYPES[self.spec.whole_model_dtype], input_ids, attention_mask, logits_to_keep,
-                                   version)
-        else:
-            head = self._head_upcast(input_ids, attention_mask, logits_to_keep, version)
+        head = self._head_of_mode(lambda model: self._forward(model, input_ids, attention_mask, logits_to_keep),
+                                  version)
         logps = head.logprobs(completion_ids, temperature)  # (b, T)
         logits = head.logits()  # (b, T, V), nothing computed yet
         if not self.spec.overflows:
@@ -375,7 +381,8 @@ class OldLogprobScorer:
             return logps, 0, logits
         rows = bad.nonzero().squeeze(1) if n_bad else torch.zeros(1, dtype=torch.long, device=bad.device)
         with self._route_rows(rows):  # a replay session serves these rows their own routes
-            head32 = self._head_full(torch.float32, input_ids[rows], attention_mask[rows], logits_to_keep, version)
+            head32 = self._head_full(torch.float32, lambda model: self._forward(
+                model, input_ids[rows], attention_mask[rows], logits_to_keep), version)
         if n_bad:
             logps[rows] = head32.logprobs(completion_ids[rows], temperature)
             logits = logits.with_rows(rows, head32.logits())  # the kept sets and divergences read these rows' too
@@ -441,6 +448,46 @@ class OldLogprobScorer:
         on_kept = concat_kept_logprobs(kept_chunks)  # (B, T)
         on_kept.log_mass = logps - on_kept.logps  # log M = log p_full(g) - log p_S(g)
         return ScoreResult(logps=logps, fallback_rows=fallback, on_kept=on_kept, full_vocab=full)
+
+
+    @torch.no_grad()
+    def score_packed(self, forward_kwargs: dict, positions: torch.Tensor, targets: torch.Tensor, *,
+                     temperature: float = 1.0, version: int = 0) -> torch.Tensor:
+        """Log-probs of the trained tokens of one packed row (TRL `AsyncGRPOTrainer`: the proximal pass of
+        `async_objective="decoupled"`), under this scorer's mode.
+
+        Args:
+            forward_kwargs: the keyword arguments of the training forward as TRL's `compute_loss` passes them
+                (`input_ids`, `position_ids` (1, N), `shift_labels`, the tree-attention arguments).
+            positions (`torch.Tensor` of shape (M,), int64): the packed position predicting each trained token
+                (TRL's `token_index`).
+            targets (`torch.Tensor` of shape (M,), int64): the trained tokens.
+            temperature: TRL's `temperature`. version: the policy's `WeightsVersion` value (copies' sync).
+        Returns:
+            (M,) fp32 log-probs; an fp16 pass that overflowed is re-run in fp32, as `score` does.
+        Raises:
+            NotImplementedError: a sharded policy (FSDP2): the packed proximal pass runs on unsharded policies.
+        """
+        if self.sharded is not None:
+            raise NotImplementedError("old_logprob_mode other than 'bf16' on a sharded AsyncGRPOTrainer policy "
+                                      "(FSDP2) is not supported; use old_logprob_mode='bf16' (the policy's own pass)")
+
+        def run(model: nn.Module) -> HeadInput:
+            return packed_head_input(model, forward_kwargs)
+
+        deterministic = eval_mode(self.model) if not self.spec.trl_pass else contextlib.nullcontext()
+        # attention in fp32 (a whole fp32 pass, fp32 layers): TRL's flash-attn3 tree kernel takes fp16/bf16 only and
+        # transformers' sdpa fallback would attend across the row's samples: the torch tree kernel instead
+        fp32_attention = self.spec.whole_model_dtype == "fp32" or bool(self.spec.fp32_layers)
+        with deterministic, ieee_fp32(not self.spec.trl_pass), \
+                torch_tree_attention() if fp32_attention else contextlib.nullcontext():
+            head = self._head_of_mode(run, version)
+            logps = head.projection.logprobs(head.hidden[0, positions], targets, temperature)  # (M,)
+            # fp16 overflow must never reach the ratio (one host read, fp16 only)
+            if self.spec.overflows and not bool(torch.isfinite(logps).all()):
+                head = self._head_full(torch.float32, run, version)
+                logps = head.projection.logprobs(head.hidden[0, positions], targets, temperature)
+        return logps
 
 
 def score_completion_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,

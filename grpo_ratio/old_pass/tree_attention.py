@@ -1,0 +1,79 @@
+"""Tree attention in plain torch, for what TRL's flash-attention-3 kernel cannot run: fp32 passes and CPU.
+
+TRL's `AsyncGRPOTrainer` packs each rank's samples into a prefix trie and attends with its `tree_fa3` attention
+(`trl.experimental.async_grpo.packing.tree_attention`), which gathers every segment's root-to-segment K/V path and calls
+`flash_attn_varlen_func` of the `kernels-community/flash-attn3` CUDA kernel: fp16/bf16 only. `flash_attn_varlen_func`
+below has that function's signature and contract (varlen layout, bottom-right-aligned causal mask, sliding window,
+softcap, GQA) in plain torch, fp32 scores; `torch_tree_attention` swaps it in for TRL's kernel, and only the kernel
+(TRL's own `tree_attention` still gathers the K/V). Uses: the fp32 proximal passes of `RatioAsyncGRPOTrainer`
+(`OldLogprobScorer.score_packed`: a whole fp32 copy or fp32 layers on a packed row, where transformers' usual
+fallback, `sdpa`, would attend across the samples of the row), and CPU tests of TRL's trainer
+(`grpo_ratio.testing.async_cpu`). Tested against the unpacked forward (tests/test_async_grpo.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import torch
+
+
+def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                           softmax_scale: float | None = None, causal: bool = False,
+                           window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, **_) -> torch.Tensor:
+    """Variable-length attention with flash-attn's `flash_attn_varlen_func` contract, one segment at a time.
+
+    Args:
+        q: (total_q, H, d) queries of all segments laid end to end.
+        k, v: (total_k, H_kv, d) keys and values, H a multiple of H_kv (grouped-query attention).
+        cu_seqlens_q, cu_seqlens_k: (S + 1,) int32 segment boundaries in `q` and in `k`/`v`.
+        max_seqlen_q, max_seqlen_k: longest segment (unused: the loop reads the boundaries).
+        softmax_scale: scale of q.k (default 1/sqrt(d)).
+        causal: query i of a segment of Lq queries over Lk keys sees key j iff j <= i + Lk - Lq (flash-attn aligns
+            the causal mask to the bottom right).
+        window_size: (left, right) sliding window; -1 is unbounded.
+        softcap: tanh soft-capping of the scores (0 = off).
+    Returns:
+        (total_q, H, d) in `q`'s dtype; scores and softmax in fp32, as the kernel accumulates.
+    """
+    scale = q.size(-1) ** -0.5 if softmax_scale is None else softmax_scale
+    groups = q.size(1) // k.size(1)
+    out = torch.empty_like(q)
+    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()  # one host read of the boundaries
+    for (q0, q1), (k0, k1) in zip(zip(bounds_q[:-1], bounds_q[1:]), zip(bounds_k[:-1], bounds_k[1:])):
+        qs = q[q0:q1].transpose(0, 1).float()  # (H, Lq, d)
+        ks = k[k0:k1].transpose(0, 1).float().repeat_interleave(groups, dim=0)  # (H, Lk, d)
+        vs = v[k0:k1].transpose(0, 1).float().repeat_interleave(groups, dim=0)  # (H, Lk, d)
+        scores = (qs @ ks.transpose(1, 2)) * scale  # (H, Lq, Lk)
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        lq, lk = q1 - q0, k1 - k0
+        i = torch.arange(lq, device=q.device)[:, None] + (lk - lq)  # (Lq, 1) the query's position among the keys
+        j = torch.arange(lk, device=q.device)[None, :]  # (1, Lk)
+        allowed = torch.ones(lq, lk, dtype=torch.bool, device=q.device)
+        left, right = window_size
+        if causal:
+            allowed &= j <= i
+        elif right >= 0:
+            allowed &= j <= i + right
+        if left >= 0:
+            allowed &= j >= i - left
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        out[q0:q1] = (scores.softmax(-1) @ vs).transpose(0, 1).to(q.dtype)  # (Lq, H, d)
+    return out
+
+
+@contextlib.contextmanager
+def torch_tree_attention():
+    """Within the block, TRL's `tree_fa3` attention calls `flash_attn_varlen_func` above instead of the flash-attn3
+    kernel (`trl.experimental.async_grpo.packing._flash_attn` replaced, then restored)."""
+    from trl.experimental.async_grpo import packing
+
+    original = packing._flash_attn
+    packing._flash_attn = lambda: types.SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_func)
+    try:
+        yield
+    finally:
+        packing._flash_attn = original

@@ -1,0 +1,358 @@
+"""RatioAsyncGRPOTrainer (grpo_ratio.async_grpo) on CPU with TRL's real AsyncGRPOTrainer, a tiny Qwen2 and a stub
+rollout worker (the vLLM server is the async lane's: scripts/test_async.sh). TRL's tree attention runs through the
+portable kernel of grpo_ratio.testing.tree_attention, tested here against the unpacked forward.
+"""
+
+import dataclasses
+import math
+import os
+import queue
+
+import numpy as np
+import pytest
+import torch
+from datasets import Dataset
+
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+from trl.experimental.async_grpo import AsyncGRPOTrainer  # noqa: E402
+from trl.experimental.async_grpo.async_grpo_trainer import DataCollatorForRollout  # noqa: E402
+from trl.experimental.async_grpo.async_rollout_worker import RolloutSample  # noqa: E402
+from trl.experimental.async_grpo.packing import TreeRow  # noqa: E402
+
+from grpo_ratio.async_grpo import RatioAsyncGRPOConfig, RatioAsyncGRPOTrainer  # noqa: E402
+from grpo_ratio.corrections.decoupled import (  # noqa: E402
+    decoupled_inputs,
+    loglinear_alpha,
+    loglinear_proximal,
+    proximal_weights,
+)
+from grpo_ratio.corrections.is_correction import preset  # noqa: E402
+from grpo_ratio.diagnostics.metric_keys import known, staleness_key  # noqa: E402
+from grpo_ratio.testing import tiny_model, tiny_tokenizer  # noqa: E402
+from grpo_ratio.testing.async_cpu import async_grpo_on_cpu  # noqa: E402
+
+
+PROMPT = [5, 9, 12, 7]
+COMPLETIONS = [[20, 21, 22, 23, 1], [20, 21, 30, 31, 32, 1], [40, 41, 1], [20, 50, 51, 1]]  # shared prefixes
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny Qwen2 (fp32) and its tokenizer saved where `AsyncGRPOTrainer(model=path)` loads them."""
+    path = tmp_path_factory.mktemp("tiny_qwen2")
+    tiny_model("qwen2", seed=0).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def true_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """(len(ids),) log-probs of each token given its prefix under `model`'s unpacked forward (0 for the first)."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, :-1].float()  # (n-1, V)
+    lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+    return torch.cat([torch.zeros(1), lp])
+
+
+def sample(ids_completion, behaviour_shift: float, advantage: float, group_id: int, model, version: int = 0):
+    """A RolloutSample whose behaviour log-probs are the model's own plus `behaviour_shift` on the completion."""
+    ids = PROMPT + ids_completion
+    mask = [0] * len(PROMPT) + [1] * len(ids_completion)
+    lp = true_logprobs(model, ids).numpy() + behaviour_shift
+    lp[: len(PROMPT)] = 0.0
+    return RolloutSample(prompt=[], completion=[], input_ids=np.array(ids), completion_mask=np.array(mask),
+                         old_log_probs=lp.astype(np.float32), advantage=advantage, model_version=version,
+                         group_id=group_id, metrics={"reward": advantage})
+
+
+def packed_batch(samples, staleness: list[int] | None = None):
+    """TRL's collated micro-batch of one row (TreeRow + DataCollatorForRollout), with our `staleness` column."""
+    row = TreeRow()
+    for s in samples:
+        row.add({"input_ids": torch.tensor(s.input_ids), "completion_mask": torch.tensor(s.completion_mask),
+                 "old_log_probs": torch.tensor(s.old_log_probs), "advantage": s.advantage, "group_id": s.group_id,
+                 "metrics": dict(s.metrics)})
+    batch = DataCollatorForRollout(pad_token_id=0)([[row]])
+    if staleness is not None:
+        selected = batch["token_index"] >= 0
+        batch["staleness"] = torch.where(selected, torch.tensor(staleness)[batch["segment_id"]], -1)
+    return batch
+
+
+class StubWorker:
+    """A rollout worker in the trainer's process: serves `samples` forever, each stamped `k` versions old when
+    handed out (cycling through `staleness`), so the real queue/dataset/collator path sees real staleness."""
+
+    def __init__(self, samples, staleness=(0,)):
+        self.trainer = None
+        self.samples, self.staleness = samples, staleness
+        outer = self
+
+        class Buffer(queue.Queue):
+            def get(self, *args, **kwargs):
+                s, stale = super().get(*args, **kwargs)
+                s.model_version = outer.trainer.model_version - stale
+                return s
+
+        self.rollout_buffer = Buffer()
+        self.metrics_queue = queue.Queue()
+        self.count = 0
+
+    def _fill(self):
+        for _ in range(2 * len(self.samples)):
+            s = self.samples[self.count % len(self.samples)]
+            s = dataclasses.replace(s, metrics=dict(s.metrics))
+            self.rollout_buffer.put((s, self.staleness[self.count % len(self.staleness)]))
+            self.count += 1
+
+    def start(self):
+        self._fill()
+
+    def update_model_version(self, version):
+        self._fill()
+
+    def stop(self):
+        pass
+
+    def check_health(self, stale_after_s):
+        pass
+
+
+class StubTransfer:
+    def init_weight_transfer(self):
+        pass
+
+    def pause(self):
+        pass
+
+    def send_weights(self, iterator):
+        for _ in iterator:
+            pass
+
+    def resume(self):
+        pass
+
+    def destroy(self):
+        pass
+
+
+def make_trainer(model_dir, tmp_path, cls=RatioAsyncGRPOTrainer, samples=(), staleness=(0,), **overrides):
+    config_cls = RatioAsyncGRPOConfig if cls is RatioAsyncGRPOTrainer else __import__(
+        "trl.experimental.async_grpo", fromlist=["AsyncGRPOConfig"]).AsyncGRPOConfig
+    kwargs = dict(bf16=False, use_cpu=True, per_device_train_batch_size=4, gradient_accumulation_steps=1,
+                  max_steps=2, max_staleness=3, token_budget=0, learning_rate=1e-2, logging_steps=1,
+                  report_to="none", save_strategy="no", seed=0, vllm_server_base_url="http://127.0.0.1:1")
+    kwargs.update(overrides)
+    args = config_cls(str(tmp_path / cls.__name__), **kwargs)
+    worker = StubWorker(list(samples), staleness)
+    with async_grpo_on_cpu():  # TRL's __init__ asks CUDA for the device name
+        trainer = cls(model=model_dir, reward_funcs=[], args=args,
+                      train_dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": "x"}]] * 4}),
+                      processing_class=tiny_tokenizer(), rollout_worker=worker, weight_transfer=StubTransfer())
+    worker.trainer = trainer
+    trainer.current_gradient_accumulation_steps = 1
+    return trainer
+
+
+REFERENCE = tiny_model("qwen2", seed=0)  # the saved weights with transformers' default attention: unpacked forwards
+
+
+def samples_of(model=REFERENCE, shift: float = 0.0):
+    advantages = [1.0, -1.0, 0.5, -0.5]
+    return [sample(c, shift, a, group_id=0, model=model) for c, a in zip(COMPLETIONS, advantages, strict=True)]
+
+
+def test_portable_tree_attention_matches_the_unpacked_forward(model_dir, tmp_path):
+    """TRL's packed forward (prefix trie, tree attention through the portable kernel, fused head) gives each trained
+    token the log-prob of the model's unpacked forward, to 1e-5 (fp32)."""
+    trainer = make_trainer(model_dir, tmp_path, cls=AsyncGRPOTrainer)
+    samples = samples_of()
+    batch = packed_batch(samples)
+    call = {}
+
+    def probe(**kwargs):
+        call.update(kwargs)
+        raise StopIteration
+
+    with async_grpo_on_cpu(), pytest.raises(StopIteration):
+        trainer.compute_loss(probe, batch)
+    with async_grpo_on_cpu(), torch.no_grad():
+        out = trainer.model(**call)
+    selected = batch["token_index"] >= 0
+    packed = out.log_probs.flatten()[batch["token_index"][selected]]  # (M,)
+    unpacked = batch["old_log_probs"][selected]  # the stub's behaviour log-probs: the unpacked forward's (shift 0)
+    assert packed.numel() == sum(len(c) for c in COMPLETIONS)
+    torch.testing.assert_close(packed, unpacked, atol=1e-5, rtol=0)
+    assert int(batch["input_ids"].numel()) < sum(len(PROMPT) + len(c) for c in COMPLETIONS)  # shared: packed
+
+
+def _loss_and_grads(trainer, batch):
+    trainer.model.zero_grad()
+    with async_grpo_on_cpu():
+        loss = trainer.compute_loss(trainer.model, batch)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+
+
+def test_coupled_is_stock_loss_and_metrics_bit_for_bit(model_dir, tmp_path):
+    stock = make_trainer(model_dir, tmp_path, cls=AsyncGRPOTrainer)
+    ours = make_trainer(model_dir, tmp_path)
+    batch = packed_batch(samples_of(shift=-0.3), staleness=[0, 1, 2, 1])
+    loss_s, grads_s = _loss_and_grads(stock, {k: v for k, v in batch.items() if k != "staleness"})
+    loss_o, grads_o = _loss_and_grads(ours, batch)
+    assert torch.equal(loss_s, loss_o)
+    assert grads_s.keys() == grads_o.keys() and all(torch.equal(grads_s[n], grads_o[n]) for n in grads_s)
+    trl_keys = ["ratio", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"]
+    assert [stock._metrics["train"][k] for k in trl_keys] == [ours._metrics["train"][k] for k in trl_keys]
+    metrics = ours.staleness_stats.flush()
+    # 4 + 5 + 2 + 3 completion tokens at staleness 0, 1, 2, 1: every behaviour log-prob is the model's - 0.3
+    assert metrics[staleness_key(0, "num_tokens")] == 5
+    assert metrics[staleness_key(1, "num_tokens")] == 6 + 4
+    assert metrics[staleness_key(2, "num_tokens")] == 3
+    assert metrics[staleness_key(1, "new_behav_mean_abs_log_ratio")] == pytest.approx(0.3, abs=1e-5)
+    assert metrics[staleness_key(1, "new_behav_oob_rate")] == 1.0  # exp(0.3) = 1.35 > 1.1
+    # r = 1.35 > 1 + 0.2 clips the positive-advantage tokens (A = 1 and 0.5): under coupled, every clip is a flip
+    assert metrics[staleness_key(0, "new_behav_clip_rate")] == 1.0
+    assert metrics[staleness_key(0, "clip_flip_rate")] == 1.0
+    assert all(known(k) for k in metrics)
+
+
+def test_decoupled_at_staleness_0_ratio_is_exactly_one_and_the_weight_carries_the_gap(model_dir, tmp_path):
+    """old_logprob_mode at the training precision (the policy's own pass): new/proximal is exactly 1 on every token,
+    so the clip never acts, and the IS weight exp(prox - behaviour) = exp(0.3) carries the whole gap."""
+    trainer = make_trainer(model_dir, tmp_path, async_objective="decoupled")
+    samples = samples_of(shift=-0.3)
+    batch = packed_batch(samples, staleness=[0, 0, 0, 0])
+    loss, _ = _loss_and_grads(trainer, batch)
+    m = trainer._metrics["train"]
+    assert m["ratio"][-1] == 1.0 and m["kl"][-1] == 0.0 and m["clip_ratio/region_mean"][-1] == 0.0
+    # r = 1 and no clip: loss = -sum_t w_t A_t / M with w_t = exp(prox_t - behaviour_t), prox the policy's own
+    selected = batch["token_index"] >= 0
+    adv = batch["advantages"][selected]
+    prox = batch["old_log_probs"][selected] + 0.3  # behaviour = model - 0.3
+    weights = torch.exp(prox - batch["old_log_probs"][selected])
+    torch.testing.assert_close(loss, -(weights * adv).sum() / adv.numel(), atol=1e-5, rtol=1e-5)
+    metrics = trainer.staleness_stats.flush()
+    assert metrics[staleness_key(0, "new_prox_oob_rate")] == 0.0
+    assert metrics[staleness_key(0, "new_prox_clip_rate")] == 0.0
+    assert metrics[staleness_key(0, "prox_behav_oob_rate")] == 1.0
+    assert metrics[staleness_key(0, "is_weight_mean")] == pytest.approx(math.exp(0.3), rel=1e-5)
+    assert metrics[staleness_key(0, "is_ess")] == pytest.approx(1.0, abs=1e-6)
+    assert trainer.proximal_forwards == 1
+
+
+def test_decoupled_clips_on_new_over_proximal_only(model_dir, tmp_path):
+    """Stale samples whose behaviour log-probs are 1 nat below the policy: TRL's coupled ratio e = 2.72 clips every
+    positive-advantage token; the decoupled objective's clip (new/proximal = 1) clips none, the IS preset (TIS,
+    cap 2) bounds the weight, and the flips are counted."""
+    trainer = make_trainer(model_dir, tmp_path, async_objective="decoupled", is_correction="tis")
+    batch = packed_batch(samples_of(shift=-1.0), staleness=[2, 2, 1, 1])
+    _loss_and_grads(trainer, batch)
+    assert trainer._metrics["train"]["clip_ratio/region_mean"][-1] == 0.0
+    metrics = trainer.staleness_stats.flush()
+    # staleness 2: the samples with A = +1 (5 tokens) and A = -1 (6 tokens): r = e clips the positive ones
+    assert metrics[staleness_key(2, "new_behav_clip_rate")] == pytest.approx(5 / 11)
+    assert metrics[staleness_key(2, "new_prox_clip_rate")] == 0.0
+    assert metrics[staleness_key(2, "clip_flip_rate")] == pytest.approx(5 / 11)
+    assert metrics[staleness_key(2, "is_weight_mean")] == pytest.approx(2.0, rel=1e-6)  # e truncated at 2
+
+
+def test_loglinear_matches_the_interpolation_and_runs_no_extra_forward(model_dir, tmp_path):
+    behaviour = torch.tensor([-1.0, -2.0, -3.0])
+    current = torch.tensor([-0.5, -1.0, -1.0], requires_grad=True)
+    k = torch.tensor([0, 1, 2])
+    torch.testing.assert_close(loglinear_alpha(k), torch.tensor([0.0, 0.5, 2 / 3]))
+    prox = loglinear_proximal(behaviour, current, k)
+    torch.testing.assert_close(prox, torch.tensor([-1.0, -1.5, -3.0 + 2 / 3 * 2.0]))
+    assert not prox.requires_grad
+    with pytest.raises(ValueError, match="staleness"):
+        loglinear_alpha(torch.tensor([-1]))
+
+    trainer = make_trainer(model_dir, tmp_path, async_objective="decoupled_loglinear")
+    batch = packed_batch(samples_of(shift=-0.6), staleness=[0, 1, 2, 1])
+    calls = []
+    handle = trainer.model.register_forward_hook(lambda *a: calls.append(1))
+    _loss_and_grads(trainer, batch)
+    handle.remove()
+    assert len(calls) == 1 and trainer.proximal_forwards == 0  # the training forward only
+    metrics = trainer.staleness_stats.flush()
+    # new/prox = exp((1 - alpha) * 0.6): k = 0 -> 1.82 (out of band), k = 1 -> 1.35, k = 2 -> exp(0.2) = 1.22
+    assert metrics[staleness_key(0, "new_prox_oob_rate")] == 1.0
+    assert metrics[staleness_key(2, "is_weight_mean")] == pytest.approx(math.exp(2 / 3 * 0.6), rel=1e-5)
+
+
+def test_proximal_weights_and_inputs_on_literal_tensors():
+    prox = torch.tensor([0.0, -1.0, -1.0, -2.0])
+    behaviour = torch.tensor([-1.0, -1.0, -3.0, -2.0])
+    segment = torch.tensor([0, 0, 1, 1])
+    weights, _ = proximal_weights(prox, behaviour, segment, None)
+    torch.testing.assert_close(weights, torch.exp(prox - behaviour))
+    tis, result = proximal_weights(prox, behaviour, segment, preset("tis"))
+    torch.testing.assert_close(tis, torch.tensor([math.e, 1.0, 2.0, 1.0]).clamp(max=2.0))
+    # geometric sequence weight: exp(mean log-ratio) per sample, broadcast to its tokens
+    geo, _ = proximal_weights(prox, behaviour, segment, preset("seq_mask_tis"))
+    assert geo[0] == geo[1] and geo[2] == geo[3]
+    old = torch.tensor([[-1.0, -1.0, -3.0, -2.0, 0.0]])
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0, 0.0]])
+    selected = torch.tensor([[True, True, True, True, False]])
+    new_old, new_adv = decoupled_inputs(old, adv, selected, prox, tis)
+    torch.testing.assert_close(new_old, torch.tensor([[0.0, -1.0, -1.0, -2.0, 0.0]]))
+    torch.testing.assert_close(new_adv, torch.tensor([[2.0, 1.0, -2.0, -1.0, 0.0]]))
+
+
+@pytest.mark.parametrize("objective", ["coupled", "decoupled", "decoupled_loglinear"])
+def test_each_objective_trains_through_the_real_queue_and_collator(model_dir, tmp_path, objective):
+    """trainer.train() over TRL's RolloutQueueDataset, planner and collator: staleness tagged per sample reaches the
+    loss terms (TRL's own sample/staleness_max agrees), loss finite, the per-staleness keys logged."""
+    samples = samples_of(shift=-0.2)
+    extra = {"async_objective": objective} | ({"is_correction": "icepop"} if objective != "coupled" else {})
+    trainer = make_trainer(model_dir, tmp_path, samples=samples, staleness=(0, 1, 2, 1), max_steps=3, **extra)
+    with async_grpo_on_cpu():
+        trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 3 and all(math.isfinite(h["loss"]) for h in logs)
+    assert max(h["sample/staleness_max"] for h in logs) == 2
+    keys = {k for h in logs for k in h if k.startswith("ratio/staleness/")}
+    assert {staleness_key(k, "num_tokens") for k in (0, 1, 2)} <= keys
+    assert all(known(k) for k in keys)
+    assert (staleness_key(1, "is_ess") in keys) == (objective != "coupled")
+    tokens = sum(h[staleness_key(k, "num_tokens")] for h in logs for k in (0, 1, 2) if staleness_key(k, "num_tokens")
+                 in h)
+    assert tokens == 3 * sum(len(c) for c in COMPLETIONS)  # every trained token of 3 steps bucketed once
+
+
+def test_fp32_clone_proximal_pass_on_a_bf16_policy(model_dir, tmp_path):
+    """old_logprob_mode='fp32_clone' on a bf16 policy: the packed proximal pass (an fp32 copy, tree attention) gives
+    the fp32 model's unpacked log-probs to 1e-5, where the policy's own bf16 pass is off by more."""
+    trainer = make_trainer(model_dir, tmp_path, async_objective="decoupled", old_logprob_mode="fp32_clone",
+                           dtype="bfloat16")
+    rounded = tiny_model("qwen2", seed=0).to(torch.bfloat16).float()  # the policy's weights, held in fp32
+    batch = packed_batch(samples_of(rounded), staleness=[0, 0, 0, 0])
+    selected = batch["token_index"] >= 0
+    with async_grpo_on_cpu():
+        call = trainer._forward_call(trainer.model, batch)
+        prox = trainer._proximal_logprobs(trainer.model, call.kwargs, batch["token_index"][selected])
+        with torch.no_grad():
+            own = trainer.model(**call.kwargs).log_probs.flatten()[batch["token_index"][selected]].float()
+    reference = batch["old_log_probs"][selected]
+    torch.testing.assert_close(prox, reference, atol=1e-5, rtol=0)
+    assert (own - reference).abs().max() > 1e-3
+
+
+def test_config_refusals_name_the_field():
+    base = dict(bf16=False, use_cpu=True)
+    cases = {
+        "async_objective": dict(async_objective="bogus"),
+        "old_logprob_mode='fp32_clone' chooses the proximal pass": dict(old_logprob_mode="fp32_clone"),
+        "old_logprob_mode='sampler'": dict(async_objective="decoupled", old_logprob_mode="sampler"),
+        "is_correction='tis'": dict(is_correction="tis"),
+        "guided_fp32_layers": dict(async_objective="decoupled", old_logprob_mode="guided_fp32"),
+    }
+    for message, kwargs in cases.items():
+        with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+            RatioAsyncGRPOConfig("/tmp/unused", **base, **kwargs)
+    with pytest.raises(TypeError, match="RatioAsyncGRPOConfig"):
+        from trl.experimental.async_grpo import AsyncGRPOConfig
+
+        RatioAsyncGRPOTrainer(model="unused", args=AsyncGRPOConfig("/tmp/unused", **base))
