@@ -3,12 +3,14 @@ synced as a LoRA adapter (`/v1/load_lora_adapter`, no NCCL). The skip rule, the 
 command line and lifetime, the CPU stand-ins the trainer needs, and a short training run. (A separate module, not
 conftest.py: tests/conftest.py already owns the module name `conftest`.)
 
-What stock TRL 1.16 cannot do on a CPU machine, and the test-side stand-in for each (`cpu_async_trainer`):
+What stock TRL 1.16 cannot do on a CPU machine, and the test-side stand-in for each
+(`grpo_ratio.testing.async_cpu.async_grpo_on_cpu`, around every run of `train_async`):
 1. `AsyncGRPOTrainer.__init__` asks `get_peak_flops_per_device` for the MFU metrics, which calls
    `torch.cuda.get_device_name(accelerator.device)`: on a CPU-only torch that raises `AssertionError: Torch not
-   compiled with CUDA enabled`. Stand-in: no peak FLOPs (None), which TRL's own code handles as "MFU unknown".
+   compiled with CUDA enabled`. Stand-in: no peak FLOPs (None), which TRL's own code reads as "MFU unknown".
 2. The trainer attends with its `tree_fa3` attention, whose kernel is `kernels-community/flash-attn3` from the
-   `kernels` package: a CUDA kernel fetched from the Hub. Stand-in: a torch `flash_attn_varlen_func`.
+   `kernels` package: a CUDA kernel fetched from the Hub. Stand-in: the torch `flash_attn_varlen_func` of
+   `grpo_ratio.old_pass.tree_attention`.
 Both are pinned by tests (test_async_server.py) so that a fix upstream shows up as a failure there.
 """
 
@@ -21,7 +23,6 @@ import socket
 import subprocess
 import sys
 import time
-import types
 from pathlib import Path
 
 import pytest
@@ -176,42 +177,6 @@ def hf_logprobs(model, prompt_ids: list[int], completion_ids: list[int]) -> torc
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(completion_ids)[:, None]).squeeze(1)
 
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
-                           causal=False, window_size=(-1, -1), **kwargs):
-    """Minimal torch stand-in for flash-attn's `flash_attn_varlen_func`, as TRL's `tree_attention` calls it: q (Nq, H,
-    d), k/v (Nk, H_kv, d), segments delimited by the cu_seqlens; causal masks align bottom-right (a segment's queries
-    are the last of its keys: the trie path ends with the segment). Sliding windows and softcap are refused."""
-    assert window_size == (-1, -1) and not kwargs.get("softcap"), "the lane's stand-in has no sliding window or softcap"
-    scale = q.size(-1) ** -0.5 if softmax_scale is None else softmax_scale
-    groups = q.size(1) // k.size(1)
-    out = torch.empty_like(q)
-    bq, bk = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    for q0, q1, k0, k1 in zip(bq[:-1], bq[1:], bk[:-1], bk[1:]):
-        qs = q[q0:q1].transpose(0, 1).float()  # (H, Lq, d)
-        ks, vs = (x[k0:k1].transpose(0, 1).float().repeat_interleave(groups, 0) for x in (k, v))  # (H, Lk, d)
-        scores = qs @ ks.transpose(1, 2) * scale  # (H, Lq, Lk)
-        if causal:
-            query_pos = torch.arange(q1 - q0)[:, None] + (k1 - k0) - (q1 - q0)
-            scores = scores.masked_fill(torch.arange(k1 - k0)[None, :] > query_pos, float("-inf"))
-        out[q0:q1] = (scores.softmax(-1) @ vs).transpose(0, 1).to(q.dtype)
-    return out
-
-
-@contextlib.contextmanager
-def cpu_async_trainer():
-    """Within the block, TRL's async trainer builds and trains on CPU: the two stand-ins of the module docstring,
-    undone on exit."""
-    from trl.experimental.async_grpo import async_grpo_trainer, packing
-
-    saved = packing._flash_attn, async_grpo_trainer.get_peak_flops_per_device
-    packing._flash_attn = lambda: types.SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_func)
-    async_grpo_trainer.get_peak_flops_per_device = lambda accelerator, dtype: None
-    try:
-        yield
-    finally:
-        packing._flash_attn, async_grpo_trainer.get_peak_flops_per_device = saved
-
-
 def lora_config():
     """A rank-8 LoRA on the attention's q and v projections: vLLM serves it as an adapter (no head, no
     modules_to_save, no DoRA: TRL's validate_lora_for_vllm_sync)."""
@@ -274,7 +239,9 @@ def train_async(trainer_cls, config_cls, model_dir: str, server_url: str, output
     `trl-policy-v<N>` after every step."""
     from async_lane_rewards import letter_reward
 
-    with cpu_async_trainer():
+    from grpo_ratio.testing.async_cpu import async_grpo_on_cpu
+
+    with async_grpo_on_cpu():
         trainer = trainer_cls(model=model_dir, reward_funcs=letter_reward,
                               args=async_args(config_cls, output_dir, server_url, **overrides),
                               train_dataset=chat_prompts(8), peft_config=lora_config())

@@ -108,7 +108,7 @@ def test_served_adapter_is_the_trained_policy(stock_run):
 
 def test_cuda_device_query_fails_on_cpu(tiny_chat_llama_dir, tmp_path):
     """Pinned: unmodified, `AsyncGRPOTrainer.__init__` dies on a CPU-only torch in `get_peak_flops_per_device`
-    (`torch.cuda.get_device_name`). When this stops failing, drop that stand-in from `cpu_async_trainer`."""
+    (`torch.cuda.get_device_name`). When this stops failing, drop that stand-in from `async_grpo_on_cpu`."""
     from async_lane_rewards import letter_reward
     from async_lane_utils import chat_prompts
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
