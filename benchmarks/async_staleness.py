@@ -102,9 +102,11 @@ def per_staleness(rows: list[dict]) -> dict[str, dict]:
 
 def measure(steps: int, objectives: tuple[str, ...]) -> dict:
     sys.path.insert(0, str(ROOT / "tests" / "async_lane"))
-    from async_lane_utils import free_port, serving
-
-    from async_lane_utils import serve_command  # noqa: I001 (the lane's server line, with a longer context)
+    from async_lane_utils import (
+        free_port,
+        serve_command,  # noqa: I001 (the lane's server line, with a longer context)
+        serving,
+    )
 
     start = time.time()
     with tempfile.TemporaryDirectory() as tmp:
