@@ -31,6 +31,7 @@ from .config import RatioFields
 from .corrections.decoupled import OBJECTIVES, decoupled_inputs, loglinear_proximal, proximal_weights
 from .diagnostics.run_record_callback import RunRecordCallback
 from .diagnostics.staleness import StalenessStats
+from .corrections.kept_sets import SamplingSettings
 from .modes import TRL_MODE
 from .old_pass.copies import WeightsVersion, WeightsVersionCallback
 from .old_pass.scorer import OldLogprobScorer
@@ -66,6 +67,7 @@ class RatioAsyncGRPOConfig(AsyncGRPOConfig):
     old_logprob_mode: str = _declared("old_logprob_mode")
     guided_fp32_layers: str | None = _declared("guided_fp32_layers")
     copy_storage: str = _declared("copy_storage")
+    truncation_correction: str = _declared("truncation_correction")
     is_correction: str | None = _declared("is_correction")
     is_correction_level: str | None = _declared("is_correction_level")
     is_correction_action: str | None = _declared("is_correction_action")
@@ -201,10 +203,19 @@ class RatioAsyncGRPOTrainer(AsyncGRPOTrainer):
         self.add_callback(RunRecordCallback())  # run.json + log_history.json in output_dir: what the report reads
         self.is_correction = args.is_correction_spec
         self.proximal_forwards = 0
-        self._proximal = None
+        self._proximal = self._kept_mass = None
         if args.async_objective == "decoupled" and args.old_logprob_mode != TRL_MODE:
             self._proximal = OldLogprobScorer(self.model, args.old_logprob_mode, layers=args.guided_fp32_layer_ids,
-                                              copy_storage=args.copy_storage)
+                                              policy_autocast=self.accelerator.autocast, copy_storage=args.copy_storage)
+        self.sampling = None
+        if args.truncation_correction == "lift_sampler":
+            # the server's filter, re-applied to the proximal logits in vLLM's order (checks.check_async_config
+            # refused a repetition penalty); bf16: the kept mass from a second no-grad pass of the policy
+            self.sampling = SamplingSettings(temperature=args.temperature, top_k=int(args.top_k or 0),
+                                             top_p=float(args.top_p if args.top_p is not None else 1.0),
+                                             min_p=float(args.min_p or 0.0), engine="vllm")
+            self._kept_mass = self._proximal or OldLogprobScorer(self.model, TRL_MODE,
+                                                                 policy_autocast=self.accelerator.autocast)
         self.staleness_stats = None
         if args.ratio_diagnostics:
             # + 1: a sample TRL let through at max_staleness can be trained one sync later (the dispatcher's prefetch)
@@ -264,7 +275,8 @@ class RatioAsyncGRPOTrainer(AsyncGRPOTrainer):
             return loss
         if self.args.async_objective == "decoupled":
             call = self._forward_call(model, inputs)
-            prox = self._proximal_logprobs(model, call.kwargs, inputs["token_index"][selected])  # (M,)
+            prox, log_mass = self._proximal_logprobs(model, call.kwargs, inputs["token_index"][selected])  # (M,) x 2
+            behaviour = behaviour if log_mass is None else behaviour + log_mass  # lift_sampler: on the full support
             outputs, seconds = None, 0.0
         else:  # decoupled_loglinear: the training forward first (the probe runs it), no proximal pass
             call = self._forward_call(model, inputs, run=model)
@@ -293,15 +305,23 @@ class RatioAsyncGRPOTrainer(AsyncGRPOTrainer):
         raise RuntimeError("grpo_ratio: TRL's AsyncGRPOTrainer.compute_loss did not call the model")
 
     @torch.no_grad()
-    def _proximal_logprobs(self, model, kwargs: dict, positions: torch.Tensor) -> torch.Tensor:
+    def _proximal_logprobs(self, model, kwargs: dict, positions: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(M,) fp32 proximal log-probs of the trained tokens: the training forward's own call without gradient
-        (`old_logprob_mode="bf16"`: bitwise the training forward's values), or the scoring mode's pass."""
+        (`old_logprob_mode="bf16"`: bitwise the training forward's values), or the scoring mode's pass; and, with
+        `truncation_correction="lift_sampler"`, the (M,) log kept mass of each token under the proximal logits (else
+        None)."""
         self.proximal_forwards += 1
-        if self._proximal is None:
-            return model(**kwargs).log_probs.flatten()[positions].float()
         targets = kwargs["shift_labels"].flatten()[positions]  # (M,)
-        return self._proximal.score_packed(kwargs, positions, targets, temperature=self.temperature,
-                                           version=self.weights_version.value)
+        scored = dict(temperature=self.temperature, version=self.weights_version.value)
+        if self._proximal is None:
+            prox = model(**kwargs).log_probs.flatten()[positions].float()
+            if self._kept_mass is None:
+                return prox, None
+            return prox, self._kept_mass.score_packed(kwargs, positions, targets, kept=self.sampling, **scored)[1]
+        if self._kept_mass is None:
+            return self._proximal.score_packed(kwargs, positions, targets, **scored), None
+        return self._proximal.score_packed(kwargs, positions, targets, kept=self.sampling, **scored)
 
     # -- diagnostics ------------------------------------------------------------------------------------------------
 

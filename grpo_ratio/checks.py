@@ -187,6 +187,23 @@ def check_async_config(args) -> None:
                                                  args.is_correction_action, args.is_correction_low,
                                                  args.is_correction_high, args.is_correction_rejection,
                                                  args.is_correction_veto)
+    if args.truncation_correction not in ("none", "lift_sampler"):
+        raise ValueError(f"truncation_correction={args.truncation_correction!r} is not allowed on "
+                         "RatioAsyncGRPOTrainer; allowed: none, lift_sampler ('renormalize' needs kept-set log-probs "
+                         "of the training forward under autograd, which TRL's fused head does not give)")
+    if args.truncation_correction != "none":
+        if args.async_objective != "decoupled":
+            raise ValueError(f"truncation_correction={args.truncation_correction!r} lifts the behaviour log-probs with "
+                             "the kept mass of the proximal pass, which only async_objective='decoupled' runs, but "
+                             f"async_objective={args.async_objective!r}")
+        if not (args.top_p is not None and args.top_p < 1.0) and not (args.top_k or 0) > 0 and not args.min_p:
+            raise ValueError(f"truncation_correction={args.truncation_correction!r} corrects top_p/top_k/min_p, but "
+                             f"none is on (top_p={args.top_p}, top_k={args.top_k}, min_p={args.min_p}): nothing to "
+                             "correct; set truncation_correction='none'")
+        if args.repetition_penalty not in (None, 1.0):
+            raise ValueError(f"truncation_correction={args.truncation_correction!r} re-applies the server's filter to "
+                             f"the proximal logits without its repetition penalty ({args.repetition_penalty}); set "
+                             "repetition_penalty=1.0 or truncation_correction='none'")
     if args.is_correction_spec is not None and args.async_objective == "coupled":
         raise ValueError(f"is_correction={args.is_correction!r} weights the behaviour -> proximal ratio, which "
                          "async_objective='coupled' does not have (its loss is TRL's); set async_objective="

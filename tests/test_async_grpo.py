@@ -32,6 +32,7 @@ from grpo_ratio.corrections.decoupled import (  # noqa: E402
     proximal_weights,
 )
 from grpo_ratio.corrections.is_correction import preset  # noqa: E402
+from grpo_ratio.corrections.kept_sets import SamplingSettings  # noqa: E402
 from grpo_ratio.diagnostics.metric_keys import known, staleness_key  # noqa: E402
 from grpo_ratio.testing import tiny_model, tiny_tokenizer  # noqa: E402
 from grpo_ratio.testing.async_cpu import async_grpo_on_cpu  # noqa: E402
@@ -343,7 +344,7 @@ def test_fp32_clone_proximal_pass_on_a_bf16_policy(model_dir, tmp_path):
     selected = batch["token_index"] >= 0
     with async_grpo_on_cpu():
         call = trainer._forward_call(trainer.model, batch)
-        prox = trainer._proximal_logprobs(trainer.model, call.kwargs, batch["token_index"][selected])
+        prox, _ = trainer._proximal_logprobs(trainer.model, call.kwargs, batch["token_index"][selected])
         with torch.no_grad():
             own = trainer.model(**call.kwargs).log_probs.flatten()[batch["token_index"][selected]].float()
     reference = batch["old_log_probs"][selected]
@@ -367,3 +368,59 @@ def test_config_refusals_name_the_field():
         from trl.experimental.async_grpo import AsyncGRPOConfig
 
         RatioAsyncGRPOTrainer(model="unused", args=AsyncGRPOConfig("/tmp/unused", **base))
+
+
+def greedy_completion(n: int = 6) -> list[int]:
+    """The reference model's greedy continuation of PROMPT: each token the argmax, so in any top_p kept set."""
+    ids = list(PROMPT)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(REFERENCE(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+    return ids[len(PROMPT):]
+
+
+def processed_sample(completion: list[int], top_p: float, advantage: float) -> RolloutSample:
+    """A sample whose behaviour log-probs are what a vLLM server returns under top_p (`--logprobs-mode
+    processed_logprobs`): the reference model's distribution renormalised over the kept set (vLLM's order)."""
+    ids = PROMPT + completion
+    with torch.no_grad():
+        logits = REFERENCE(input_ids=torch.tensor([ids]), use_cache=False).logits[0, len(PROMPT) - 1:-1].float()
+    keep = SamplingSettings(top_p=top_p, engine="vllm").keep_mask(logits)  # (T, V)
+    processed = torch.log_softmax(logits.masked_fill(~keep, float("-inf")), -1)
+    lp = torch.zeros(len(ids))
+    lp[len(PROMPT):] = processed.gather(1, torch.tensor(completion)[:, None])[:, 0]
+    return RolloutSample(prompt=[], completion=[], input_ids=np.array(ids),
+                         completion_mask=np.array([0] * len(PROMPT) + [1] * len(completion)),
+                         old_log_probs=lp.numpy(), advantage=advantage, model_version=0, group_id=0,
+                         metrics={"reward": advantage})
+
+
+def test_lift_sampler_puts_processed_behaviour_log_probs_on_the_full_support(model_dir, tmp_path):
+    """top_p=0.8 on the server: its processed log-probs sit above the policy's by -log M (M the kept mass). The lift
+    adds log M, recomputed from the proximal logits in vLLM's order: at staleness 0 the IS weight is 1 to 1e-5, where
+    without it the weight is M itself."""
+    completion = greedy_completion()
+    samples = [processed_sample(completion, 0.8, 1.0), processed_sample(completion[:3], 0.8, -1.0)]
+    raw = make_trainer(model_dir, tmp_path, async_objective="decoupled", top_p=0.8)
+    lifted = make_trainer(model_dir, tmp_path, async_objective="decoupled", top_p=0.8,
+                          truncation_correction="lift_sampler")
+    metrics = {}
+    for name, trainer in (("raw", raw), ("lifted", lifted)):
+        _loss_and_grads(trainer, packed_batch(samples, staleness=[0, 0]))
+        metrics[name] = trainer.staleness_stats.flush()
+    weight = staleness_key(0, "is_weight_mean")
+    assert metrics["lifted"][weight] == pytest.approx(1.0, abs=1e-5)
+    assert metrics["lifted"][staleness_key(0, "prox_behav_oob_rate")] == 0.0
+    assert metrics["raw"][weight] < 0.99  # unlifted, the weight is the kept mass M < 1 (0.80 here)
+    assert lifted.proximal_forwards == 1
+
+
+def test_truncation_correction_refusals():
+    base = dict(bf16=False, use_cpu=True)
+    with pytest.raises(ValueError, match="renormalize"):
+        RatioAsyncGRPOConfig("/tmp/unused", **base, async_objective="decoupled", top_p=0.8,
+                             truncation_correction="renormalize")
+    with pytest.raises(ValueError, match="only async_objective='decoupled'"):
+        RatioAsyncGRPOConfig("/tmp/unused", **base, top_p=0.8, truncation_correction="lift_sampler")
+    with pytest.raises(ValueError, match="nothing to correct"):
+        RatioAsyncGRPOConfig("/tmp/unused", **base, async_objective="decoupled", truncation_correction="lift_sampler")

@@ -452,7 +452,8 @@ class OldLogprobScorer:
 
     @torch.no_grad()
     def score_packed(self, forward_kwargs: dict, positions: torch.Tensor, targets: torch.Tensor, *,
-                     temperature: float = 1.0, version: int = 0) -> torch.Tensor:
+                     temperature: float = 1.0, version: int = 0, kept: SamplingSettings | None = None
+                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Log-probs of the trained tokens of one packed row (TRL `AsyncGRPOTrainer`: the proximal pass of
         `async_objective="decoupled"`), under this scorer's mode.
 
@@ -463,8 +464,12 @@ class OldLogprobScorer:
                 (TRL's `token_index`).
             targets (`torch.Tensor` of shape (M,), int64): the trained tokens.
             temperature: TRL's `temperature`. version: the policy's `WeightsVersion` value (copies' sync).
+            kept: the sampler's `SamplingSettings`: its kept sets are recomputed from this pass's logits (in the
+                sampler's processor order), 1,024 cells at a time, for the kept mass.
         Returns:
-            (M,) fp32 log-probs; an fp16 pass that overflowed is re-run in fp32, as `score` does.
+            (M,) fp32 log-probs; an fp16 pass that overflowed is re-run in fp32, as `score` does. With `kept`, also
+            the (M,) fp32 log kept mass log M = log p(g) - log p_S(g) of each trained token (>= 0 is impossible:
+            M <= 1, so log M <= 0).
         Raises:
             NotImplementedError: a sharded policy (FSDP2): the packed proximal pass runs on unsharded policies.
         """
@@ -487,7 +492,12 @@ class OldLogprobScorer:
             if self.spec.overflows and not bool(torch.isfinite(logps).all()):
                 head = self._head_full(torch.float32, run, version)
                 logps = head.projection.logprobs(head.hidden[0, positions], targets, temperature)
-        return logps
+            if kept is None:
+                return logps
+            cells = HeadLogits(head.hidden[:, positions], head.projection.logits, head.projection.vocab_size)
+            mask = torch.ones(1, positions.numel(), dtype=torch.bool, device=positions.device)  # (1, M)
+            on_kept = logprobs_on_kept_sets(cells, targets[None], kept, temperature, mask)  # (1, M)
+        return logps, logps - on_kept.logps[0]
 
 
 def score_completion_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
