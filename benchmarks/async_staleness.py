@@ -104,7 +104,7 @@ def measure(steps: int, objectives: tuple[str, ...]) -> dict:
     sys.path.insert(0, str(ROOT / "tests" / "async_lane"))
     from async_lane_utils import (
         free_port,
-        serve_command,  # noqa: I001 (the lane's server line, with a longer context)
+        serve_command,
         serving,
     )
 

@@ -29,9 +29,9 @@ from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from .checks import check_async_config
 from .config import RatioFields
 from .corrections.decoupled import OBJECTIVES, decoupled_inputs, loglinear_proximal, proximal_weights
+from .corrections.kept_sets import SamplingSettings
 from .diagnostics.run_record_callback import RunRecordCallback
 from .diagnostics.staleness import StalenessStats
-from .corrections.kept_sets import SamplingSettings
 from .modes import TRL_MODE
 from .old_pass.copies import WeightsVersion, WeightsVersionCallback
 from .old_pass.scorer import OldLogprobScorer
