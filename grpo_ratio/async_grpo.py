@@ -204,7 +204,13 @@ class RatioAsyncGRPOTrainer(AsyncGRPOTrainer):
         self.is_correction = args.is_correction_spec
         self.proximal_forwards = 0
         self._proximal = self._kept_mass = None
-        if args.async_objective == "decoupled" and args.old_logprob_mode != TRL_MODE:
+        precision_pass = args.async_objective == "decoupled" and args.old_logprob_mode != TRL_MODE
+        if (precision_pass or args.truncation_correction != "none") and self.is_fsdp_enabled:
+            raise NotImplementedError(f"old_logprob_mode={args.old_logprob_mode!r} / truncation_correction="
+                                      f"{args.truncation_correction!r} run a packed pass on an unsharded policy, and "
+                                      "this one is FSDP2-sharded; use old_logprob_mode='bf16' and "
+                                      "truncation_correction='none' (docs/async.md)")
+        if precision_pass:
             self._proximal = OldLogprobScorer(self.model, args.old_logprob_mode, layers=args.guided_fp32_layer_ids,
                                               policy_autocast=self.accelerator.autocast, copy_storage=args.copy_storage)
         self.sampling = None
