@@ -17,6 +17,7 @@ Uses the async lane's server harness (tests/async_lane/async_lane_utils.py); nee
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -61,7 +62,7 @@ def smollm2_chat_dir(out: Path) -> str:
 
 def run_objective(objective: str, model_dir: str, url: str, out: Path, steps: int) -> list[dict]:
     """One training run of `objective`; returns its logged steps."""
-    from async_lane_utils import lora_config, unload_adapters
+    lora_config, unload_adapters = lane_utils().lora_config, lane_utils().unload_adapters
 
     from grpo_ratio.async_grpo import RatioAsyncGRPOConfig, RatioAsyncGRPOTrainer
     from grpo_ratio.tasks import load_task
@@ -100,13 +101,18 @@ def per_staleness(rows: list[dict]) -> dict[str, dict]:
     return out
 
 
+def lane_utils():
+    """The async lane's server harness (tests/async_lane/async_lane_utils.py), loaded from its file."""
+    if "async_lane_utils" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("async_lane_utils",
+                                                      ROOT / "tests" / "async_lane" / "async_lane_utils.py")
+        sys.modules["async_lane_utils"] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return sys.modules["async_lane_utils"]
+
+
 def measure(steps: int, objectives: tuple[str, ...]) -> dict:
-    sys.path.insert(0, str(ROOT / "tests" / "async_lane"))
-    from async_lane_utils import (
-        free_port,
-        serve_command,
-        serving,
-    )
+    free_port, serve_command, serving = lane_utils().free_port, lane_utils().serve_command, lane_utils().serving
 
     start = time.time()
     with tempfile.TemporaryDirectory() as tmp:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
@@ -32,15 +33,18 @@ from .corrections.decoupled import OBJECTIVES, decoupled_inputs, loglinear_proxi
 from .corrections.kept_sets import SamplingSettings
 from .diagnostics.run_record_callback import RunRecordCallback
 from .diagnostics.staleness import StalenessStats
-from .modes import TRL_MODE
+from .modes import MODES, SAMPLER_MODE, SCORING_MODES, TRL_MODE
 from .old_pass.copies import WeightsVersion, WeightsVersionCallback
 from .old_pass.scorer import OldLogprobScorer
 
 
-def _declared(name: str):
-    """The field `name` exactly as `RatioFields` declares it (default and `help`): one home for its description."""
+def _declared(name: str, help: str | None = None, choices: list | None = None):
+    """The field `name` as `RatioFields` declares it (default, `help`, choices): one home for its description; `help`
+    and `choices` replace the GRPO ones where the async trainer allows less or means more."""
     source = {f.name: f for f in fields(RatioFields)}[name]
-    return field(default=source.default, metadata=source.metadata)
+    metadata = dict(source.metadata)
+    metadata.update({k: v for k, v in (("help", help), ("choices", choices)) if v is not None})
+    return field(default=source.default, metadata=metadata)
 
 
 @dataclass
@@ -64,11 +68,26 @@ class RatioAsyncGRPOConfig(AsyncGRPOConfig):
             "choices": list(OBJECTIVES),
         },
     )
-    old_logprob_mode: str = _declared("old_logprob_mode")
+    old_logprob_mode: str = _declared(
+        "old_logprob_mode",
+        help="The proximal pass of async_objective='decoupled' (other objectives: leave at 'bf16'): 'bf16' (the "
+        "policy's own pass at its training precision, bitwise the training forward's), 'fp32_clone', 'fp16_clone', "
+        "'fp32_head' or 'guided_fp32' (as in RatioGRPOConfig). 'sampler' is refused: that is 'coupled'.",
+        choices=[mode for mode in SCORING_MODES if mode != SAMPLER_MODE])
     guided_fp32_layers: str | None = _declared("guided_fp32_layers")
     copy_storage: str = _declared("copy_storage")
-    truncation_correction: str = _declared("truncation_correction")
-    is_correction: str | None = _declared("is_correction")
+    truncation_correction: str = _declared(
+        "truncation_correction",
+        help="With async_objective='decoupled' and top_p/top_k/min_p on the server: 'lift_sampler' puts the server's "
+        "processed log-probs back on the full support (+ log of the kept mass, recomputed from the proximal logits in "
+        "vLLM's order), or 'none'. 'renormalize' is refused here (docs/async.md).",
+        choices=["none", "lift_sampler"])
+    is_correction: str | None = _declared(
+        "is_correction",
+        help="The behaviour->proximal IS weight of the decoupled objectives: a preset of "
+        "grpo_ratio.corrections.is_correction.PRESETS ('tis', 'icepop', 'seq_mask_tis', 'geo_rs', ...) or 'custom' "
+        "(the is_correction_* fields). Unset: the raw weight exp(proximal - behaviour), unbounded (AReaL's "
+        "formulation). Refused with async_objective='coupled'.")
     is_correction_level: str | None = _declared("is_correction_level")
     is_correction_action: str | None = _declared("is_correction_action")
     is_correction_low: float | None = _declared("is_correction_low")
@@ -210,6 +229,11 @@ class RatioAsyncGRPOTrainer(AsyncGRPOTrainer):
                                       f"{args.truncation_correction!r} run a packed pass on an unsharded policy, and "
                                       "this one is FSDP2-sharded; use old_logprob_mode='bf16' and "
                                       "truncation_correction='none' (docs/async.md)")
+        if precision_pass and MODES[args.old_logprob_mode].whole_model_dtype == "fp32" and \
+                next(self.model.parameters()).dtype == torch.float32 and self.accelerator.mixed_precision == "no":
+            warnings.warn(f"old_logprob_mode={args.old_logprob_mode!r} on an fp32 policy trained without autocast is "
+                          "the policy's own pass (old_logprob_mode='bf16' gives the same numbers, bitwise the training "
+                          "forward's)", stacklevel=2)
         if precision_pass:
             self._proximal = OldLogprobScorer(self.model, args.old_logprob_mode, layers=args.guided_fp32_layer_ids,
                                               policy_autocast=self.accelerator.autocast, copy_storage=args.copy_storage)

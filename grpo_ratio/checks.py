@@ -174,10 +174,18 @@ def check_async_config(args) -> None:
                          f"{', '.join(m for m in SCORING_MODES if m != SAMPLER_MODE)}")
     _check_copy_storage(args)
     layers, args.guided_fp32_calibration = resolve_layer_spec(args.guided_fp32_layers)
-    if MODES[args.old_logprob_mode].fp32_layers != bool(layers):
-        raise ValueError("guided_fp32_layers goes with old_logprob_mode='guided_fp32' and only with it (got "
-                         f"old_logprob_mode={args.old_logprob_mode!r}, guided_fp32_layers={args.guided_fp32_layers!r})")
+    if MODES[args.old_logprob_mode].fp32_layers and not layers:
+        raise ValueError("old_logprob_mode='guided_fp32' needs guided_fp32_layers: decoder-layer indices such as "
+                         "'0,1,27' or a calibration JSON (with no layers use old_logprob_mode='fp32_head')")
+    if layers and not MODES[args.old_logprob_mode].fp32_layers:
+        raise ValueError(f"guided_fp32_layers is only used by old_logprob_mode='guided_fp32', but old_logprob_mode="
+                         f"{args.old_logprob_mode!r}; remove guided_fp32_layers or switch the mode")
     args.guided_fp32_layer_ids = layers
+    for name in ("ratio_band_low", "ratio_band_high"):
+        if isinstance(getattr(args, name), bool) or not isinstance(getattr(args, name), (int, float)):
+            raise ValueError(f"{name} must be a number, got {getattr(args, name)!r}")
+    if isinstance(args.max_staleness, bool) or not isinstance(args.max_staleness, int) or args.max_staleness < 0:
+        raise ValueError(f"max_staleness must be an integer >= 0 (0: fresh samples only), got {args.max_staleness!r}")
     if not 0.0 < args.ratio_band_low < 1.0 < args.ratio_band_high:
         raise ValueError(f"ratio band must satisfy 0 < ratio_band_low < 1 < ratio_band_high, got "
                          f"[{args.ratio_band_low}, {args.ratio_band_high}]")

@@ -334,11 +334,13 @@ def test_each_objective_trains_through_the_real_queue_and_collator(model_dir, tm
     assert f"async_objective={objective}" in text and "| 2 |" in text and "clip_flip_rate" in text
 
 
-def test_fp32_clone_proximal_pass_on_a_bf16_policy(model_dir, tmp_path):
-    """old_logprob_mode='fp32_clone' on a bf16 policy: the packed proximal pass (an fp32 copy, tree attention) gives
-    the fp32 model's unpacked log-probs to 1e-5, where the policy's own bf16 pass is off by more."""
+@pytest.mark.parametrize("storage", ["resident", "per_layer"])
+def test_fp32_clone_proximal_pass_on_a_bf16_policy(model_dir, tmp_path, storage):
+    """old_logprob_mode='fp32_clone' on a bf16 policy, a resident copy or a per-layer cast: the packed proximal pass
+    (fp32 tree attention) gives the fp32 model's unpacked log-probs to 1e-5, where the policy's own bf16 pass is off
+    by more."""
     trainer = make_trainer(model_dir, tmp_path, async_objective="decoupled", old_logprob_mode="fp32_clone",
-                           dtype="bfloat16")
+                           dtype="bfloat16", copy_storage=storage)
     rounded = tiny_model("qwen2", seed=0).to(torch.bfloat16).float()  # the policy's weights, held in fp32
     batch = packed_batch(samples_of(rounded), staleness=[0, 0, 0, 0])
     selected = batch["token_index"] >= 0
@@ -359,7 +361,9 @@ def test_config_refusals_name_the_field():
         "old_logprob_mode='fp32_clone' chooses the proximal pass": dict(old_logprob_mode="fp32_clone"),
         "old_logprob_mode='sampler'": dict(async_objective="decoupled", old_logprob_mode="sampler"),
         "is_correction='tis'": dict(is_correction="tis"),
-        "guided_fp32_layers": dict(async_objective="decoupled", old_logprob_mode="guided_fp32"),
+        "needs guided_fp32_layers": dict(async_objective="decoupled", old_logprob_mode="guided_fp32"),
+        "max_staleness must be an integer >= 0": dict(max_staleness=-1),
+        "ratio_band_low must be a number": dict(ratio_band_low="0.9"),
     }
     for message, kwargs in cases.items():
         with pytest.raises(ValueError, match=message.replace("(", r"\(")):
@@ -424,3 +428,18 @@ def test_truncation_correction_refusals():
         RatioAsyncGRPOConfig("/tmp/unused", **base, top_p=0.8, truncation_correction="lift_sampler")
     with pytest.raises(ValueError, match="nothing to correct"):
         RatioAsyncGRPOConfig("/tmp/unused", **base, async_objective="decoupled", truncation_correction="lift_sampler")
+
+
+def test_report_warns_when_a_bucket_trained_nothing():
+    """`grpo-ratio report` on a decoupled run whose is_correction rejected every token of a bucket: a warning; on a
+    coupled run, the bucket whose clip the staleness flips most is named."""
+    from grpo_ratio.analysis.report import render_staleness
+
+    row = {staleness_key(0, "num_tokens"): 10, staleness_key(0, "is_weight_mean"): 1.0, staleness_key(0, "is_ess"): 1.0,
+           staleness_key(1, "num_tokens"): 6, staleness_key(1, "is_weight_mean"): 0.0, staleness_key(1, "is_ess"): 0.0}
+    text = render_staleness([row], {"async_objective": "decoupled"})
+    assert "**warning** every token of staleness 1 got IS weight 0" in text and "staleness 0" not in text
+    coupled = {staleness_key(1, "num_tokens"): 10, staleness_key(1, "clip_flip_rate"): 0.33,
+               staleness_key(2, "num_tokens"): 10, staleness_key(2, "clip_flip_rate"): 0.25}
+    assert "At staleness 1, 33.0% of tokens" in render_staleness([coupled], {"async_objective": "coupled"})
+    assert "At staleness" not in render_staleness([coupled], {"async_objective": "decoupled"})

@@ -187,7 +187,7 @@ def test_resolve_correction_from_config_fields():
     assert resolve_correction("custom", "none", rejection="seq_mean_k3<=0.01").level == "none"
     with pytest.raises(ValueError, match="allowed: trl_sequence_mask, tis"):
         resolve_correction("tiss")
-    with pytest.raises(ValueError, match="is_correction_high only apply with is_correction='custom'"):
+    with pytest.raises(ValueError, match="is_correction_high only applies with is_correction='custom'"):
         resolve_correction("tis", high=3.0)
     with pytest.raises(ValueError, match="needs is_correction_level"):
         resolve_correction("custom")

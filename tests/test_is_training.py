@@ -118,7 +118,7 @@ def test_settings_are_validated(tmp_path):
     base = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none")
     with pytest.raises(ValueError, match="allowed: trl_sequence_mask"):
         RatioGRPOConfig(**base, is_correction="tiss")
-    with pytest.raises(ValueError, match="only apply with is_correction='custom'"):
+    with pytest.raises(ValueError, match="only applies with is_correction='custom'"):
         RatioGRPOConfig(**base, is_correction="tis", is_correction_high=3.0)
     with pytest.raises(ValueError, match="old_logprob_mode='sampler'"):
         RatioGRPOConfig(**base, is_correction="tis", old_logprob_mode="sampler")

@@ -154,9 +154,11 @@ def render_attribution(history: list[dict]) -> str:
 # an asynchronous run, per staleness (RatioAsyncGRPOTrainer, docs/async.md)
 
 
-def render_staleness(history: list[dict]) -> str:
+def render_staleness(history: list[dict], config: dict | None = None) -> str:
     """Markdown: per staleness k, every `ratio/staleness/<k>/*` statistic over the run, each step's value weighted by
-    its tokens of staleness k, and one sentence on the oldest bucket; "" when the run logged none."""
+    its tokens of staleness k; then what the table says for the run's `async_objective` (when known) and a warning
+    for a bucket whose IS weights were all 0 (every token rejected: it trained nothing) or whose ESS fell below 0.5.
+    "" when the run logged none."""
     stats = list(keys.STALENESS_STATS)[1:]  # num_tokens is the weight
     buckets: dict[int, dict[str, list[tuple[float, float]]]] = {}
     for row in history:
@@ -170,23 +172,38 @@ def render_staleness(history: list[dict]) -> str:
                         buckets.setdefault(k, {}).setdefault(stat, []).append((value, n))
     if not buckets:
         return ""
+
+    def mean(k: int, stat: str) -> float | None:
+        pairs = buckets[k].get(stat)
+        return sum(v * n for v, n in pairs) / sum(n for _, n in pairs) if pairs else None
+
     present = [stat for stat in stats if any(stat in b for b in buckets.values())]
-    lines = ["Ratios by staleness k (weight syncs between the sampling policy and the trainer; docs/async.md), "
-             "token-weighted over the run.", "", "| k | tokens | " + " | ".join(present) + " |",
+    lines = ["Ratios by staleness k (weight syncs between the sampling policy and the trainer, counted at the loss; "
+             "docs/async.md), token-weighted over the run.", "", "| k | tokens | " + " | ".join(present) + " |",
              "|---" * (len(present) + 2) + "|"]
     for k in sorted(buckets):
         tokens = sum(n for _, n in next(iter(buckets[k].values())))
-        cells = [_fmt(sum(v * n for v, n in buckets[k][s]) / sum(n for _, n in buckets[k][s])) if s in buckets[k]
-                 else "" for s in present]
+        cells = [_fmt(mean(k, s)) if s in buckets[k] else "" for s in present]
         lines.append(f"| {k} | {int(tokens)} | " + " | ".join(cells) + " |")
-    oldest = max(buckets)
-    flips = buckets[oldest].get("clip_flip_rate")
-    if flips:
-        rate = sum(v * n for v, n in flips) / sum(n for _, n in flips)
-        lines += ["", f"At staleness {oldest}, {100 * rate:.1f}% of tokens have a clip decision that the staleness and "
-                      "the engine change (`clip_flip_rate`); a decoupled objective clips on new/proximal only "
-                      "(docs/async.md)."]
-    return "\n".join(lines) + "\n"
+    notes = []
+    objective = (config or {}).get("async_objective")
+    flips = {k: mean(k, "clip_flip_rate") for k in buckets if mean(k, "clip_flip_rate") is not None}
+    if objective == "coupled" and flips and max(flips.values()) > 0:
+        worst = max(flips, key=flips.get)
+        notes.append(f"At staleness {worst}, {100 * flips[worst]:.1f}% of tokens are clipped by the coupled ratio and "
+                     "would not be against the training forward itself (`clip_flip_rate`): the clip is spent on lag and "
+                     "engine. async_objective='decoupled' clips on new/proximal only (docs/async.md).")
+    for k in sorted(buckets):
+        weight, ess = mean(k, "is_weight_mean"), mean(k, "is_ess")
+        if weight == 0:
+            notes.append(f"- **warning** every token of staleness {k} got IS weight 0 (`is_weight_mean` = 0: the "
+                         "is_correction rejected or masked them all): those tokens trained nothing. Widen the "
+                         "correction's bounds or choose a truncating preset (tis).")
+        elif ess is not None and ess < 0.5:
+            notes.append(f"- **warning** the IS weights of staleness {k} have an effective sample size of {_fmt(ess)}: "
+                         "a few tokens carry the gradient. Truncate the weight (is_correction='tis') or lower "
+                         "max_staleness.")
+    return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -569,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
         print(render_run(name, stats, found, config))
         if attribution := render_attribution(history):
             print(attribution)
-        if staleness := render_staleness(history):
+        if staleness := render_staleness(history, config):
             print(staleness)
     for p, s in summaries:
         print(render_comparison(s, comparison_series(p if p.is_dir() else p.parent)))

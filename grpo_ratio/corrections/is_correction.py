@@ -451,7 +451,8 @@ def resolve_correction(name: str | None, level: str | None = None, action: str |
         if name is not None and name not in PRESETS:
             raise ValueError(f"is_correction={name!r} is not allowed; allowed: {', '.join(PRESETS)}, custom (or unset)")
         if given:
-            raise ValueError(f"{', '.join(given)} only apply with is_correction='custom', but is_correction={name!r}")
+            raise ValueError(f"{', '.join(given)} only {'applies' if len(given) == 1 else 'apply'} with "
+                             f"is_correction='custom', but is_correction={name!r}")
         return None if name is None else PRESETS[name].correction
     if level is None:
         raise ValueError(f"is_correction='custom' needs is_correction_level, one of {', '.join(LEVELS)}")

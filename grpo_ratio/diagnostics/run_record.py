@@ -50,7 +50,8 @@ RUN_FIELDS = ("old_logprob_mode", "guided_fp32_layers", "truncation_correction",
               "min_p", "temperature", "bf16", "fp16", "use_vllm", "vllm_dtype", "vllm_importance_sampling_correction",
               "num_iterations", "disable_dropout", "mask_truncated_completions", "max_completion_length",
               "ratio_diagnostics", "learning_rate", "max_steps", "per_device_train_batch_size", "num_generations",
-              "routing_replay", "ratio_attribution", "async_objective", "trl_trainer")
+              "routing_replay", "ratio_attribution", "is_correction", "async_objective", "max_staleness",
+              "trl_trainer")
 
 
 def run_config(args) -> dict:

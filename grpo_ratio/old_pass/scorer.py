@@ -63,7 +63,7 @@ from .forward import (
     rope_fp32_forward,
 )
 from .sharding.base import ShardedPolicy
-from .tree_attention import torch_tree_attention
+from .tree_attention import fp32_tree_attention
 
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
@@ -481,11 +481,11 @@ class OldLogprobScorer:
             return packed_head_input(model, forward_kwargs)
 
         deterministic = eval_mode(self.model) if not self.spec.trl_pass else contextlib.nullcontext()
-        # attention in fp32 (a whole fp32 pass, fp32 layers): TRL's flash-attn3 tree kernel takes fp16/bf16 only and
-        # transformers' sdpa fallback would attend across the row's samples: the torch tree kernel instead
+        # attention in fp32 (a whole fp32 pass, fp32 layers): TRL's flash-attn3 tree kernel takes fp16/bf16 only (TRL
+        # casts fp32 inputs down for it) and transformers' sdpa fallback would attend across the row's samples
         fp32_attention = self.spec.whole_model_dtype == "fp32" or bool(self.spec.fp32_layers)
         with deterministic, ieee_fp32(not self.spec.trl_pass), \
-                torch_tree_attention() if fp32_attention else contextlib.nullcontext():
+                fp32_tree_attention() if fp32_attention else contextlib.nullcontext():
             head = self._head_of_mode(run, version)
             logps = head.projection.logprobs(head.hidden[0, positions], targets, temperature)  # (M,)
             # fp16 overflow must never reach the ratio (one host read, fp16 only)

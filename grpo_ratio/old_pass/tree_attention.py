@@ -68,7 +68,8 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
 @contextlib.contextmanager
 def torch_tree_attention():
     """Within the block, TRL's `tree_fa3` attention calls `flash_attn_varlen_func` above instead of the flash-attn3
-    kernel (`trl.experimental.async_grpo.packing._flash_attn` replaced, then restored)."""
+    kernel (`trl.experimental.async_grpo.packing._flash_attn` replaced, then restored). TRL's own `tree_attention`
+    still runs around it, with its cast of the inputs to the kernel's dtype (CPU tests of TRL's trainer)."""
     from trl.experimental.async_grpo import packing
 
     original = packing._flash_attn
@@ -77,3 +78,33 @@ def torch_tree_attention():
         yield
     finally:
         packing._flash_attn = original
+
+
+def tree_attention_in_input_dtype(module, query, key, value, attention_mask, *, tree_kv_index, tree_cu_seqlens_q,
+                                  tree_cu_seqlens_k, tree_max_seqlen_q, tree_max_seqlen_k, scaling=None,
+                                  sliding_window=None, softcap=None, **kwargs):
+    """TRL's `tree_attention` (the same signature, the same K/V gather along each segment's root-to-segment path) on
+    `flash_attn_varlen_func` above, without TRL's cast to a flash-attention dtype: fp32 inputs are attended in fp32,
+    whatever dtype the module's other weights hold (a per-layer cast, `copy_storage="per_layer"`, holds them in bf16
+    until each runs). Shapes: query (1, H, N, d), key/value (1, H_kv, N, d); returns ((1, N, H, d), None)."""
+    q, k, v = (x.transpose(1, 2)[0] for x in (query, key, value))  # (N, H, d), (N, H_kv, d) x 2
+    out = flash_attn_varlen_func(q, k.index_select(0, tree_kv_index), v.index_select(0, tree_kv_index),
+                                 tree_cu_seqlens_q, tree_cu_seqlens_k, tree_max_seqlen_q, tree_max_seqlen_k,
+                                 softmax_scale=scaling, causal=True,
+                                 window_size=(sliding_window - 1, 0) if sliding_window else (-1, -1),
+                                 softcap=softcap or 0.0)
+    return out.unsqueeze(0), None
+
+
+@contextlib.contextmanager
+def fp32_tree_attention():
+    """Within the block, the `tree_fa3` attention implementation is `tree_attention_in_input_dtype` (transformers'
+    `AttentionInterface` entry replaced, then TRL's restored): the fp32 proximal passes of `RatioAsyncGRPOTrainer`."""
+    from transformers import AttentionInterface
+    from trl.experimental.async_grpo import packing
+
+    AttentionInterface.register(packing.TREE_ATTENTION, tree_attention_in_input_dtype)
+    try:
+        yield
+    finally:
+        AttentionInterface.register(packing.TREE_ATTENTION, packing.tree_attention)
