@@ -3,12 +3,13 @@
 `ratio/staleness/<k>/*` diagnostics (grpo_ratio.diagnostics.staleness) with the values its objective implies.
 
 What the values must be, with the server and the trainer both in fp32 (async_lane_utils.serve_command):
-- at step 1 every token is fresh (k = 0) and the adapter still zero: new/behaviour is 1 to fp32 rounding (at later
-  steps the k = 0 bucket also holds tokens one sync old: pinned below, in the "coupled" run);
+- at step 1 every token is fresh (k = 0) and the adapter still zero: new/behaviour is 1 to fp32 rounding; staleness is
+  counted at the loss, so a k = 0 token is on-policy at every step (checked in the "coupled" run);
 - "coupled" (TRL's loss) clips against nothing but new/behaviour: the clip flips are the new/behaviour clips;
 - "decoupled": the proximal pass is the policy before the step, on the batch as consumed: new/proximal is 1 (the
-  `bf16` mode is the training forward's own call; `fp32_clone` an fp32 pass of the same fp32 weights), never
-  clipped, never out of band; the IS weight is exp(proximal - behaviour), 1 at step 1;
+  `bf16` mode is the training forward's own call; `fp16_clone` an fp16 copy of the policy, the LoRA adapter merged,
+  refreshed after every step: within the band), never clipped, never out of band; the IS weight is
+  exp(proximal - behaviour), 1 at step 1 (to 1e-4; the fp16 copy to 1e-2);
 - "decoupled_loglinear": proximal = behaviour + k/(k+1) (new - behaviour): at k = 0 the proximal is the behaviour
   (IS weight exactly 1, no flip), at k >= 1 both new/proximal and proximal/behaviour are closer to 1 than new/behaviour.
 """
@@ -36,7 +37,7 @@ def by_staleness(entry: dict) -> dict[int, dict[str, float]]:
     return buckets
 
 
-@pytest.mark.parametrize("objective, mode", [("coupled", "bf16"), ("decoupled", "bf16"), ("decoupled", "fp32_clone"),
+@pytest.mark.parametrize("objective, mode", [("coupled", "bf16"), ("decoupled", "bf16"), ("decoupled", "fp16_clone"),
                                              ("decoupled_loglinear", "bf16")])
 def test_objective_trains_off_policy_and_logs_staleness_buckets(objective, mode, lora_server, tiny_chat_llama_dir,
                                                                  tmp_path):
@@ -75,7 +76,7 @@ def test_objective_trains_off_policy_and_logs_staleness_buckets(objective, mode,
                 assert values["new_prox_oob_rate"] <= values["new_behav_oob_rate"]
                 assert values["prox_behav_oob_rate"] <= values["new_behav_oob_rate"]
     if objective == "decoupled":
-        assert abs(buckets[0][0]["is_weight_mean"] - 1) < 1e-4
+        assert abs(buckets[0][0]["is_weight_mean"] - 1) < (1e-4 if mode == "bf16" else 1e-2)
     if objective == "coupled":
         # The staleness is counted at the loss (TRL 1.16's own count is one sync short for the first micro-batch of
         # every step after the first: accelerate's DataLoaderDispatcher fetches micro-batch i + 1 before it yields
