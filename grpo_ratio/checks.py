@@ -101,26 +101,8 @@ def check_config(args) -> None:
             f"truncation_correction={args.truncation_correction!r} is not allowed; allowed: "
             f"{', '.join(TRUNCATION_CORRECTIONS)}"
         )
-    layers, args.guided_fp32_calibration = resolve_layer_spec(args.guided_fp32_layers)
-    mode = MODES[args.old_logprob_mode]
-    if mode.fp32_layers and not layers:
-        raise ValueError(
-            "old_logprob_mode='guided_fp32' needs guided_fp32_layers: decoder-layer indices such as '0,1,27' or a "
-            "calibration JSON from `grpo-ratio probe layers` (with no layers use old_logprob_mode='fp32_head')"
-        )
-    if not mode.fp32_layers and layers:
-        raise ValueError(
-            f"guided_fp32_layers is only used by old_logprob_mode='guided_fp32', but old_logprob_mode="
-            f"{args.old_logprob_mode!r}; remove guided_fp32_layers or switch the mode"
-        )
-    # resolved list (None unless guided_fp32), checked against the model's layers when the trainer starts; a
-    # calibration file's metadata (`calibration_metadata`) too, for `grpo_ratio.checks.check_calibration`
-    args.guided_fp32_layer_ids = layers
-    if not 0.0 < args.ratio_band_low < 1.0 < args.ratio_band_high:
-        raise ValueError(
-            f"ratio band must satisfy 0 < ratio_band_low < 1 < ratio_band_high, got "
-            f"[{args.ratio_band_low}, {args.ratio_band_high}]"
-        )
+    _resolve_guided_layers(args)
+    _check_band(args)
     for name in ("record_sampler_logprobs", "sampler_logprobs_in_loss", "ratio_diagnostics", "ratio_full_vocab"):
         if not isinstance(getattr(args, name), bool):
             raise ValueError(f"{name} must be True or False, got {getattr(args, name)!r}")
@@ -148,6 +130,45 @@ def check_config(args) -> None:
                       "log-probs as sampling_per_token_logps", stacklevel=4)
 
 
+def _resolve_guided_layers(args) -> None:
+    """`guided_fp32_layers` resolved into `args.guided_fp32_layer_ids` (None unless guided_fp32; checked against the
+    model's layers when the trainer starts) and `args.guided_fp32_calibration` (a calibration file's metadata, for
+    `check_calibration`).
+
+    Raises:
+        ValueError: `"guided_fp32"` without layers, or layers with another mode.
+    """
+    layers, args.guided_fp32_calibration = resolve_layer_spec(args.guided_fp32_layers)
+    mode = MODES[args.old_logprob_mode]
+    if mode.fp32_layers and not layers:
+        raise ValueError(
+            "old_logprob_mode='guided_fp32' needs guided_fp32_layers: decoder-layer indices such as '0,1,27' or a "
+            "calibration JSON from `grpo-ratio probe layers` (with no layers use old_logprob_mode='fp32_head')"
+        )
+    if not mode.fp32_layers and layers:
+        raise ValueError(
+            f"guided_fp32_layers is only used by old_logprob_mode='guided_fp32', but old_logprob_mode="
+            f"{args.old_logprob_mode!r}; remove guided_fp32_layers or switch the mode"
+        )
+    args.guided_fp32_layer_ids = layers
+
+
+def _check_band(args) -> None:
+    """`ratio_band_low` / `ratio_band_high`: numbers with 0 < low < 1 < high.
+
+    Raises:
+        ValueError: naming the field (not a number) or the band.
+    """
+    for name in ("ratio_band_low", "ratio_band_high"):
+        if isinstance(getattr(args, name), bool) or not isinstance(getattr(args, name), (int, float)):
+            raise ValueError(f"{name} must be a number, got {getattr(args, name)!r}")
+    if not 0.0 < args.ratio_band_low < 1.0 < args.ratio_band_high:
+        raise ValueError(
+            f"ratio band must satisfy 0 < ratio_band_low < 1 < ratio_band_high, got "
+            f"[{args.ratio_band_low}, {args.ratio_band_high}]"
+        )
+
+
 def check_async_config(args) -> None:
     """Every refusal that needs a `RatioAsyncGRPOConfig` alone (its `__post_init__` calls it), and what it resolves:
     `args.guided_fp32_layer_ids`, `args.guided_fp32_calibration`, `args.is_correction_spec` (docs/async.md).
@@ -173,22 +194,10 @@ def check_async_config(args) -> None:
                          "async_objective='coupled' (TRL's loss); choose a proximal pass among "
                          f"{', '.join(m for m in SCORING_MODES if m != SAMPLER_MODE)}")
     _check_copy_storage(args)
-    layers, args.guided_fp32_calibration = resolve_layer_spec(args.guided_fp32_layers)
-    if MODES[args.old_logprob_mode].fp32_layers and not layers:
-        raise ValueError("old_logprob_mode='guided_fp32' needs guided_fp32_layers: decoder-layer indices such as "
-                         "'0,1,27' or a calibration JSON (with no layers use old_logprob_mode='fp32_head')")
-    if layers and not MODES[args.old_logprob_mode].fp32_layers:
-        raise ValueError(f"guided_fp32_layers is only used by old_logprob_mode='guided_fp32', but old_logprob_mode="
-                         f"{args.old_logprob_mode!r}; remove guided_fp32_layers or switch the mode")
-    args.guided_fp32_layer_ids = layers
-    for name in ("ratio_band_low", "ratio_band_high"):
-        if isinstance(getattr(args, name), bool) or not isinstance(getattr(args, name), (int, float)):
-            raise ValueError(f"{name} must be a number, got {getattr(args, name)!r}")
+    _resolve_guided_layers(args)
     if isinstance(args.max_staleness, bool) or not isinstance(args.max_staleness, int) or args.max_staleness < 0:
         raise ValueError(f"max_staleness must be an integer >= 0 (0: fresh samples only), got {args.max_staleness!r}")
-    if not 0.0 < args.ratio_band_low < 1.0 < args.ratio_band_high:
-        raise ValueError(f"ratio band must satisfy 0 < ratio_band_low < 1 < ratio_band_high, got "
-                         f"[{args.ratio_band_low}, {args.ratio_band_high}]")
+    _check_band(args)
     if not isinstance(args.ratio_diagnostics, bool):
         raise ValueError(f"ratio_diagnostics must be True or False, got {args.ratio_diagnostics!r}")
     args.is_correction_spec = resolve_correction(args.is_correction, args.is_correction_level,

@@ -39,12 +39,16 @@ def loglinear_alpha(staleness: torch.Tensor) -> torch.Tensor:
     Returns:
         (M,) fp32 in [0, 1).
     Raises:
-        ValueError: a negative staleness (an untagged term).
+        ValueError: a negative staleness (an untagged term) on CPU; on an accelerator a device-side assertion (a
+            `RuntimeError` at the next synchronisation).
     """
     k = staleness.float()
-    if bool((k < 0).any()):
-        raise ValueError("loglinear_alpha: a term has no staleness (negative k); every consumed sample must carry "
-                         "its policy version")
+    message = "loglinear_alpha: a term has no staleness (negative k); every consumed sample must carry its version"
+    if k.device.type == "cpu":  # a host check costs nothing here
+        if bool((k < 0).any()):
+            raise ValueError(message)
+    else:  # on an accelerator, checked on the device: no host sync per micro-batch (raises at the next sync)
+        torch._assert_async((k >= 0).all(), message)
     return k / (k + 1.0)
 
 
