@@ -49,7 +49,8 @@ class RatioFields:
         How `"fp16_clone"` (and `"fp32_clone"` on bf16/fp16-stored weights) hold the policy in the copy's dtype:
         `"resident"` keeps a whole copy between old passes (2 bytes per parameter in fp16), refreshed after each
         optimizer step; `"per_layer"` keeps none and casts each module's weights just before it runs in the old pass
-        (one module held, no refresh; bitwise the same log-probs). Not with PEFT adapters or FSDP2/ZeRO-3.
+        (one module held, no refresh; bitwise the same log-probs; PEFT adapters merged one layer at a time as it
+        runs). Not under FSDP2/ZeRO-3.
 
     > Parameters that control truncated-sampling correction
 
@@ -150,7 +151,8 @@ class RatioFields:
             "help": "How fp16_clone (and fp32_clone on bf16/fp16-stored weights) hold the copy: 'resident' (a whole "
             "copy kept between old passes, 2 bytes/param in fp16, refreshed after every optimizer step) or "
             "'per_layer' (each module's weights cast just before it runs in the old pass and freed after: one module "
-            "held, no refresh, bitwise the same log-probs). Not with PEFT adapters or FSDP2/ZeRO-3.",
+            "held, no refresh, bitwise the same log-probs; PEFT adapters merged one layer at a time as it runs). Not under "
+            "FSDP2/ZeRO-3.",
             "choices": list(COPY_STORAGES),
         },
     )

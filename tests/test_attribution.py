@@ -147,6 +147,110 @@ def test_bad_values_are_refused_naming_the_field(tmp_path, overrides, match):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# the reference scorer meets every start-up check of a scoring mode (checks.scoring_uses)
+
+
+def test_the_modes_a_run_scores_with(tmp_path):
+    from trainer_fixtures import tiny_grpo_args
+
+    from grpo_ratio.checks import scoring_uses
+
+    def uses(**overrides):
+        return [(u.mode, u.field) for u in scoring_uses(tiny_grpo_args(tmp_path, **overrides))]
+
+    assert uses() == [("bf16", "old_logprob_mode")]
+    assert uses(ratio_attribution=True) == [("bf16", "old_logprob_mode"), ("fp32_clone", "ratio_attribution")]
+    assert uses(old_logprob_mode="fp16_clone", ratio_attribution=4) == [("fp16_clone", "old_logprob_mode"),
+                                                                         ("fp32_clone", "ratio_attribution")]
+    assert uses(old_logprob_mode="fp32_clone", ratio_attribution=True) == [("fp32_clone", "old_logprob_mode")]
+
+
+def _zero3(**config):
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    plugin = SimpleNamespace(zero_stage=3, deepspeed_config={"zero_optimization": {"stage": 3}, **config})
+    return SimpleNamespace(state=SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, deepspeed_plugin=plugin))
+
+
+def _fsdp2(offload=False):
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    plugin = SimpleNamespace(fsdp_version=2, cpu_offload=CPUOffloadPolicy() if offload else OffloadPolicy())
+    return SimpleNamespace(state=SimpleNamespace(distributed_type=DistributedType.FSDP, fsdp_plugin=plugin))
+
+
+def _frozen_embedding():
+    from grpo_ratio.testing import tiny_model
+
+    model = tiny_model()
+    model.get_input_embeddings().weight.requires_grad_(False)
+    return model
+
+
+def _lora():
+    peft = pytest.importorskip("peft")
+    from grpo_ratio.testing import tiny_model
+
+    return peft.get_peft_model(tiny_model(), peft.LoraConfig(r=2, target_modules=["q_proj"]))
+
+
+SHARDED_REFUSALS = {  # (accelerator, model, config overrides, what the message says)
+    "zero3_frozen": (lambda: _zero3(bf16={"enabled": True}), _frozen_embedding, {},
+                     "frozen parameters .* have no fp32 master partition to copy from; train every parameter, or turn "
+                     "ratio_attribution off"),
+    "zero3_peft": (lambda: _zero3(bf16={"enabled": True}), _lora, {}, "a PEFT adapter is not supported"),
+    "fsdp2_peft": (_fsdp2, _lora, {}, "a PEFT adapter is not supported"),
+    "zero3_offload": (lambda: _zero3(zero_optimization={"stage": 3, "offload_param": {"device": "cpu"}}), None, {},
+                      "parameter offload \\(offload_param\\) is not supported; turn offload_param off, or turn "
+                      "ratio_attribution off"),
+    "fsdp2_offload": (lambda: _fsdp2(offload=True), None, {}, "parameter offload \\(fsdp_offload_params\\)"),
+    "fsdp2_fp16": (_fsdp2, None, dict(bf16=False, fp16=True), "fp16 mixed precision"),
+}
+
+
+@pytest.mark.parametrize("case", list(SHARDED_REFUSALS))
+def test_sharded_set_ups_the_reference_cannot_run_are_refused_at_start_naming_ratio_attribution(tmp_path, case):
+    # the default old_logprob_mode ('bf16', TRL's own pass, never refused): only the attribution's fp32_clone
+    # reference scorer cannot run here, and the message says so (it used to fail at the first generation)
+    from trainer_fixtures import tiny_grpo_args
+
+    from grpo_ratio.checks import check_sharded_mode
+    from grpo_ratio.testing import tiny_model
+
+    accelerator, model, overrides, match = SHARDED_REFUSALS[case]
+    model = (model or tiny_model)()
+    check_sharded_mode(accelerator(), model, tiny_grpo_args(tmp_path, **overrides))  # attribution off: allowed
+    args = tiny_grpo_args(tmp_path, ratio_attribution=True, **overrides)
+    with pytest.raises(NotImplementedError, match=f"^ratio_attribution=True \\(its fp32 reference pass, an "
+                                                  f"'fp32_clone' scorer\\) under .*{match}"):
+        check_sharded_mode(accelerator(), model, args)
+
+
+def test_a_quantized_base_is_refused_at_start_naming_ratio_attribution(tmp_path):
+    from trainer_fixtures import tiny_grpo_args
+
+    from grpo_ratio import RatioGRPOTrainer
+    from grpo_ratio.testing import letter_reward, tiny_model, tiny_prompts, tiny_tokenizer
+
+    def build(**overrides):
+        model = tiny_model("qwen2")
+        model.config.quantization_config = {"quant_method": "bitsandbytes", "load_in_4bit": True}  # as QLoRA loads
+        return RatioGRPOTrainer(model=model, reward_funcs=letter_reward, args=tiny_grpo_args(tmp_path, **overrides),
+                                train_dataset=tiny_prompts(4), processing_class=tiny_tokenizer())
+
+    build()  # the default mode is TRL's own pass: a quantized base is fine
+    with pytest.raises(ValueError, match="^ratio_attribution=True \\(its fp32 reference pass, an 'fp32_clone' "
+                                         "scorer\\) copies the model's modules in another dtype, but the base model "
+                                         "is quantized \\(bitsandbytes\\).*Turn it off: turn ratio_attribution off"):
+        build(ratio_attribution=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # on tiny models (CPU, transformers generate)
 
 
@@ -219,6 +323,70 @@ def test_on_a_tiny_moe_the_routing_term_is_non_zero_without_replay_and_0_with_r3
     else:
         assert max(routing) > 1e-4
     assert all(_term(row, "precision") == 0.0 for row in _steps(trainer))  # the reference is the fp32_clone pass
+
+
+class _WeightCasts:
+    """A dispatcher mode: the fp32 casts of the policy's weights (`_to_copy` of a parameter's storage) alive at once
+    inside the block, at most (`peak`, bytes), and how many are alive at its end (`alive`)."""
+
+    def __init__(self, model):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        live = {}
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(mode, func, types, args=(), kwargs=None):
+                import weakref
+
+                out = func(*args, **(kwargs or {}))
+                source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+                if (func is torch.ops.aten._to_copy.default and out.dtype == torch.float32 and source is not None
+                        and source.untyped_storage().data_ptr() in weights):
+                    live[id(out)] = (weakref.ref(out), out.untyped_storage().nbytes())
+                for key in [k for k, (ref, _) in live.items() if ref() is None]:
+                    del live[key]
+                self.peak = max(self.peak, sum(n for _, n in live.values()))
+                return out
+
+        self.mode, self.live, self.peak = Mode(), live, 0
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+        self.alive = sum(n for ref, n in self.live.values() if ref() is not None)
+
+
+@pytest.mark.parametrize("adapters", [False, True])
+def test_on_bf16_weights_the_reference_keeps_no_fp32_copy_and_casts_one_module_at_a_time(tmp_path, adapters):
+    # a bf16-stored policy (every PEFT run, dtype=bfloat16): the fp32 reference used to hold a resident fp32 copy of
+    # the whole model (4 bytes per parameter on every rank, 30 GB at 7B); now each module's weights are cast (a LoRA
+    # layer merged) just before it runs and dropped after: about the largest module's fp32 bytes alive, none kept
+    from grpo_ratio.testing import tiny_model
+
+    peft = pytest.importorskip("peft") if adapters else None
+    model = tiny_model("qwen2", dtype=torch.bfloat16)
+    whole = sum(p.numel() for p in model.parameters()) * 4  # an fp32 copy of the whole model (452 kB here)
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()) * 4  # 300 x 64
+    trainer = tiny_trainer(tmp_path, model=model, ratio_attribution=True,
+                           peft_config=peft.LoraConfig(r=2, target_modules="all-linear") if adapters else None)
+    trainer.train()
+    steps = _steps(trainer)
+    assert len(steps) == 2 and all(row[keys.ATTRIBUTION_IDENTITY_ERROR] <= 1e-6 for row in steps)
+    assert all(_term(row, "precision") > 1e-4 for row in steps)  # bf16 weights and autocast vs the fp32 reference
+    reference = trainer.reference_scorer
+    assert reference is not trainer.scorer and reference.copies() == [] and reference.extra_bytes() == 0
+    cast = reference.per_layer_cast(torch.float32)
+    assert cast.num_casts > 0 and cast.peak_bytes == largest == 300 * 64 * 4 and largest < whole / 5
+    # measured, not reported: the fp32 casts of the policy's weights alive at once during one reference pass
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    ids = torch.randint(2, 300, (4, 12), generator=torch.Generator().manual_seed(0))
+    with _WeightCasts(policy) as casts:
+        reference.score(ids, torch.ones_like(ids), 5, batch_size=2)
+    assert 0 < casts.peak <= largest and casts.alive == 0
 
 
 def test_off_by_default_no_key_and_stock_trl_values_and_on_it_changes_no_trl_value(tmp_path):
