@@ -356,7 +356,8 @@ class RatioHooks:
     def _score_reference(self, output, generation) -> None:
         """`ratio_attribution`: the fp32 reference passes (`reference_scorer`) of the sampled rows, at the weights that
         generated them, kept on `generation` (`AttributionReference`); the rows' positions go with the batch
-        (`attribution_row`) to the micro-batches, where the diagnostics add the drift term (docs/attribution.md)."""
+        (`attribution_row`) to the micro-batches, where the diagnostics add the drift and train_precision terms
+        (docs/attribution.md)."""
         input_ids, attention_mask, T, batch_size = self._scoring_inputs(output, generation.mode)
         rows = sample_rows(input_ids.size(0), self.plan.attribution_rows, input_ids.device)  # (n,)
         ids, mask = input_ids[rows], attention_mask[rows]  # (n, P+T)
