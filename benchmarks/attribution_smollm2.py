@@ -30,6 +30,7 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 import yaml  # noqa: E402
 
 # no torch import at module level: rendering a result stays light
+from grpo_ratio.analysis.plots import arm_label  # noqa: E402
 from grpo_ratio.diagnostics import metric_keys as keys  # noqa: E402
 from grpo_ratio.machine import describe_machine, machine_record  # noqa: E402
 
@@ -88,19 +89,37 @@ def _cell(value: float | None, spec: str) -> str:
     return "–" if value is None else format(value, spec)
 
 
+def recorded_terms(data: dict) -> list[str]:
+    """The attribution terms a result holds, in `metric_keys.ATTRIBUTION_TERMS` order: all six for a result recorded
+    now; five (no `train_precision`) for one recorded before `drift` was split, whose `drift` is new - old at the
+    first inner step, today's `train_precision`."""
+    summaries = [run["summary"] for run in data["runs"]]
+    return [t for t in keys.ATTRIBUTION_TERMS if all(keys.attribution_key(t, "share") in m for m in summaries)]
+
+
+def _arm(fields: dict) -> str:
+    # the benchmark's runs train under bf16 autocast (the recipe's bf16=True): `bf16` is TRL's own pass in bf16
+    return arm_label(fields["old_logprob_mode"], bf16=True)
+
+
 def render(data: dict) -> str:
     s = data["settings"]
     out = [f"Command: `{s['command']}`. {s['model']}, {s['steps']} steps per run, {s['config']}; "
            f"{describe_machine(data.get('machine'))}.", ""]
-    terms = keys.ATTRIBUTION_TERMS
+    terms = recorded_terms(data)
     out += ["| arm | top_p | " + " | ".join(f"{t}: share, mean" for t in terms) + " | identity error |",
             "|---" * (len(terms) + 3) + "|"]
     for run in data["runs"]:
         m = run["summary"]
         cells = [f"{_cell(m[keys.attribution_key(t, 'share')], '.1%')}, "
                  f"{_cell(m[keys.attribution_key(t, 'mean')], '+.4f')}" for t in terms]
-        out.append(f"| {run['fields']['old_logprob_mode']} | {run['fields']['top_p']} | " + " | ".join(cells)
+        out.append(f"| {_arm(run['fields'])} | {run['fields']['top_p']} | " + " | ".join(cells)
                    + f" | {_cell(m[keys.ATTRIBUTION_IDENTITY_ERROR], '.1e')} |")
+    if "train_precision" not in terms:
+        out += ["", f"Recorded with the {len(terms)} terms of the time ({', '.join(terms)}): their `drift` is "
+                "new - old at the first inner step, which is today's `train_precision` (how the training forward "
+                "computes against the old pass); today's `drift`, what moved since the batch was generated, is 0 "
+                "there."]
     c = data["cost"]
     if "rounds" in c:  # alternating pairs (--cost-rounds)
         out += ["", "Share: the term's part of the summed |terms|; mean: its signed mean (nats per token); mean over "

@@ -19,6 +19,7 @@ import logging
 import re
 import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -60,6 +61,58 @@ VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 ALL_ROWS = 2**31 - 1  # `ratio_attribution=True`: every row of a generation batch (`args.ratio_attribution_rows`)
 # vLLM's `vllm serve` flag (also `trl vllm-serve`, which passes it through) for the engine's LM head in fp32
 VLLM_FP32_HEAD_FLAG = """--hf-overrides '{"head_dtype": "float32"}'"""
+
+
+@dataclass(frozen=True)
+class ScoringUse:
+    """One mode a run scores with, and the setting that asks for it (`scoring_uses`).
+
+    Attributes:
+        mode: a `SCORING_MODES` name.
+        field: the config field that asks for it: `"old_logprob_mode"` or `"ratio_attribution"`.
+        subject: how a refusal names it (`old_logprob_mode='fp16_clone'`, or `ratio_attribution=True (its fp32
+            reference pass, an fp32_clone scorer)`).
+        off: what turns the use off, for a refusal's "or ..." (`use old_logprob_mode='bf16'`).
+        copy_storage: how the scorer holds a whole-model copy: the `copy_storage` field for the mode's own scorer;
+            None for the attribution's reference, which picks its own (`reference_copy_storage`: per-module casts
+            unsharded, the engine's shadows sharded).
+    """
+
+    mode: str
+    field: str
+    subject: str
+    off: str
+    copy_storage: str | None = "resident"
+
+
+def reference_copy_storage(sharded: bool) -> str:
+    """How `ratio_attribution`'s fp32 reference holds the fp32 weights of a policy stored in bf16/fp16: cast module by
+    module during its pass (`"per_layer"`, `PerLayerCast`: about the largest module's fp32 bytes alive, none kept) on
+    an unsharded policy; the engine's sharded shadows (`"resident"`) under FSDP2/ZeRO-3."""
+    return "resident" if sharded else "per_layer"
+
+
+def scoring_uses(args) -> list[ScoringUse]:
+    """Every mode this run scores with, each once: `old_logprob_mode`'s, then, with `ratio_attribution` on and another
+    mode, its fp32 reference (an `fp32_clone` scorer, `RatioHooks.reference_scorer`). Every start-up refusal keyed on a mode (`check_sharded_mode`,
+    `check_quantized_copy`, `check_fp32_attention`, `check_old_pass`) runs over this list, so a scorer the run builds
+    is never one that no check saw.
+
+    Args:
+        args: a `RatioGRPOConfig` / `RatioRLOOConfig` (or any object with `old_logprob_mode`; `copy_storage` and
+            `ratio_attribution_rows` are read when present).
+    Returns:
+        `ScoringUse`s, the mode's own first.
+    """
+    mode = args.old_logprob_mode
+    uses = [ScoringUse(mode, "old_logprob_mode", f"old_logprob_mode={mode!r}", f"use old_logprob_mode={TRL_MODE!r}",
+                       getattr(args, "copy_storage", "resident"))]
+    if getattr(args, "ratio_attribution_rows", None) is not None and mode != FP32_CLONE.name:
+        value = getattr(args, "ratio_attribution", True)
+        uses.append(ScoringUse(FP32_CLONE.name, "ratio_attribution",
+                               f"ratio_attribution={value!r} (its fp32 reference pass, an {FP32_CLONE.name!r} scorer)",
+                               "turn ratio_attribution off", None))
+    return uses
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -841,8 +894,9 @@ def lint_trainer(trainer, policy: nn.Module) -> None:
     check_fsdp2_rounding(engine_of(trainer.accelerator), args, plan.anchor_is_policy)
     check_cpu_precision(args, trainer.accelerator.device.type)
     check_mode_precision(args, trainer_dtype)
-    check_quantized_copy(policy, args.old_logprob_mode)
-    check_fp32_attention(policy, args.old_logprob_mode)
+    for use in scoring_uses(args):  # old_logprob_mode's, and ratio_attribution's fp32 reference
+        check_quantized_copy(policy, use.mode, use)
+        check_fp32_attention(policy, use.mode, use)
     check_r2_has_an_old_pass(plan)
     check_engine(trainer.accelerator)
 
@@ -899,7 +953,8 @@ def check_train_again(engine: str, trained: bool) -> None:
 
 
 def check_sharded_mode(accelerator, model: nn.Module, args) -> None:
-    """Refuse at start-up the sharded combinations in which `args.old_logprob_mode` cannot be made exact.
+    """Refuse at start-up the sharded combinations in which a mode the run scores with (`scoring_uses`:
+    `args.old_logprob_mode`, and `ratio_attribution`'s `fp32_clone` reference) cannot be made exact.
 
     `bf16` is TRL's own pass and always allowed. Checked before accelerate wraps the model (in the trainer's
     `__init__`), from accelerate's state and the config.
@@ -909,66 +964,83 @@ def check_sharded_mode(accelerator, model: nn.Module, args) -> None:
             precision (`fp16=True`) under FSDP2 or ZeRO-3; parameter offload to CPU (`fsdp_offload_params`, ZeRO-3
             `offload_param`); DeepSpeed's `torch_autocast`; under ZeRO-3, frozen parameters where the mode copies
             from the fp32 masters (bf16 engines, or `fp16_clone`); `copy_storage="per_layer"` (the copies are the
-            engine's sharded shadows). Each message names the combination and what works.
+            engine's sharded shadows). Each message names the setting (`old_logprob_mode` or `ratio_attribution`),
+            the combination and what works.
     """
-    mode = args.old_logprob_mode
     engine = engine_of(accelerator)
-    if MODES[mode].trl_pass or engine == "none":
+    if engine == "none":
         return
+    for use in scoring_uses(args):
+        if not MODES[use.mode].trl_pass:
+            _check_sharded_use(use, engine, accelerator, model, args)
+
+
+def _check_sharded_use(use: ScoringUse, engine: str, accelerator, model: nn.Module, args) -> None:
     name = {"fsdp1": "FSDP1", "fsdp2": "FSDP2", "zero3": "DeepSpeed ZeRO-3"}[engine]
     if engine == "fsdp1":
-        _refuse(mode, name, "FSDP1 is not supported", "set `fsdp_version: 2` (recipes/accelerate_configs/fsdp2.yaml)")
+        _refuse(use, name, "FSDP1 is not supported", "set `fsdp_version: 2` (recipes/accelerate_configs/fsdp2.yaml)")
     if has_adapters(model):
-        _refuse(mode, name, "a PEFT adapter is not supported there (the shadows would need the adapters merged "
-                "across shards)", "use DDP or ZeRO-2 (parameters replicated), or old_logprob_mode='bf16'")
+        _refuse(use, name, "a PEFT adapter is not supported there (the shadows would need the adapters merged "
+                "across shards)", f"use DDP or ZeRO-2 (parameters replicated), or {use.off}")
     if args.fp16:
-        _refuse(mode, name, "fp16 mixed precision (fp16=True) is not supported", "use bf16=True or bf16=False")
-    if getattr(args, "copy_storage", "resident") == "per_layer":
-        _refuse(mode, name, "copy_storage='per_layer' is not supported (the copies are the engine's sharded shadows)",
+        _refuse(use, name, "fp16 mixed precision (fp16=True) is not supported", "use bf16=True or bf16=False")
+    if use.copy_storage == "per_layer":  # the attribution's reference uses the shadows here (None)
+        _refuse(use, name, "copy_storage='per_layer' is not supported (the copies are the engine's sharded shadows)",
                 "use copy_storage='resident'")
     if engine == "fsdp2":
-        _check_fsdp2(mode, name, accelerator.state.fsdp_plugin)
+        _check_fsdp2(use, name, accelerator.state.fsdp_plugin)
     else:
-        _check_zero3(mode, name, accelerator.state.deepspeed_plugin.deepspeed_config, model)
+        _check_zero3(use, name, accelerator.state.deepspeed_plugin.deepspeed_config, model)
 
 
-def _check_fsdp2(mode: str, name: str, plugin) -> None:
+def _check_fsdp2(use: ScoringUse, name: str, plugin) -> None:
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     if isinstance(plugin.cpu_offload, CPUOffloadPolicy):  # the shadows and policy swaps assume on-device shards
-        _refuse(mode, name, "parameter offload (fsdp_offload_params) is not supported",
-                "turn offload off, or use old_logprob_mode='bf16'")
+        _refuse(use, name, "parameter offload (fsdp_offload_params) is not supported",
+                f"turn offload off, or {use.off}")
 
 
-def _check_zero3(mode: str, name: str, ds_config: dict, model: nn.Module) -> None:
+def _check_zero3(use: ScoringUse, name: str, ds_config: dict, model: nn.Module) -> None:
     offload = ds_config.get("zero_optimization", {}).get("offload_param", {}).get("device", "none")
     if str(offload).lower() not in ("none", "auto"):  # the shadows' refresh reads on-device partitions
-        _refuse(mode, name, "parameter offload (offload_param) is not supported",
-                "turn offload_param off, or use old_logprob_mode='bf16'")
+        _refuse(use, name, "parameter offload (offload_param) is not supported",
+                f"turn offload_param off, or {use.off}")
     if ds_config.get("torch_autocast", {}).get("enabled", False) is True:  # fp32 weights, bf16 compute: untested
-        _refuse(mode, name, "DeepSpeed's torch_autocast is not supported", "use the bf16 section instead")
+        _refuse(use, name, "DeepSpeed's torch_autocast is not supported", "use the bf16 section instead")
     # bf16 engines hold fp32 only as the optimizer's masters; fp16_clone copies from them in any precision
-    needs_master = ds_config.get("bf16", {}).get("enabled", False) is True or MODES[mode].whole_model_dtype == "fp16"
+    needs_master = (ds_config.get("bf16", {}).get("enabled", False) is True
+                    or MODES[use.mode].whole_model_dtype == "fp16")
     frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
     if needs_master and frozen:
-        _refuse(mode, name, f"frozen parameters ({frozen[0]}, ...) have no fp32 master partition to copy from",
-                "train every parameter, or use old_logprob_mode='bf16'")
+        _refuse(use, name, f"frozen parameters ({frozen[0]}, ...) have no fp32 master partition to copy from",
+                f"train every parameter, or {use.off}")
 
 
-def _refuse(mode: str, engine: str, why: str, instead: str):
-    raise NotImplementedError(f"old_logprob_mode={mode!r} under {engine}: {why}; {instead} (docs/distributed.md)")
+def _refuse(use: ScoringUse, engine: str, why: str, instead: str):
+    raise NotImplementedError(f"{use.subject} under {engine}: {why}; {instead} (docs/distributed.md)")
 
 
-def check_old_pass(policy: nn.Module, args, scorer_mode: str | None) -> None:
-    """What the scoring mode needs of this model (decoder-layer indices, the model's anatomy, the copy storage),
-    checked when the trainer starts rather than at the first old pass; the scorer itself is built on first use, after
-    accelerate wrapped the model (`grpo_ratio.old_pass.scorer.check_scorer_setup`, which its constructor runs too).
+def check_old_pass(policy: nn.Module, args) -> None:
+    """What each scorer the run builds needs of this model (decoder-layer indices, the model's anatomy, the copy
+    storage): the scoring mode's and `ratio_attribution`'s `fp32_clone` reference (`scoring_uses`), checked when the
+    trainer starts rather than at the first old pass; the scorers themselves are built on first use, after accelerate
+    wrapped the model (`grpo_ratio.old_pass.scorer.check_scorer_setup`, which their constructor runs too).
 
     Raises:
-        ValueError, NotImplementedError: as `check_scorer_setup`.
+        ValueError, NotImplementedError: as `check_scorer_setup`, the message prefixed by the setting that builds
+            the scorer when that is `ratio_attribution`.
     """
-    if scorer_mode is not None:
-        check_scorer_setup(policy, scorer_mode, args.guided_fp32_layer_ids, args.copy_storage)
+    for use in scoring_uses(args):
+        if not MODES[use.mode].has_scorer:
+            continue
+        layers = args.guided_fp32_layer_ids if use.field == "old_logprob_mode" else None
+        try:
+            check_scorer_setup(policy, use.mode, layers, use.copy_storage or reference_copy_storage(False))
+        except (ValueError, NotImplementedError) as err:
+            if use.field == "old_logprob_mode":
+                raise
+            raise type(err)(f"{use.subject}: {err}; or {use.off}") from err
 
 
 def check_run(args, sampling, backend: str, multi_turn: bool) -> None:
@@ -1081,14 +1153,17 @@ def is_quantized(model: nn.Module) -> bool:
                 or getattr(config, "quantization_config", None) is not None)
 
 
-def check_quantized_copy(model: nn.Module, mode: str) -> None:
+def check_quantized_copy(model: nn.Module, mode: str, use: ScoringUse | None = None) -> None:
     """Refuse a scoring mode that copies quantized modules on a quantized base: a whole-model copy (`fp32_clone`,
     `fp16_clone`: `MODES[mode].may_copy_whole_model`) or fp32 copies of decoder layers (`guided_fp32`) would cast
     packed 4/8-bit storage, and would not be the policy in another dtype anyway. `fp32_head` copies only the final norm
     and the LM head, which quantization leaves in their dtype.
 
+    Args:
+        use: the `ScoringUse` that asks for `mode` (`scoring_uses`), named in the message; None: `old_logprob_mode`.
     Raises:
-        ValueError: naming the mode, the quantization and what works.
+        ValueError: naming the setting (`old_logprob_mode`, or `ratio_attribution` for its `fp32_clone` reference),
+            the quantization and what works.
     """
     spec = MODES[mode]
     if not (spec.may_copy_whole_model or spec.fp32_layers) or not is_quantized(model):
@@ -1098,13 +1173,15 @@ def check_quantized_copy(model: nn.Module, mode: str) -> None:
     method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(quantization, "quant_method",
                                                                                              None)
     method = getattr(method, "value", method)  # transformers' QuantizationMethod enum
-    raise ValueError(f"old_logprob_mode={mode!r} copies the model's modules in another dtype, but the base model is "
-                     f"quantized ({method or 'quantization_config'}): a copy would cast its packed weights. Use "
-                     f"old_logprob_mode='fp32_head' (final norm and LM head in fp32; quantization leaves them as they "
-                     f"are) or 'bf16' (docs/compatibility.md)")
+    use = use or ScoringUse(mode, "old_logprob_mode", f"old_logprob_mode={mode!r}", "")
+    instead = ("Use old_logprob_mode='fp32_head' (final norm and LM head in fp32; quantization leaves them as they "
+               "are) or 'bf16'") if use.field == "old_logprob_mode" else f"Turn it off: {use.off}"
+    raise ValueError(f"{use.subject} copies the model's modules in another dtype, but the base model is "
+                     f"quantized ({method or 'quantization_config'}): a copy would cast its packed weights. "
+                     f"{instead} (docs/compatibility.md)")
 
 
-def check_fp32_attention(model: nn.Module, mode: str) -> str | None:
+def check_fp32_attention(model: nn.Module, mode: str, use: ScoringUse | None = None) -> str | None:
     """Say at start (the `grpo_ratio` logger, info) when the mode's passes run attention in fp32 (a whole fp32 forward,
     fp32 decoder layers, `fp16_clone`'s fp32 re-scoring) and the model's `attn_implementation` refuses fp32 inputs
     (FlashAttention): those passes run `sdpa` (`old_pass.forward.ieee_fp32`), the training forward keeps its kernel.
@@ -1113,6 +1190,7 @@ def check_fp32_attention(model: nn.Module, mode: str) -> str | None:
     name = attention_refusing_fp32(model) if (spec.whole_model_dtype is not None or spec.fp32_layers) else None
     if name is not None:
         logging.getLogger("grpo_ratio").info(
-            f"old_logprob_mode={mode!r} runs attention in fp32 and attn_implementation={name!r} takes fp16/bf16 only: "
+            f"{use.subject if use else f'old_logprob_mode={mode!r}'} runs attention in fp32 and "
+            f"attn_implementation={name!r} takes fp16/bf16 only: "
             f"its old passes run attn_implementation='sdpa' (IEEE fp32), the training forward keeps {name!r}")
     return name

@@ -49,7 +49,8 @@ class RatioFields:
         How `"fp16_clone"` (and `"fp32_clone"` on bf16/fp16-stored weights) hold the policy in the copy's dtype:
         `"resident"` keeps a whole copy between old passes (2 bytes per parameter in fp16), refreshed after each
         optimizer step; `"per_layer"` keeps none and casts each module's weights just before it runs in the old pass
-        (one module held, no refresh; bitwise the same log-probs). Not with PEFT adapters or FSDP2/ZeRO-3.
+        (one module held, no refresh; bitwise the same log-probs; PEFT adapters merged one layer at a time as it
+        runs). Not under FSDP2/ZeRO-3.
 
     > Parameters that control truncated-sampling correction
 
@@ -112,11 +113,13 @@ class RatioFields:
         full-vocabulary KL and total variation between the mode's old distribution and the policy's own at its
         training precision (`ratio/new_old/full_*`), from one more policy forward per old pass.
     ratio_attribution (`bool` or `int`, *optional*, defaults to `False`):
-        Split log(new) - log(sampler) of each scored token into named causes that add up (drift, precision,
-        routing, truncation, engine; `ratio/attribution/*`, docs/attribution.md): `True` on every row of each
-        generation batch, or a number of rows to sample per generation batch. Costs one fp32 reference pass of the
-        sampled rows per generation batch (two on an MoE policy whose old pass routes itself). Needs
-        `ratio_diagnostics` and sampler log-probs (`record_sampler_logprobs`, or vLLM).
+        Split log(new) - log(sampler) of each scored token into named causes that add up (drift, train_precision,
+        precision, routing, truncation, engine; `ratio/attribution/*`, docs/attribution.md): `True` on every row of
+        each generation batch, or a number of rows to sample per generation batch. Costs one fp32 reference pass of
+        the sampled rows per generation batch (two on an MoE policy whose old pass routes itself); on bf16-stored
+        weights its fp32 weights are cast one module at a time, none kept. Needs `ratio_diagnostics` and sampler
+        log-probs (`record_sampler_logprobs`, or vLLM); refused where an `fp32_clone` pass cannot run (a quantized
+        base, the sharded combinations `fp32_clone` is refused in).
     ratio_gate (`list[str]`, *optional*):
         Tolerance checks on logged metrics during training (`grpo_ratio.diagnostics.gate`: `"ratio/new_old/oob_rate<=0.01"`,
         `"first:ratio/new_old/mean_abs_log_ratio<1e-8"`; scopes `each` and `first`).
@@ -150,7 +153,8 @@ class RatioFields:
             "help": "How fp16_clone (and fp32_clone on bf16/fp16-stored weights) hold the copy: 'resident' (a whole "
             "copy kept between old passes, 2 bytes/param in fp16, refreshed after every optimizer step) or "
             "'per_layer' (each module's weights cast just before it runs in the old pass and freed after: one module "
-            "held, no refresh, bitwise the same log-probs). Not with PEFT adapters or FSDP2/ZeRO-3.",
+            "held, no refresh, bitwise the same log-probs; PEFT adapters merged one layer at a time as it runs). Not under "
+            "FSDP2/ZeRO-3.",
             "choices": list(COPY_STORAGES),
         },
     )
@@ -278,11 +282,12 @@ class RatioFields:
     )
     ratio_attribution: str | None = field(
         default=None,
-        metadata={"help": "Split log(new) - log(sampler) per token into drift, precision, routing, truncation and "
-                  "engine terms that add up (ratio/attribution/*, docs/attribution.md): true (every row of each "
-                  "generation batch) or a number of rows to sample per generation batch; unset or false: off. Costs "
-                  "one fp32 reference pass of the sampled rows per generation batch (two on an MoE policy routing "
-                  "itself)."},
+        metadata={"help": "Split log(new) - log(sampler) per token into drift, train_precision, precision, routing, "
+                  "truncation and engine terms that add up (ratio/attribution/*, docs/attribution.md): true (every "
+                  "row of each generation batch) or a number of rows to sample per generation batch; unset or false: "
+                  "off. Costs one fp32 reference pass of the sampled rows per generation batch (two on an MoE policy "
+                  "routing itself); refused where an fp32_clone pass cannot run (a quantized base, the sharded "
+                  "combinations fp32_clone is refused in)."},
     )
     ratio_gate: list[str] | None = field(
         default=None,

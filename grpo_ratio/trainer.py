@@ -36,7 +36,15 @@ import torch
 from trl import GRPOTrainer
 
 from ._compat import trl_field, trl_is_weight_gate
-from .checks import check_old_pass, check_run, check_sharded_mode, check_train_again, check_train_dataset, lint_trainer
+from .checks import (
+    check_old_pass,
+    check_run,
+    check_sharded_mode,
+    check_train_again,
+    check_train_dataset,
+    lint_trainer,
+    reference_copy_storage,
+)
 from .config import RatioGRPOConfig
 from .corrections.is_correction import importance_weights
 from .corrections.kept_logprobs import lift_sampler_logprobs
@@ -128,7 +136,7 @@ class RatioHooks:
             self.add_callback(RatioGateCallback(args.ratio_gate, args.ratio_gate_patience, args.ratio_gate_action))
         self.add_callback(RunRecordCallback())  # run.json + log_history.json in output_dir: what the report reads
         check_sharded_mode(self.accelerator, self.model, args)  # FSDP2/ZeRO-3 combinations that cannot be exact
-        check_old_pass(policy, args, self.plan.scorer_mode)  # layer indices, anatomy, copy storage: here, not at step 1
+        check_old_pass(policy, args)  # layer indices, anatomy, copy storage: here, not at step 1
         self._scorer = None  # built on first use (`scorer`): accelerate wraps FSDP2/ZeRO-3 models inside train()
         self._reference_scorer = None  # ratio_attribution's fp32 reference, built on first use (`reference_scorer`)
         # The two records between TRL's hooks (grpo_ratio/records.py): one per generation batch and mode, one per
@@ -151,18 +159,22 @@ class RatioHooks:
     @property
     def reference_scorer(self) -> OldLogprobScorer:
         """`ratio_attribution`'s fp32 reference (`fp32_clone`): the run's own scorer under `fp32_clone`, else one built
-        on first use (no copy on fp32-stored weights, an fp32 copy on bf16-stored ones, as `fp32_clone`)."""
+        on first use: no copy on fp32-stored weights; on bf16/fp16-stored ones the fp32 weights cast module by module
+        during its pass (`checks.reference_copy_storage`: about the largest module's fp32 bytes alive, nothing kept
+        between passes; PEFT adapters merged one tuner layer at a time), the engine's shadows under FSDP2/ZeRO-3.
+        `checks.scoring_uses` puts it through every start-up check of a scoring mode."""
         if self.plan.scorer_mode == FP32_CLONE.name:
             return self.scorer
         if self._reference_scorer is None:
-            self._reference_scorer = self._new_scorer(FP32_CLONE.name)
+            sharded = engine_of(self.accelerator) in ("fsdp2", "zero3")  # sharded_policy's engines
+            self._reference_scorer = self._new_scorer(FP32_CLONE.name, copy_storage=reference_copy_storage(sharded))
         return self._reference_scorer
 
-    def _new_scorer(self, mode: str, layers=None) -> OldLogprobScorer:
+    def _new_scorer(self, mode: str, layers=None, copy_storage: str | None = None) -> OldLogprobScorer:
         policy = self.accelerator.unwrap_model(self.model)
         return OldLogprobScorer(policy, mode, layers=layers, policy_autocast=self.accelerator.autocast,
-                                sharded=sharded_policy(self.accelerator, policy), copy_storage=self.args.copy_storage,
-                                route_hooks=self.routing.hooks)
+                                sharded=sharded_policy(self.accelerator, policy),
+                                copy_storage=copy_storage or self.args.copy_storage, route_hooks=self.routing.hooks)
 
     def _fused_head_fallback(self) -> str | None:
         """Why `fp32_head` must keep its separate old pass in this run, or None (`fused_head.fused_head_fallback`)."""
@@ -344,7 +356,8 @@ class RatioHooks:
     def _score_reference(self, output, generation) -> None:
         """`ratio_attribution`: the fp32 reference passes (`reference_scorer`) of the sampled rows, at the weights that
         generated them, kept on `generation` (`AttributionReference`); the rows' positions go with the batch
-        (`attribution_row`) to the micro-batches, where the diagnostics add the drift term (docs/attribution.md)."""
+        (`attribution_row`) to the micro-batches, where the diagnostics add the drift and train_precision terms
+        (docs/attribution.md)."""
         input_ids, attention_mask, T, batch_size = self._scoring_inputs(output, generation.mode)
         rows = sample_rows(input_ids.size(0), self.plan.attribution_rows, input_ids.device)  # (n,)
         ids, mask = input_ids[rows], attention_mask[rows]  # (n, P+T)

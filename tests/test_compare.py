@@ -207,6 +207,40 @@ def test_plots_show_the_correction_and_the_band(tmp_path):
     assert (tmp_path / "m.png").stat().st_size > 0
 
 
+def test_the_trl_arm_is_named_by_what_it_does_where_it_is_shown(compare, tmp_path):
+    # the issue: old_logprob_mode="bf16" titled the plots of fp32 runs; that arm is TRL's own pass at the run's
+    # training precision, bf16 only under bf16 autocast or on bf16 weights
+    from types import SimpleNamespace
+
+    import torch
+
+    from grpo_ratio.analysis.plots import arm_label, comparison_styles, draw_runs, run_title
+
+    assert arm_label("bf16", bf16=True, fp16=False) == "bf16 (TRL's own pass)"
+    assert arm_label("bf16", bf16=False, fp16=False, weights="fp32") == "TRL's own pass (fp32)"
+    assert arm_label("bf16", bf16=False, fp16=False, weights="bf16") == "bf16 (TRL's own pass)"
+    assert arm_label("bf16", bf16=False, fp16=True) == "TRL's own pass (fp16)"
+    assert arm_label("fp32_clone", bf16=False, fp16=False, weights="fp32") == "fp32_clone"
+    fp32_run = SimpleNamespace(old_logprob_mode="bf16", truncation_correction="none", bf16=False, fp16=False,
+                               top_p=1.0, top_k=0, min_p=None)
+    assert run_title("SmolLM2", fp32_run, 3, torch.float32) == ("SmolLM2: TRL's own pass (fp32), "
+                                                               "truncation_correction=none, 3 steps")
+    bf16_run = SimpleNamespace(**{**vars(fp32_run), "bf16": True})
+    assert run_title("SmolLM2", bf16_run, 3, torch.float32).startswith("SmolLM2: bf16 (TRL's own pass), ")
+    clone = SimpleNamespace(**{**vars(fp32_run), "old_logprob_mode": "fp32_clone"})
+    assert run_title("SmolLM2", clone, 3, torch.float32).startswith("SmolLM2: old_logprob_mode=fp32_clone, ")
+    # a comparison of fp32 runs: the legend names the recipe "bf16" by what it ran (compare records the weights)
+    rows = [{"step": s, "reward": 0.1 * s} for s in (1, 2)]
+    config = {"bf16": False, "fp16": False, "weights_dtype": "fp32"}
+    runs = [compare.RunResult(arm, 0, rows, [], [], "", {**config, "old_logprob_mode": mode})
+            for arm, mode in (("bf16", "bf16"), ("fp32_clone", "fp32_clone"), ("mine", "bf16"))]
+    styles, offsets = comparison_styles(runs)
+    assert list(styles) == ["TRL's own pass (fp32) s0", "fp32_clone s0", "mine s0"]  # a label of one's own stays
+    fig, _ = draw_runs({k: rows for k in styles}, "t", styles, offsets=offsets)
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == ["TRL's own pass (fp32)", "fp32_clone", "mine"]
+
+
 def test_summary_printed_to_a_log_file_is_never_cut(compare, tmp_path, capsys):
     # the issue: the table was cut at the terminal width in a log file; off a terminal the markdown is printed whole
     rows = [{"step": i + 1, "reward": 0.1 * i, "ratio/new_old/oob_rate": 0.0123456, "clip_ratio/region_mean": 0.0}

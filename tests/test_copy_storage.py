@@ -92,10 +92,40 @@ def test_non_persistent_buffers_come_from_a_fresh_module():
 def test_refusals():
     with pytest.raises(ValueError, match="copy_storage='layer' is not allowed; allowed: resident, per_layer"):
         OldLogprobScorer(tiny_model("qwen2"), "fp16_clone", copy_storage="layer")
+
+
+PEFT_CASES = {  # LoRA on every linear layer, DoRA (its magnitude merged by PEFT), a trained head (modules_to_save)
+    "lora": dict(r=4, target_modules="all-linear"),
+    "dora": dict(r=4, target_modules=["q_proj", "v_proj"], use_dora=True),
+    "saved_head": dict(r=2, target_modules=["q_proj"], modules_to_save=["lm_head"]),
+}
+
+
+@pytest.mark.parametrize("mode,weights", CASES)
+@pytest.mark.parametrize("adapters", list(PEFT_CASES))
+def test_with_peft_each_layer_is_merged_when_it_runs_as_the_resident_copy_merges_it(adapters, mode, weights):
     peft = pytest.importorskip("peft")
-    model = peft.get_peft_model(tiny_model("qwen2"), peft.LoraConfig(r=2, target_modules=["q_proj"]))
-    with pytest.raises(ValueError, match="copy_storage='per_layer' does not support PEFT adapters"):
-        PerLayerCast(model, torch.float16)
+    model = peft.get_peft_model(tiny_model("qwen2", dtype=weights),
+                                peft.LoraConfig(init_lora_weights=False, **PEFT_CASES[adapters]))  # adapters != 0
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    resident, expected = _score(model, mode, "resident")
+    per_layer, logps = _score(model, mode, "per_layer")
+    if adapters == "saved_head":  # the adapted head is applied by its forward, tile by tile: fp32 rounding apart
+        torch.testing.assert_close(logps, expected, rtol=0, atol=2e-6)
+    else:
+        assert torch.equal(logps, expected)
+    with model.disable_adapter():
+        assert not torch.equal(expected, _score(model, mode, "per_layer")[1])  # the adapters count
+    cast = per_layer.per_layer_cast(_DTYPE[mode])
+    size = _DTYPE[mode].itemsize
+    assert per_layer.extra_bytes() == 0 and cast.peak_bytes == 300 * 64 * size  # the embedding / head, one at a time
+    assert resident.extra_bytes() >= sum(p.numel() for p in model.get_base_model().parameters()) * size // 2
+    for k, v in model.state_dict().items():  # the policy untouched, its adapters unmerged, no patch left behind
+        assert v.dtype == before[k].dtype and torch.equal(v, before[k]), k
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+_DTYPE = {"fp16_clone": torch.float16, "fp32_clone": torch.float32}
 
 
 def test_a_per_layer_run_equals_a_resident_run(tmp_path):
@@ -119,10 +149,12 @@ def test_a_per_layer_run_equals_a_resident_run(tmp_path):
     assert per_layer.scorer.per_layer_cast(torch.float16).num_casts > 0
 
 
-def test_the_trainer_refuses_per_layer_with_peft(tmp_path):
+def test_the_trainer_runs_per_layer_with_peft(tmp_path):
     peft = pytest.importorskip("peft")
     from trainer_fixtures import tiny_trainer
 
-    with pytest.raises(ValueError, match="copy_storage='per_layer' does not support PEFT adapters"):
-        tiny_trainer(tmp_path, "fp16_clone", copy_storage="per_layer",
-                     peft_config=peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    trainer = tiny_trainer(tmp_path, "fp16_clone", copy_storage="per_layer",
+                           peft_config=peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    trainer.train()
+    assert trainer.state.log_history[0]["ratio/new_old/mean_abs_log_ratio"] > 0  # fp16 old vs bf16 new: measured
+    assert trainer.scorer.copies() == [] and trainer.scorer.per_layer_cast(torch.float16).num_casts > 0

@@ -19,6 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..diagnostics import metric_keys as keys
+from ..modes import TRL_MODE
 
 
 # (panel title, [(logged key, label)], kind): "rate" panels start at 0; "ratio" panels get the band
@@ -166,11 +167,53 @@ def _comparison_handles(styles: dict[str, dict]) -> list:
     return handles
 
 
-def run_title(model: str, args, steps: int) -> str:
-    """`<model>: old_logprob_mode=<arm>, truncation_correction=<c> (top_p=...), <n> steps` for a single run."""
+_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def dtype_name(dtype) -> str | None:
+    """`"fp32"`, `"bf16"` or `"fp16"` for a torch dtype or its name (`torch.float32`, `"bfloat16"`); None otherwise."""
+    return _DTYPE_NAMES.get(str(dtype).removeprefix("torch."))
+
+
+def arm_label(mode: str, bf16: bool | None = None, fp16: bool | None = None, weights: str | None = None) -> str:
+    """How a plot or table names an `old_logprob_mode` arm: by what it does where it is shown. `"bf16"` is TRL's own
+    old pass at the run's training precision, which is bf16 only under bf16 autocast or on bf16 weights:
+    `"bf16 (TRL's own pass)"` there, `"TRL's own pass (fp32)"` on an fp32 run (`"(fp16)"` under fp16 autocast,
+    `"(no autocast)"` where neither flag is set and the weights' dtype is unknown). Every other mode is its name.
+
+    Args:
+        mode: the run's `old_logprob_mode`. bf16, fp16: its `bf16` / `fp16` (None: unknown, read as bf16 training).
+        weights: the policy's weight dtype as a short name (`"fp32"`, `"bf16"`, `"fp16"`), or None (unknown).
+    """
+    if mode != TRL_MODE:
+        return mode
+    if bf16 is None and fp16 is None:
+        precision = weights or "bf16"
+    else:
+        precision = "bf16" if bf16 else "fp16" if fp16 else weights or "no autocast"
+    return f"{TRL_MODE} (TRL's own pass)" if precision == "bf16" else f"TRL's own pass ({precision})"
+
+
+def config_arm_label(config: dict | None, arm: str) -> str:
+    """`arm_label` of a comparison arm from its run's config (`run_record.run_config`, plus the policy's
+    `weights_dtype` where `grpo-ratio compare` recorded it): the recipe's label where it is not the run's
+    `old_logprob_mode` (a name the user chose), else what the mode does in that run."""
+    config = config or {}
+    if config.get("old_logprob_mode") != arm:
+        return arm
+    return arm_label(arm, config.get("bf16"), config.get("fp16"), config.get("weights_dtype"))
+
+
+def run_title(model: str, args, steps: int, weights=None) -> str:
+    """`<model>: <arm>, truncation_correction=<c> (top_p=...), <n> steps` for a single run: the arm as `arm_label`
+    names it (`old_logprob_mode=fp32_clone`; `bf16 (TRL's own pass)`, or `TRL's own pass (fp32)` on an fp32 run),
+    `weights` the policy's weight dtype (a torch dtype or `dtype_name`'s; None: unknown)."""
     sampling = ", ".join(f"{k}={getattr(args, k)}" for k, off in (("top_p", 1.0), ("top_k", 0), ("min_p", None))
                          if getattr(args, k, off) not in (off, 0, None))
-    return (f"{model}: old_logprob_mode={args.old_logprob_mode}, truncation_correction={args.truncation_correction}"
+    mode = args.old_logprob_mode
+    arm = f"old_logprob_mode={mode}" if mode != TRL_MODE else arm_label(mode, args.bf16, args.fp16,
+                                                                          dtype_name(weights))
+    return (f"{model}: {arm}, truncation_correction={args.truncation_correction}"
             f"{f' ({sampling})' if sampling else ''}, {steps} steps")
 
 
@@ -184,23 +227,29 @@ MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
 
 
 def comparison_styles(runs) -> tuple[dict[str, dict], dict[str, float]]:
-    """(styles, offsets) of a comparison's runs (`.arm`, `.seed`), keyed "<arm> s<seed>": per arm a colour, a hollow
-    marker shape and a shift along the step axis (arms spread over 0.3 of a step), per seed a line style."""
-    arms = list(dict.fromkeys(r.arm for r in runs))
+    """(styles, offsets) of a comparison's runs (`.arm`, `.seed`, optionally `.config`), keyed "<arm> s<seed>" with
+    the arm as `config_arm_label` names it: per arm a colour, a hollow marker shape and a shift along the step axis
+    (arms spread over 0.3 of a step), per seed a line style."""
+    shown = [_shown_arm(r) for r in runs]
+    arms = list(dict.fromkeys(shown))
     seeds = list(dict.fromkeys(r.seed for r in runs))
     width = 0.3 if len(arms) > 1 else 0.0
     styles, offsets = {}, {}
-    for r in runs:
-        label = f"{r.arm} s{r.seed}"
-        i = arms.index(r.arm)
+    for r, arm in zip(runs, shown, strict=True):
+        label = f"{arm} s{r.seed}"
+        i = arms.index(arm)
         styles[label] = {"color": f"C{i % 10}", "ls": ["-", "--", ":", "-."][seeds.index(r.seed) % 4],
                          "marker": MARKERS[i % len(MARKERS)], "ms": 4, "mfc": "none"}
         offsets[label] = (i / (len(arms) - 1) - 0.5) * width if len(arms) > 1 else 0.0
     return styles, offsets
 
 
+def _shown_arm(run) -> str:
+    return config_arm_label(getattr(run, "config", None), run.arm)
+
+
 def plot_comparison(runs, path: str | Path, title: str, band: tuple[float, float] = (0.9, 1.1)) -> list[str]:
     """A comparison's runs (`RunResult`s with `.arm`, `.seed`, `.history`): see `comparison_styles`."""
     styles, offsets = comparison_styles(runs)
-    histories = {f"{r.arm} s{r.seed}": r.history for r in runs}
+    histories = {f"{_shown_arm(r)} s{r.seed}": r.history for r in runs}
     return plot_runs(histories, path, title, styles=styles, band=band, offsets=offsets)

@@ -116,10 +116,14 @@ def render_run(name: str, stats: dict, found: list[Finding], config: dict | None
 # ---------------------------------------------------------------------------------------------------------------------
 # where the distance comes from (ratio_attribution, docs/attribution.md)
 
-# term -> the setting that removes it (the report's sentence); drift and engine have none of the four
+# term -> the setting that removes it (the report's sentence); drift, train_precision and engine have none of the four
 ATTRIBUTION_FIXES = {
-    "drift": "none of the four: at the first inner step the weights are the old ones, so this is the training "
-             "forward against the old pass (batch shape, precision of the anchor; docs/arms.md)",
+    "drift": "none: the policy moved since the batch was generated (0 at the first inner step, where the attribution "
+             "is measured)",
+    "train_precision": "none of the four: it is how the training forward computes against the old pass at the same "
+                       "weights (bf16 training against an fp32 old pass); an fp32 old pass moves the precision gap "
+                       "here from `precision` rather than removing it, and only a training forward in fp32 "
+                       "(bf16=False, fp32 weights) removes both (docs/attribution.md)",
     "precision": "a precision arm: old_logprob_mode='fp32_clone' (or 'fp32_head' / 'guided_fp32' for less memory)",
     "routing": "routing_replay='R3' (the sampler's expert routes in the old pass and the updates)",
     "truncation": "truncation_correction='renormalize' (or 'lift_sampler')",
@@ -131,22 +135,30 @@ ATTRIBUTION_FIXES = {
 def render_attribution(history: list[dict]) -> str:
     """Markdown: per logged step, each term's share of the summed |terms| and its mean |term|, and one sentence
     naming the largest cause over the run and the setting that removes it; "" when the run logged no
-    `ratio/attribution/*` key."""
-    terms = tuple(keys.ATTRIBUTION_TERMS)
+    `ratio/attribution/*` key. A run logged before `train_precision` was split out of `drift` (five terms) is shown
+    with its own terms, and said to be such: its `drift` is new - old at the first inner step, today's
+    `train_precision`, and its fix is read as that term's."""
     rows = [row for row in history if keys.ATTRIBUTION_NUM_TOKENS in row and "train_runtime" not in row]
-    if not rows:
+    terms = tuple(t for t in keys.ATTRIBUTION_TERMS if all(keys.attribution_key(t, "mean_abs") in row for row in rows))
+    if not rows or not terms:
         return ""
+    legacy = "train_precision" not in terms  # drift then held new - old: today's train_precision
     lines = ["Where log(new) - log(sampler) comes from (`ratio_attribution`, docs/attribution.md): share of the "
-             "summed |terms| (mean |term| in nats).", "",
-             "| step | " + " | ".join(terms) + " | identity error |", "|---" * (len(terms) + 2) + "|"]
+             "summed |terms| (mean |term| in nats).", ""]
+    if legacy:
+        lines += [f"This run was logged with the {len(terms)} terms of the time ({', '.join(terms)}): its `drift` is "
+                  "new - old at the first inner step, which is today's `train_precision` (how the training forward "
+                  "computes against the old pass); today's `drift`, what moved, is 0 there.", ""]
+    lines += ["| step | " + " | ".join(terms) + " | identity error |", "|---" * (len(terms) + 2) + "|"]
     for row in rows:
         cells = [f"{100 * row[keys.attribution_key(t, 'share')]:.0f}% ({_fmt(row[keys.attribution_key(t, 'mean_abs')])})"
                  for t in terms]
         lines.append(f"| {row.get('step', '')} | " + " | ".join(cells) + f" | {_fmt(row[keys.ATTRIBUTION_IDENTITY_ERROR])} |")
     means = {t: statistics.fmean(row[keys.attribution_key(t, "mean_abs")] for row in rows) for t in terms}
     largest = max(means, key=means.get)
+    fix = ATTRIBUTION_FIXES["train_precision" if legacy and largest == "drift" else largest]
     lines += ["", f"The largest cause is **{largest}** (mean |term| {_fmt(means[largest])} nats per token over "
-                  f"{len(rows)} steps); the setting that removes it: {ATTRIBUTION_FIXES[largest]}."]
+                  f"{len(rows)} steps); the setting that removes it: {fix}."]
     return "\n".join(lines) + "\n"
 
 

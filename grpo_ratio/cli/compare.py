@@ -46,7 +46,7 @@ from pathlib import Path
 import yaml
 from transformers import TrainerCallback, set_seed
 
-from grpo_ratio.analysis.plots import plot_comparison
+from grpo_ratio.analysis.plots import dtype_name, plot_comparison
 from grpo_ratio.analysis.report import render_verdicts
 from grpo_ratio.analysis.verdict import compare_arms, run_series
 from grpo_ratio.cli.train import build_trainer, make_parser, trainer_of
@@ -331,7 +331,8 @@ def _finished_run(arm: str, seed: int, run_dir: Path, fingerprint) -> RunResult 
         return None  # started, never finished: train it again
     rollouts = json.loads((run_dir / "first_rollouts.json").read_text())
     history = json.loads((run_dir / "log_history.json").read_text())
-    return RunResult(arm, seed, history, rollouts["prompts"], rollouts["completions"], str(run_dir), meta["config"],
+    config = {**meta["config"], "weights_dtype": meta.get("weights_dtype")}  # how the plot names the arm
+    return RunResult(arm, seed, history, rollouts["prompts"], rollouts["completions"], str(run_dir), config,
                      read_fingerprints(run_dir), meta.get("machine"))
 
 
@@ -350,8 +351,9 @@ def _run_one(arm: str, seed: int, build: Callable, name: str, run_dir: Path, fin
     trainer = build(arm, seed, run_dir)
     if trainer.args.seed != seed:
         raise ValueError(f"build({arm!r}, {seed}, ...) returned a trainer with args.seed={trainer.args.seed}")
+    weights = dtype_name(next(trainer.accelerator.unwrap_model(trainer.model).parameters()).dtype)
     meta = {"arm": arm, "seed": seed, "fingerprint": fingerprint, "config": run_config(trainer.args),
-            "machine": machine_record(), "completed": False}
+            "weights_dtype": weights, "machine": machine_record(), "completed": False}
     update_run_record(run_dir, fresh=True, **meta)  # the trainer adds its "train_ended" (run_record.py)
     recorder = RolloutRecorder(trainer)
     trainer.add_callback(recorder)
@@ -364,7 +366,8 @@ def _run_one(arm: str, seed: int, build: Callable, name: str, run_dir: Path, fin
         if wandb_run is not None:
             wandb_run.finish()
     result = RunResult(arm, seed, list(trainer.state.log_history), recorder.prompts, recorder.completions,
-                       str(run_dir), meta["config"], recorder.fingerprints, meta["machine"])
+                       str(run_dir), {**meta["config"], "weights_dtype": weights}, recorder.fingerprints,
+                       meta["machine"])
     if Path(trainer.args.output_dir).resolve() != run_dir.resolve():  # else the trainer wrote it (run_record.py)
         write_log_history(run_dir, result.history)
     (run_dir / "first_rollouts.json").write_text(

@@ -296,7 +296,8 @@ def main(script_args, training_args, model_args, trainer: RatioGRPOTrainer | Non
         # log_history.json and run.json's "config" (the fields `grpo-ratio report` reads: which mode, which
         # correction) were written by the trainer (RunRecordCallback); the run is whole now
         update_run_record(out, completed=True)
-        title = run_title(model_args.model_name_or_path or DEFAULT_MODEL, training_args, trainer.state.global_step)
+        title = run_title(model_args.model_name_or_path or DEFAULT_MODEL, training_args, trainer.state.global_step,
+                          next(trainer.accelerator.unwrap_model(trainer.model).parameters()).dtype)
         band = (training_args.ratio_band_low, training_args.ratio_band_high)
         drawn = plot_metrics({training_args.run_name: trainer.state.log_history}, out / "metrics.png", title, band)
         trainer.accelerator.print(f"Log history: {out / LOG_HISTORY_FILE}")

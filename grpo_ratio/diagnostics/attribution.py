@@ -6,18 +6,22 @@ from a generation batch by `sample_rows`). Definitions, signs and sources: docs/
 For every attributed token, with every log-prob of the sampled token on the support the loss uses (the kept set
 under `truncation_correction="renormalize"`, else the full vocabulary):
 
-    new - sampler =   drift       new - old
-                    + precision   old - ref_own           ref_own: fp32 reference pass, same weights, the old pass's
-                                                          routes (its own on a dense policy)
-                    + routing     ref_own - ref_sampler   ref_sampler: the same with the sampler's routes
-                    + truncation  (ref_sampler - ref_sampler_kept) - lift
-                    + engine      ref_sampler_kept - (sampler - lift)
+    new - sampler =   drift            new - new_gen
+                    + train_precision  new_gen - old
+                    + precision        old - ref_own
+                    + routing          ref_own - ref_sampler
+                    + truncation       (ref_sampler - ref_sampler_kept) - lift
+                    + engine           ref_sampler_kept - (sampler - lift)
 
-where `sampler` is the sampler's log-prob as the loss's side processes it (+ log M_old under `lift_sampler`, `lift`;
-0 otherwise) and `ref_sampler_kept` is the reference over the sampler's kept set (the full-vocabulary one when the
-sampling truncates nothing, so the truncation term is then exactly 0). Each term is the difference of two passes that
-differ in one thing; the sum telescopes, so the identity holds by construction and `AttributionStats` logs only the
-fp32 rounding of the sum (`ratio/attribution/identity_error`).
+new_gen: the training forward at the weights that generated the batch, so `drift` is what moved since (exactly 0 at
+the first inner step, where the training forward runs those weights: new_gen is new) and `train_precision` how the
+training forward computes against the old pass at the same weights (its precision, TRL's layout, train mode, the
+micro-batch's shape); ref_own: the fp32 reference pass, same weights, the old pass's routes (its own on a dense
+policy); ref_sampler: the same with the sampler's routes; ref_sampler_kept: that over the sampler's kept set (the
+full-vocabulary one when the sampling truncates nothing, so the truncation term is then exactly 0); sampler: the
+sampler's log-prob as the loss's side processes it (+ log M_old under `lift_sampler`, `lift`; 0 otherwise). Each term
+is the difference of two passes that differ in one thing; the sum telescopes, so the identity holds by construction
+and `AttributionStats` logs only the fp32 rounding of the sum (`ratio/attribution/identity_error`).
 
 Sources: the batch-logprob-gap report (causes separated one at a time: batch shape and precision, truncation,
 routing); Hugging Face's write-up on the trainer/generator mismatch (log r = policy change + precision gap); NeMo-RL
@@ -33,7 +37,7 @@ import torch
 from . import metric_keys as keys
 
 
-TERMS = tuple(keys.ATTRIBUTION_TERMS)  # ("drift", "precision", "routing", "truncation", "engine")
+TERMS = tuple(keys.ATTRIBUTION_TERMS)  # ("drift", "train_precision", "precision", "routing", "truncation", "engine")
 
 
 def sample_rows(num_rows: int, limit: int, device=None) -> torch.Tensor:
@@ -100,29 +104,35 @@ class AttributionReference:
 
 
 def attribution_terms(new: torch.Tensor, old: torch.Tensor, sampler: torch.Tensor, reference: AttributionReference,
-                      lift: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """The five terms of log(new) - log(sampler) per token (module docstring), and that total.
+                      lift: torch.Tensor | None = None, new_at_generation: torch.Tensor | None = None
+                      ) -> dict[str, torch.Tensor]:
+    """The six terms of log(new) - log(sampler) per token (module docstring), and that total.
 
     Args:
         new: (B, T) the training forward's log-probs (the loss's support). old: (B, T) the old log-probs the ratio is
             anchored to (the same support). sampler: (B, T) the sampler's log-probs as the loss's side processes
             them (lifted by + log M_old under `lift_sampler`). reference: `AttributionReference` of the same rows.
         lift: (B, T) what was added to the sampler's log-probs (log M_old under `lift_sampler`), or None (0).
+        new_at_generation: (B, T) the training forward's log-probs of the same rows at the weights that generated
+            them, or None: `new` itself, as at the first inner step (the only one the trainers attribute), where the
+            training forward runs those weights, so `drift` is exactly 0 there.
     Returns:
-        {"drift", "precision", "routing", "truncation", "engine", "total"}: (B, T) fp32 each; `total` = new -
-        sampler, which the five terms add up to (to fp32 rounding of the sum).
+        {"drift", "train_precision", "precision", "routing", "truncation", "engine", "total"}: (B, T) fp32 each;
+        `total` = new - sampler, which the six terms add up to (to fp32 rounding of the sum).
     Raises:
         ValueError: shapes differ.
     """
-    shapes = {tuple(t.shape) for t in (new, old, sampler, reference.own_routes, reference.sampler_routes,
-                                       reference.sampler_kept)}
+    at_generation = new if new_at_generation is None else new_at_generation
+    shapes = {tuple(t.shape) for t in (new, at_generation, old, sampler, reference.own_routes,
+                                       reference.sampler_routes, reference.sampler_kept)}
     if len(shapes) != 1 or len(next(iter(shapes))) != 2:
         raise ValueError(f"attribution_terms needs (B, T) tensors of one shape, got {sorted(shapes)}")
-    new, old, sampler = new.float(), old.float(), sampler.float()
+    new, at_generation, old, sampler = new.float(), at_generation.float(), old.float(), sampler.float()
     own, ref, kept = reference.own_routes.float(), reference.sampler_routes.float(), reference.sampler_kept.float()
     lift = torch.zeros_like(sampler) if lift is None else lift.float()  # (B, T)
     return {
-        "drift": new - old,
+        "drift": new - at_generation,  # what moved: exactly 0 where new_at_generation is new (finite tokens)
+        "train_precision": at_generation - old,  # how the training forward computes, against the old pass
         "precision": old - own,
         "routing": own - ref,  # exactly 0 where both are one pass
         "truncation": (ref - kept) - lift,  # exactly 0 at top_p=1 without a lift
@@ -137,8 +147,8 @@ class AttributionStats:
     and the largest rounding error of the identity.
 
     Fields:
-        sums: (1 + 2 x 5,) fp64: the token count, then sum |term| per term, then sum term per term (`TERMS` order).
-        identity_error: () fp64, max over tokens of |sum of the five terms (fp32) - total|.
+        sums: (1 + 2 x 6,) fp64: the token count, then sum |term| per term, then sum term per term (`TERMS` order).
+        identity_error: () fp64, max over tokens of |sum of the six terms (fp32) - total|.
     """
 
     sums: torch.Tensor = field(default_factory=lambda: torch.zeros(1 + 2 * len(TERMS), dtype=torch.float64))
@@ -152,7 +162,7 @@ class AttributionStats:
         parts = [valid.sum().double()]
         parts += [torch.where(valid, terms[t].double().abs(), 0.0).sum() for t in TERMS]
         parts += [torch.where(valid, terms[t].double(), 0.0).sum() for t in TERMS]
-        self.sums = torch.stack(parts) + self.sums.to(valid.device)  # (11,)
+        self.sums = torch.stack(parts) + self.sums.to(valid.device)  # (13,)
         summed = terms[TERMS[0]]
         for t in TERMS[1:]:
             summed = summed + terms[t]  # (B, T) fp32: the sum as fp32 arithmetic gives it
@@ -172,7 +182,7 @@ class AttributionStats:
         `accelerator=None` (one process): a copy."""
         if accelerator is None:
             return replace(self)
-        sums = accelerator.reduce(self.sums.to(accelerator.device), reduction="sum")  # (11,)
+        sums = accelerator.reduce(self.sums.to(accelerator.device), reduction="sum")  # (13,)
         error = accelerator.gather(self.identity_error.to(accelerator.device).reshape(1)).max()  # ()
         return AttributionStats(sums=sums, identity_error=error)
 

@@ -196,7 +196,10 @@ ROUTE_LAYER_ROWS = {f"{ROUTE_PREFIX}/{pair}/layer_<i>": KeyInfo(present, f"{what
 # docs/attribution.md): `ratio/attribution/<term>/<stat>` and the identity's rounding error
 ATTRIBUTION_PREFIX = f"{PREFIX}/attribution"
 ATTRIBUTION_TERMS = {  # in the order of the chain new -> old -> reference -> sampler
-    "drift": "new - old: the training forward vs the old log-probs (the policy moved, or the two passes differ)",
+    "drift": "what moved: the training forward - the same at the weights that generated the batch (0 at the first "
+             "inner step, where the attribution is measured)",
+    "train_precision": "how the training forward computes: the training forward at the generation's weights - the "
+                       "old log-probs (bf16 training vs an fp32 old pass; 0 where TRL's pass is the old one)",
     "precision": "old - the fp32 reference pass of the same weights and routes",
     "routing": "the fp32 reference with the old pass's routes - with the sampler's (MoE; 0 for a dense policy)",
     "truncation": "the kept-mass term left once the sampler's log-probs are processed (0 at top_p=1)",
@@ -204,7 +207,7 @@ ATTRIBUTION_TERMS = {  # in the order of the chain new -> old -> reference -> sa
 }
 ATTRIBUTION_STATS = {
     "mean_abs": "mean |term| over the attributed tokens (nats)",
-    "share": "sum |term| / sum over the five terms of |term|",
+    "share": "sum |term| / sum over the six terms of |term|",
     "mean": "mean signed term (nats)",
 }
 _ATTRIBUTION_PRESENT = "ratio_attribution on, sampler log-probs exist"
@@ -222,7 +225,7 @@ ATTRIBUTION_IDENTITY_ERROR = f"{ATTRIBUTION_PREFIX}/identity_error"
 ATTRIBUTION_NUM_TOKENS = f"{ATTRIBUTION_PREFIX}/num_tokens"
 ATTRIBUTION_KEYS = {attribution_key(term, stat): KeyInfo(_ATTRIBUTION_PRESENT, f"{what}: {meaning}")
                     for term, what in ATTRIBUTION_TERMS.items() for stat, meaning in ATTRIBUTION_STATS.items()} | {
-    ATTRIBUTION_IDENTITY_ERROR: KeyInfo(_ATTRIBUTION_PRESENT, "largest |sum of the five terms - (log new - log "
+    ATTRIBUTION_IDENTITY_ERROR: KeyInfo(_ATTRIBUTION_PRESENT, "largest |sum of the six terms - (log new - log "
                                         "sampler)| over the attributed tokens: fp32 rounding only"),
     ATTRIBUTION_NUM_TOKENS: KeyInfo(_ATTRIBUTION_PRESENT, "tokens attributed (the sampled rows' valid tokens with a "
                                     "sampler log-prob, all processes)"),

@@ -23,7 +23,8 @@ generation, where new/old must be 1 (the batch-logprob-gap report: "it is the id
   or rejected, the effective sample size, the raw weights' quantiles (`mismatch.ISWeightStats`).
 - `ratio/fp16_fallback_rows`: `fp16_clone` rows re-scored in fp32 after an fp16 overflow, per generation batch.
 - `ratio/attribution/*` (`ratio_attribution`): log new - log sampler of the sampled rows split into drift,
-  precision, routing, truncation and engine terms (`grpo_ratio.diagnostics.attribution`, docs/attribution.md).
+  train_precision, precision, routing, truncation and engine terms (`grpo_ratio.diagnostics.attribution`,
+  docs/attribution.md).
 - `ratio/importance_sampling_ratio/{min,mean,max}`: under `lift_sampler` with vLLM's IS correction, the IS weights
   the loss uses (TRL's `sampling/importance_sampling_ratio/*` is computed before the lift).
 
@@ -95,7 +96,7 @@ class RatioDiagnostics:
         self.full_vocab = FullVocabStats()
         self.kept_mass = MeanStats()  # M_old on the kept sets, on the device of the log-probs
         self.kept_set_added = MeanStats()  # recomputed kept sets: share of sampled tokens added back
-        self.attribution = AttributionStats()  # ratio_attribution: the five terms of log new - log sampler
+        self.attribution = AttributionStats()  # ratio_attribution: the six terms of log new - log sampler
         self.flips = None
         self.is_stats = None
         self.touched = False
@@ -186,10 +187,13 @@ class RatioDiagnostics:
 
     def _update_attribution(self, micro_batch, old, sampler, log_mass, mask) -> None:
         """`ratio/attribution/*`: the micro-batch's sampled rows, log new - log sampler (the sampler's log-probs as the
-        loss's side processed them: + log M_old under `lift_sampler`) split into its five terms."""
+        loss's side processed them: + log M_old under `lift_sampler`) split into its six terms. Called at the first
+        inner step only, where the training forward runs the weights that generated the batch: it is its own
+        `new_at_generation`, so the drift term is exactly 0 and `train_precision` holds new - old."""
         reference = micro_batch.attribution
         lift = log_mass if self.plan.lifts_sampler else None  # (B, T) | None: what the lift added
-        terms = attribution_terms(micro_batch.train_logps, old, sampler, reference, lift)
+        new = micro_batch.train_logps  # (B, T)
+        terms = attribution_terms(new, old, sampler, reference, lift, new_at_generation=new)
         rows = reference.present.to(mask.device).unsqueeze(1)  # (B, 1) the rows that were sampled
         self.attribution.update(terms, mask & rows & ~torch.isnan(sampler))
 

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
-from .adapters import base_model, has_adapters
+from .adapters import base_model
 
 
 # how a whole-model copy is held: resident between passes, or cast module by module during the pass (`PerLayerCast`)
@@ -71,6 +71,12 @@ def _merged_layer_state(layer: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in merged.state_dict().items()}
 
 
+def _saved_module(wrapper: nn.Module) -> nn.Module:
+    """The module a PEFT `modules_to_save` wrapper runs: its active adapter's copy, else the original module."""
+    adapter = wrapper.active_adapters[0] if wrapper.active_adapters else None
+    return wrapper.original_module if wrapper.disable_adapters or adapter is None else wrapper.modules_to_save[adapter]
+
+
 def merged_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """The module's weights as plain tensors with its active PEFT adapters merged by PEFT itself (what
     `merge_and_unload()` would give, in fp32 for merged layers), without touching the module. For a non-PEFT module
@@ -95,10 +101,7 @@ def merged_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
                              f"{err}") from err
         state.update({f"{name}.{k}": v for k, v in merged.items()})
     for name, wrapper in saved.items():
-        adapter = wrapper.active_adapters[0] if wrapper.active_adapters else None
-        active = wrapper.original_module if wrapper.disable_adapters or adapter is None else (
-            wrapper.modules_to_save[adapter])
-        state.update({f"{name}.{k}": v.detach() for k, v in active.state_dict().items()})
+        state.update({f"{name}.{k}": v.detach() for k, v in _saved_module(wrapper).state_dict().items()})
     wrapped = tuple(f"{n}." for n in (*tuners, *saved))
     for key, value in base.state_dict().items():
         if not key.startswith(wrapped):
@@ -295,14 +298,6 @@ def _fresh_buffers(module: nn.Module, device: torch.device | str | None = None) 
     return {n: getattr(fresh, n).detach().to(device) for n in names}
 
 
-def check_per_layer_cast(model: nn.Module) -> None:
-    """Raise `ValueError` when `model` carries PEFT adapters: `PerLayerCast` casts the tuner layers' weights as they
-    are, and a merged adapter (what a resident copy holds) is a different computation."""
-    if has_adapters(model):
-        raise ValueError("copy_storage='per_layer' does not support PEFT adapters (a resident copy merges them "
-                         "with PEFT's merge()); use copy_storage='resident'")
-
-
 class PerLayerCast:
     """The weights of a whole-model copy in `dtype` (what `ModuleCopy(model, dtype, whole_model=True)` holds), made one
     module at a time while the old pass runs: each module that owns parameters or floating buffers gets them cast to
@@ -311,9 +306,16 @@ class PerLayerCast:
     back after each call; the policy is never left modified.
 
     Args:
-        model: the policy (a transformers causal LM). PEFT adapters are refused (a merged adapter is a different
-            computation from the tuner layer's forward).
-        dtype: the copy's dtype (`torch.float16` for `fp16_clone`, `torch.float32` for `fp32_clone` on bf16 weights).
+        model: the policy (a transformers causal LM, optionally with PEFT adapters).
+        dtype: the copy's dtype (`torch.float16` for `fp16_clone`, `torch.float32` for `fp32_clone` on bf16 weights;
+            `ratio_attribution`'s fp32 reference).
+
+    PEFT: a resident copy holds each adapted layer merged by PEFT's own `merge()` (`merged_state_dict`); here each
+    tuner layer (LoRA, DoRA, IA3, ...) is merged the same way (`_merged_layer_state`, on an fp32 copy of that one
+    layer) when it runs, cast to `dtype`, and its base layer's forward runs on the merged weights; a `modules_to_save`
+    wrapper runs its active module on a cast of its weights: the resident copy's numbers, with one layer's merged
+    weights alive at a time. The wrappers' forwards are replaced within `active()`; a forward taken from one there
+    (the LM head's, which the scorer applies tile by tile after the pass) merges or casts again at each call.
 
     Non-persistent buffers (rotary `inv_freq`) come from a fresh instance of their module, as in a copy built from the
     config, and fp32 buffers stay fp32 (`float_buffer_dtype`). The same forward then computes the same numbers as the
@@ -322,15 +324,16 @@ class PerLayerCast:
     module) instead of one `copy_` per optimizer step; `peak_bytes` is the most cast bytes alive at once (the largest
     module, usually the embedding or the LM head).
 
-    Raises:
-        ValueError: `model` carries PEFT adapters.
     """
 
     def __init__(self, model: nn.Module, dtype: torch.dtype):
-        check_per_layer_cast(model)
         self.model = model
         self.dtype = dtype
-        self.owners = [m for m in model.modules() if _owns_tensors(m)]
+        tuners, saved = _adapter_layers(base_model(model))
+        self.wrappers = [*tuners.values(), *saved.values()]  # PEFT's: run on merged / cast weights (`_wrapped_forward`)
+        self._tuners = {id(m) for m in tuners.values()}
+        inside = {id(m) for wrapper in self.wrappers for m in wrapper.modules()}  # their base layers and adapters
+        self.owners = [m for m in model.modules() if _owns_tensors(m) and id(m) not in inside]
         self._fresh = {id(m): _fresh_buffers(m) for m in self.owners}
         self._saved: dict[int, tuple[nn.Module, dict, dict]] = {}  # id(module) -> (module, params, buffers)
         self.num_casts = 0  # module casts over this object's life
@@ -372,18 +375,52 @@ class PerLayerCast:
     def _cast_out(self, module, args, output):
         self._restore(module)
 
+    def _wrapped_forward(self, wrapper: nn.Module):
+        """The forward of a PEFT wrapper (a tuner layer, a `modules_to_save` wrapper) on weights in `dtype` as a
+        resident copy holds them: the tuner layer's base layer on its merged weights, the wrapper's active module on
+        its own; made when it runs and dropped right after."""
+
+        def forward(x, *args, **kwargs):
+            kwargs.pop("adapter_names", None)  # PEFT's mixed-batch argument: the merged weights serve the active ones
+            start = time.perf_counter()
+            if id(wrapper) in self._tuners:
+                module, state = wrapper.get_base_layer(), _merged_layer_state(wrapper)
+            else:
+                module = _saved_module(wrapper)
+                state = {k: v.detach() for k, v in module.state_dict().items()}
+            state = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in state.items()}
+            size = sum(t.numel() * t.element_size() for t in state.values())
+            self._live_bytes += size
+            self.peak_bytes = max(self.peak_bytes, self._live_bytes)
+            self.num_casts += 1
+            self.cast_seconds += time.perf_counter() - start
+            try:
+                return torch.func.functional_call(module, state, (x, *args), kwargs)
+            finally:
+                self._live_bytes -= size
+
+        return forward
+
     @contextlib.contextmanager
     def active(self):
-        """Within the block every forward of the policy runs on `dtype` casts of its weights (hooks removed after)."""
-        handles = []
+        """Within the block every forward of the policy runs on `dtype` casts of its weights (hooks and the tuner
+        layers' merged forwards removed after)."""
+        handles, patched = [], []
         for module in self.owners:
             handles.append(module.register_forward_pre_hook(self._cast_in))
             handles.append(module.register_forward_hook(self._cast_out, always_call=True))
+        for wrapper in self.wrappers:
+            patched.append((wrapper, wrapper.__dict__.get("forward")))
+            wrapper.forward = self._wrapped_forward(wrapper)
         try:
             yield self.model
         finally:
             for handle in handles:
                 handle.remove()
+            for wrapper, forward in patched:
+                del wrapper.forward
+                if forward is not None:  # an instance patch that was there before
+                    wrapper.forward = forward
             for module, _, _ in list(self._saved.values()):  # a forward that raised half-way
                 self._restore(module)
             self._live_bytes = 0

@@ -44,7 +44,7 @@ from ..corrections.kept_sets import KeptSets, SamplingSettings
 from ..corrections.processors import RepetitionPenalty
 from ..diagnostics.mismatch import full_vocab_divergence
 from ..modes import MODES, PRECISION_MODES
-from .copies import COPY_STORAGES, ModuleCopy, PerLayerCast, check_per_layer_cast
+from .copies import COPY_STORAGES, ModuleCopy, PerLayerCast
 from .forward import (
     HeadInput,
     capture_head,
@@ -103,7 +103,7 @@ def check_scorer_setup(model: nn.Module, mode: str, layers: Iterable[int] | None
     Raises:
         ValueError: `mode` is not a precision mode; `guided_fp32` without layers or layers with another mode; a layer
             index out of range or a model whose anatomy (decoder layers, final norm, LM head) is not found; an unknown
-            `copy_storage`; `"per_layer"` with PEFT adapters.
+            `copy_storage`.
         NotImplementedError: `"per_layer"` on a sharded policy (its copies are the engine's shadows).
     """
     if mode not in PRECISION_MODES:
@@ -120,8 +120,6 @@ def check_scorer_setup(model: nn.Module, mode: str, layers: Iterable[int] | None
     if copy_storage == "per_layer" and sharded is not None:
         raise NotImplementedError("copy_storage='per_layer' is not supported on FSDP2/ZeRO-3 (the copies are the "
                                   "engine's sharded shadows); use copy_storage='resident'")
-    if copy_storage == "per_layer" and spec.may_copy_whole_model:
-        check_per_layer_cast(model)
     if spec.runs_fp32_modules:
         layers = check_layer_indices(layers, len(model_anatomy(model).layers))
     return layers
@@ -154,7 +152,7 @@ class OldLogprobScorer:
 
     Raises:
         ValueError: unknown mode, guided_fp32 without layers, layers with another mode, a layer index out of range,
-            an unknown `copy_storage`, `"per_layer"` with PEFT adapters.
+            an unknown `copy_storage`.
         NotImplementedError: `"per_layer"` on a sharded policy (its copies are the engine's shadows).
     """
 
@@ -169,7 +167,7 @@ class OldLogprobScorer:
         self.copy_storage = copy_storage
         self._per_layer: dict[torch.dtype, PerLayerCast] = {}
         if copy_storage == "per_layer" and spec.may_copy_whole_model:
-            self.per_layer_cast(_DTYPES[spec.whole_model_dtype])  # PEFT refused here
+            self.per_layer_cast(_DTYPES[spec.whole_model_dtype])
         self.weight_dtype = next(model.parameters()).dtype if sharded is None else sharded.storage_dtype
         # dtype of the hidden states between layers: the weights' unsharded (fp32 weights stay fp32 under autocast),
         # the engine's compute dtype sharded (an FSDP bf16 policy hands bf16 weights to fp32-stored parameters)
