@@ -609,7 +609,8 @@ def check_train_dataset(dataset) -> None:
     `column_names`/`len` (TRL's own errors apply), pass.
 
     Raises:
-        ValueError: "train_dataset is empty (0 rows)", or no `prompt` column (naming the columns the dataset has).
+        ValueError: "train_dataset is empty (0 rows)", no `prompt` column (naming the columns the dataset has), or a
+            `prompt` column of non-text values (ints, floats, all-None: the tokenizer's raw error otherwise).
     """
     try:
         rows = len(dataset)
@@ -624,6 +625,13 @@ def check_train_dataset(dataset) -> None:
         raise ValueError(f"train_dataset has no 'prompt' column (GRPO reads the prompts from it); its columns are: "
                          f"{', '.join(map(repr, columns)) or 'none'}. Rename one, e.g. dataset.rename_column("
                          f"'question', 'prompt'), or map your rows to {{'prompt': ...}}")
+    feature = (getattr(dataset, "features", None) or {}).get("prompt")
+    dtype = getattr(feature, "dtype", None) if type(feature).__name__ == "Value" else None
+    if dtype is not None and dtype not in ("string", "large_string"):
+        raise ValueError(f"train_dataset's 'prompt' column holds {dtype} values, not text: TRL's trainers tokenize each "
+                         f"prompt, which must be a string or a conversation (a list of {{'role': ..., 'content': ...}} "
+                         f"messages). Map the column to text, e.g. dataset.map(lambda row: {{'prompt': "
+                         f"str(row['prompt'])}}), or build the prompts from the columns that hold them")
 
 
 def check_dropout(args, model: nn.Module) -> None:
