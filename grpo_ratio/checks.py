@@ -154,7 +154,7 @@ def _check_sampler_logprobs(args) -> None:
                          "is_correction (docs/rloo.md)")
     if args.use_vllm:
         warnings.warn("sampler_logprobs_in_loss=True has no effect with use_vllm=True: TRL always receives vLLM's "
-                      "log-probs as sampling_per_token_logps", stacklevel=5)
+                      "log-probs as sampling_per_token_logps", stacklevel=6)
     elif trl_field(args, "off_policy_mask_threshold") is None:
         raise ValueError("sampler_logprobs_in_loss=True hands the recorded sampler log-probs to TRL's loss, whose only "
                          "reader on the generate path is the off-policy mask, but off_policy_mask_threshold is unset: "
@@ -434,7 +434,7 @@ def _check_sampler_mode(args) -> None:
     if args.use_vllm and trl_field(args, "vllm_importance_sampling_correction"):
         warnings.warn("old_logprob_mode='sampler': vllm_importance_sampling_correction turned off; the old "
                       "log-probs are the sampler's, so TRL's importance-sampling ratio old/sampler is 1 by "
-                      "construction", stacklevel=4)
+                      "construction", stacklevel=6)
         args.vllm_importance_sampling_correction = False
 
 
@@ -478,10 +478,10 @@ def _check_truncation(args) -> None:
     `generation_config` fills unset fields) run when the trainer is built (`grpo_ratio.checks`).
     """
     correction = args.truncation_correction
-    if correction == "none" and args.kept_set_source != "auto":
+    if correction == "none" and args.kept_set_source in ("recorded", "recompute"):
         warnings.warn(f"kept_set_source={args.kept_set_source!r} has no effect with truncation_correction='none': "
                       f"it chooses where a correction's kept sets come from; set truncation_correction="
-                      f"'renormalize' or 'lift_sampler', or leave kept_set_source='auto'", stacklevel=4)
+                      f"'renormalize' or 'lift_sampler', or leave kept_set_source='auto'", stacklevel=6)
     if correction == "none" or args.resolved_kept_set_source == "recompute":
         return  # recomputed kept sets need nothing from the engine
     if not args.use_vllm:
