@@ -4,11 +4,13 @@ Importing torch, transformers and TRL takes 10-40 s on a CPU machine; a typo in 
 outside its allowed set, should not cost that, nor print a traceback. `check_train` and `check_compare` read only the
 YAML files and `cli_fields.json` (every flag of `grpo-ratio train`, with its allowed values, and the type of every
 bool, int and float field, generated from the real parser by `python -m grpo_ratio.cli.precheck --write` and kept
-equal to it by tests/test_precheck.py) and raise `ConfigError` with one line that names the key, the file or flag, a
-"did you mean" (difflib) and the allowed values: an unknown key or flag, a value outside its choices, a value that
-does not parse as its field's type (`--bf16 flase`; a recipe's `bf16: flase`), a number outside `RANGES`
-(`--num_generations 0`). What they cannot decide (cross-field rules) is left to the parser and
-`RatioGRPOConfig.__post_init__`, whose errors the command line also prints in one line.
+equal to it by tests/test_precheck.py) and raise one `ConfigError` listing every mistake, one line each naming the
+key, the file or flag, a "did you mean" (difflib) and the allowed values: an unknown key or flag, a key or flag of the
+other trainer (`trainer: rloo` with a GRPO-only key) or of the asynchronous one (`async_objective`), a value outside
+its choices, a value that does not parse as its field's type (`--bf16 flase`; a recipe's `bf16: flase`), a number
+outside `RANGES` (`--num_generations 0`), and the settings that need no model (`setting_problems`: a custom
+`is_correction`'s fields, the `ratio_gate` checks). What they cannot decide (the other cross-field rules) is left to
+the parser and `RatioGRPOConfig.__post_init__`, whose errors (every problem at once too) the command line also prints.
 """
 
 from __future__ import annotations
