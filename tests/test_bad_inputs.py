@@ -335,6 +335,10 @@ def test_a_wrong_trainer_field_is_still_a_type_error_and_good_configs_pass(tmp_p
                                                                       "true", "--old_logprob_mode", "fp32_clone"])
     assert parsed.old_logprob_mode == "fp32_clone"
     async_config(str(tmp_path), bf16=False, use_cpu=True, async_objective="decoupled", old_logprob_mode="fp32_clone")
+    # gate keys TRL logs, an evaluation row's, a namespace of the user's own (TRL's log_metric, a callback): accepted
+    gate = ["reward>0", "rewards/my_func/mean>0", "completions/mean_length<100", "eval_reward>0", "my/accuracy>0.5",
+            "ratio/staleness/2/oob_rate<0.1"]
+    assert RatioGRPOConfig(output_dir=str(tmp_path), use_cpu=True, ratio_gate=gate).ratio_gate == gate
 
 
 def test_report_check_names_the_key_for_a_train_prefix_and_a_typo(tmp_path, capsys):
