@@ -84,6 +84,7 @@ GRPO = [
     (dict(ratio_gate=["train/reward>0"]), ["ratio_gate", "'train/reward'", "log rows hold 'reward'"]),
     (dict(ratio_gate=["ratio/new_old/oob_rat<=0.1"]), ["ratio_gate", "did you mean 'ratio/new_old/oob_rate'"]),
     (dict(ratio_gate=["completions/mean_lenght<100"]), ["ratio_gate", "did you mean 'completions/mean_length'"]),
+    (dict(ratio_gate=["ratio/staleness/2/oob_rate<0.1"]), ["ratio_gate", "'ratio/staleness/<k>/new_behav_oob_rate'"]),
     (dict(ratio_gate=["mean:reward>0"]), ["ratio_gate", "only the scopes each, first"]),
     (dict(ratio_gate=["reward=<0"]), ["check 'reward=<0'", "[SCOPE:]KEY OP VALUE"]),
     (dict(ratio_gate=["reward>x"]), ["check 'reward>x'", "'x' is not a number"]),
@@ -337,7 +338,7 @@ def test_a_wrong_trainer_field_is_still_a_type_error_and_good_configs_pass(tmp_p
     async_config(str(tmp_path), bf16=False, use_cpu=True, async_objective="decoupled", old_logprob_mode="fp32_clone")
     # gate keys TRL logs, an evaluation row's, a namespace of the user's own (TRL's log_metric, a callback): accepted
     gate = ["reward>0", "rewards/my_func/mean>0", "completions/mean_length<100", "eval_reward>0", "my/accuracy>0.5",
-            "ratio/staleness/2/oob_rate<0.1"]
+            "ratio/staleness/2/new_behav_oob_rate<0.1"]
     assert RatioGRPOConfig(output_dir=str(tmp_path), use_cpu=True, ratio_gate=gate).ratio_gate == gate
 
 

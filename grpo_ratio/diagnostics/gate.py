@@ -237,7 +237,8 @@ def _unknown_key(key: str) -> str | None:
     if metric_keys.logged_key(key):
         return None
     ours = key.startswith(f"{metric_keys.PREFIX}/")
-    candidates = list(metric_keys.TABLE) if ours else [k for k in metric_keys.TRL_KEYS if "<" not in k]
+    candidates = ([*metric_keys.TABLE, *metric_keys.STALENESS_ROWS, *metric_keys.ROUTE_LAYER_ROWS] if ours else
+                  [k for k in metric_keys.TRL_KEYS if "<" not in k])
     near = get_close_matches(key, candidates, n=3, cutoff=0.6)
     what = "the ratio diagnostics emit" if ours else "TRL or transformers log (grpo_ratio.diagnostics.metric_keys.TRL_KEYS)"
     hint = f"; did you mean {', '.join(map(repr, near))}?" if near else (
