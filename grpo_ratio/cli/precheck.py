@@ -321,8 +321,7 @@ def check_flags(argv: Sequence[str], known: dict | None = None, skip: Sequence[s
 
 def setting_problems(values: dict) -> list[str]:
     """The combinations of a run's settings (`values`: the recipe's keys, then the flags) that need no model: a
-    custom IS correction's fields (`is_correction.resolve_correction`, imported only when one is set: it loads
-    torch) and the `ratio_gate` checks (`gate.training_checks`: keys no trainer logs, scopes, patience, action),
+    custom IS correction's fields (`is_correction.resolve_correction`, which needs no torch) and the `ratio_gate` checks (`gate.training_checks`: keys no trainer logs, scopes, patience, action),
     judged as `RatioGRPOConfig` judges them, every problem at once."""
     settings = {**load_fields("defaults"), **{k: v for k, v in values.items() if k in PRECHECKED}}
     problems = []

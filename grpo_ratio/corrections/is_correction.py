@@ -36,7 +36,9 @@ Conventions shared with TRL: a position outside `mask` or with a NaN log-ratio (
 exactly 1 and is never rejected; NaN log-ratios are left out of sequence sums and means (TRL's product treats them as
 0, which is the same for a sum). Math in fp32; weights in fp32, shape (B, T), or (B, 1) when every part is
 sequence-level (TRL's own shapes, which `loss_type="vespo"` relies on). Presets for the peers' recipes: `PRESETS`.
-Metrics of the weights: `grpo_ratio.diagnostics.mismatch`.
+Metrics of the weights: `grpo_ratio.diagnostics.mismatch`. torch is imported inside the functions that compute on
+tensors: the settings (`resolve_correction`, `ISCorrection`, `PRESETS`) are judged without it, by the command line
+before its heavy imports too (`grpo_ratio/cli/precheck.py`).
 """
 
 from __future__ import annotations
@@ -44,10 +46,13 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..problems import Problems
+
+
+if TYPE_CHECKING:
+    import torch
 
 
 LEVELS = ("token", "sequence_product", "sequence_geometric", "none")
@@ -290,6 +295,8 @@ def clean_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> tuple[torch.
     Raises:
         ValueError: shapes differ or are not 2-D.
     """
+    import torch  # here, not at the top (module docstring)
+
     _check_pair(log_ratio, mask)
     has = mask.bool() & ~torch.isnan(log_ratio)  # (B, T)
     x = torch.nan_to_num(torch.where(has, log_ratio.float(), 0.0), nan=0.0)  # (B, T)
@@ -312,6 +319,8 @@ def sequence_log_weights(log_ratio: torch.Tensor, mask: torch.Tensor, geometric:
 def apply_bounds(weights: torch.Tensor, low: float | None, high: float | None, action: str):
     """(bounded weights, affected): `"truncate"` clamps into [low, high], `"mask"` sets weights outside it to 0;
     affected = weights strictly outside (what `clamp` changes, what the mask zeroes). Any shape; `None` = no bound."""
+    import torch  # here, not at the top (module docstring)
+
     lo = -math.inf if low is None else low
     hi = math.inf if high is None else high
     affected = (weights < lo) | (weights > hi)
@@ -323,6 +332,8 @@ def apply_bounds(weights: torch.Tensor, low: float | None, high: float | None, a
 def token_statistic(x: torch.Tensor, metric: str) -> torch.Tensor:
     """Per-token rejection statistic (module docstring) from a cleaned log-ratio x (B, T); `ratio` stays in log space
     (x itself): its aggregates are taken on logs and compared with log bounds."""
+    import torch  # here, not at the top (module docstring)
+
     if metric in ("ratio", "k1"):
         return x if metric == "ratio" else -x
     if metric == "k2":
@@ -341,6 +352,8 @@ def rejected_by(log_ratio: torch.Tensor, mask: torch.Tensor, rule: RejectionRule
     Raises:
         ValueError: shapes differ or are not 2-D.
     """
+    import torch  # here, not at the top (module docstring)
+
     x, has = clean_log_ratio(log_ratio, mask)
     stat = token_statistic(x, rule.metric)  # (B, T)
     if rule.level == "sequence":
@@ -384,6 +397,8 @@ def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, correction: 
     Raises:
         ValueError: shapes differ or are not 2-D.
     """
+    import torch  # here, not at the top (module docstring)
+
     x, has = clean_log_ratio(log_ratio, mask)
     B, T = x.shape
     if correction.level == "token":
