@@ -21,6 +21,7 @@ import contextlib
 import time
 import warnings
 from dataclasses import dataclass, field, fields
+from functools import partial
 from typing import ClassVar
 
 import torch
@@ -28,7 +29,7 @@ from accelerate.utils import broadcast_object_list
 from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
 from .checks import check_async_config
-from .config import RatioFields
+from .config import KnownFields, RatioFields
 from .corrections.decoupled import OBJECTIVES, decoupled_inputs, loglinear_proximal, proximal_weights
 from .corrections.kept_sets import SamplingSettings
 from .diagnostics.run_record_callback import RunRecordCallback
@@ -36,6 +37,7 @@ from .diagnostics.staleness import StalenessStats
 from .modes import MODES, SAMPLER_MODE, SCORING_MODES, TRL_MODE
 from .old_pass.copies import WeightsVersion, WeightsVersionCallback
 from .old_pass.scorer import OldLogprobScorer
+from .problems import collect
 
 
 def _declared(name: str, help: str | None = None, choices: list | None = None):
@@ -48,7 +50,7 @@ def _declared(name: str, help: str | None = None, choices: list | None = None):
 
 
 @dataclass
-class RatioAsyncGRPOConfig(AsyncGRPOConfig):
+class RatioAsyncGRPOConfig(KnownFields, AsyncGRPOConfig):
     """Configuration class for [`RatioAsyncGRPOTrainer`]: every field of TRL's `AsyncGRPOConfig`, `async_objective`,
     and the grpo_ratio fields that apply to an asynchronous run (declared by `RatioFields`, their `help` unchanged).
 
@@ -101,8 +103,8 @@ class RatioAsyncGRPOConfig(AsyncGRPOConfig):
     trl_trainer: ClassVar[str] = "async_grpo"  # recorded in run.json
 
     def __post_init__(self):
-        super().__post_init__()
-        check_async_config(self)  # every refusal of the new fields (grpo_ratio/checks.py)
+        # TRL's checks, then every refusal of the new fields (grpo_ratio/checks.py): every problem in one error
+        collect((super().__post_init__, partial(check_async_config, self)))
 
     @property
     def decoupled(self) -> bool:

@@ -20,6 +20,8 @@ import re
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
+from difflib import get_close_matches
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -52,6 +54,7 @@ from .old_pass.layer_spec import resolve_layer_spec
 from .old_pass.scorer import check_scorer_setup
 from .old_pass.sharding.engines import engine_of
 from .plan import CONTINUOUS_BATCHING, GENERATE, RECORDED, VLLM, kept_set_origin
+from .problems import Problems, collect
 from .routing.replay import ROUTING_REPLAY_MODES
 
 
@@ -126,61 +129,91 @@ def check_config(args) -> None:
     string into a list, and turns TRL's vLLM IS correction off under `old_logprob_mode="sampler"` (warned).
 
     Raises:
-        ValueError: naming the field, the value and the allowed values or the setting that works.
+        Problems (a `ValueError`): every problem found at once, each naming the field, the value and the allowed
+            values or the setting that works.
     """
-    if args.old_logprob_mode not in SCORING_MODES:
-        raise ValueError(
-            f"old_logprob_mode={args.old_logprob_mode!r} is not a scoring mode; allowed: {', '.join(SCORING_MODES)}"
-        )
-    if args.kept_set_source not in KEPT_SET_SOURCES:
-        raise ValueError(f"kept_set_source={args.kept_set_source!r} is not allowed; allowed: "
-                         f"{', '.join(KEPT_SET_SOURCES)}")
-    _check_sampling_fields(args)
-    if args.vllm_dtype is not None and args.vllm_dtype not in VLLM_DTYPES:
-        raise ValueError(f"vllm_dtype={args.vllm_dtype!r} is not allowed; allowed: {', '.join(VLLM_DTYPES)}")
+    collect(partial(check, args) for check in (
+        _check_choices, _check_sampling_fields, _check_vllm_engine, _check_copy_storage, _resolve_guided_layers,
+        _check_band, _check_switches, _check_truncation,
+        _check_is_correction,  # before _check_sampler_mode, which may turn TRL's vLLM correction off
+        _check_sampler_mode, _check_routing_replay, _check_gate, _check_attribution, _check_sampler_logprobs))
+
+
+def _not_allowed(name: str, value, allowed) -> str:
+    """"NAME=VALUE is not allowed; allowed: A, B (; did you mean 'A'?)"."""
+    close = get_close_matches(str(value), [str(a) for a in allowed], n=1, cutoff=0.6)
+    return (f"{name}={value!r} is not allowed; allowed: {', '.join(map(str, allowed))}"
+            + (f"; did you mean {close[0]!r}?" if close else ""))
+
+
+def _check_choices(args) -> None:
+    """The new fields that take one of a set of values (`old_logprob_mode`, `kept_set_source`, `vllm_dtype`,
+    `truncation_correction`), every one. Raises Problems."""
+    allowed = {"old_logprob_mode": SCORING_MODES, "kept_set_source": KEPT_SET_SOURCES,
+               "truncation_correction": TRUNCATION_CORRECTIONS, "vllm_dtype": VLLM_DTYPES}
+    problems = [_not_allowed(name, getattr(args, name), values) for name, values in allowed.items()
+                if getattr(args, name) not in values and not (name == "vllm_dtype" and args.vllm_dtype is None)]
+    if problems:
+        raise Problems(problems)
+
+
+def _check_vllm_engine(args) -> None:
+    """`vllm_dtype` and `vllm_lm_head_fp32` set TRL's colocate engine: refused elsewhere (a server takes flags)."""
+    problems = []
     if args.vllm_dtype is not None and not (args.use_vllm and args.vllm_mode == "colocate"):
-        raise ValueError(f"vllm_dtype={args.vllm_dtype!r} sets TRL's colocate engine, but use_vllm="
-                         f"{args.use_vllm}, vllm_mode={args.vllm_mode!r}; for a server start `trl vllm-serve "
-                         f"--dtype {args.vllm_dtype}`")
-    _check_copy_storage(args)
+        problems.append(f"vllm_dtype={args.vllm_dtype!r} sets TRL's colocate engine, but use_vllm={args.use_vllm}, "
+                        f"vllm_mode={args.vllm_mode!r}; for a server start `trl vllm-serve --dtype {args.vllm_dtype}`")
     if not isinstance(args.vllm_lm_head_fp32, bool):
-        raise ValueError(f"vllm_lm_head_fp32 must be True or False, got {args.vllm_lm_head_fp32!r}")
-    if args.vllm_lm_head_fp32 and not (args.use_vllm and args.vllm_mode == "colocate"):
-        raise ValueError(f"vllm_lm_head_fp32=True sets TRL's colocate engine, but use_vllm={args.use_vllm}, "
-                         f"vllm_mode={args.vllm_mode!r}; for a server start `trl vllm-serve` (or `vllm serve`) "
-                         f"with {VLLM_FP32_HEAD_FLAG}")
-    if args.truncation_correction not in TRUNCATION_CORRECTIONS:
-        raise ValueError(
-            f"truncation_correction={args.truncation_correction!r} is not allowed; allowed: "
-            f"{', '.join(TRUNCATION_CORRECTIONS)}"
-        )
-    _resolve_guided_layers(args)
-    _check_band(args)
-    for name in ("record_sampler_logprobs", "sampler_logprobs_in_loss", "ratio_diagnostics", "ratio_full_vocab"):
-        if not isinstance(getattr(args, name), bool):
-            raise ValueError(f"{name} must be True or False, got {getattr(args, name)!r}")
+        problems.append(f"vllm_lm_head_fp32 must be True or False, got {args.vllm_lm_head_fp32!r}")
+    elif args.vllm_lm_head_fp32 and not (args.use_vllm and args.vllm_mode == "colocate"):
+        problems.append(f"vllm_lm_head_fp32=True sets TRL's colocate engine, but use_vllm={args.use_vllm}, "
+                        f"vllm_mode={args.vllm_mode!r}; for a server start `trl vllm-serve` (or `vllm serve`) with "
+                        f"{VLLM_FP32_HEAD_FLAG}")
+    if problems:
+        raise Problems(problems)
+
+
+def _check_switches(args) -> None:
+    """The new booleans, `clip_flip_every`, and `ratio_full_vocab` against the mode. Raises Problems."""
+    problems = [f"{name} must be True or False, got {getattr(args, name)!r}"
+                for name in ("record_sampler_logprobs", "sampler_logprobs_in_loss", "ratio_diagnostics",
+                             "ratio_full_vocab") if not isinstance(getattr(args, name), bool)]
     if isinstance(args.clip_flip_every, bool) or not isinstance(args.clip_flip_every, int) or args.clip_flip_every < 0:
-        raise ValueError(f"clip_flip_every must be an integer >= 0 (0 = never), got {args.clip_flip_every!r}")
-    _check_truncation(args)
-    _check_is_correction(args)  # before _check_sampler_mode, which may turn TRL's vLLM correction off
-    _check_sampler_mode(args)
-    _check_routing_replay(args)
-    _check_gate(args)
-    _check_attribution(args)
-    if args.ratio_full_vocab and args.old_logprob_mode not in SCORER_MODES:
-        raise ValueError(f"ratio_full_vocab=True compares a scoring mode's old distribution with the policy's "
-                         f"own, but old_logprob_mode={args.old_logprob_mode!r} (bf16: the old pass is the policy's "
-                         f"own; sampler: no old distribution); use one of {', '.join(SCORER_MODES)}")
-    if args.sampler_logprobs_in_loss and not args.record_sampler_logprobs:
+        problems.append(f"clip_flip_every must be an integer >= 0 (0 = never), got {args.clip_flip_every!r}")
+    if args.ratio_full_vocab is True and args.old_logprob_mode not in SCORER_MODES:
+        problems.append(f"ratio_full_vocab=True compares a scoring mode's old distribution with the policy's own, but "
+                        f"old_logprob_mode={args.old_logprob_mode!r} (bf16: the old pass is the policy's own; "
+                        f"sampler: no old distribution); use one of {', '.join(SCORER_MODES)}")
+    if problems:
+        raise Problems(problems)
+
+
+def _check_sampler_logprobs(args) -> None:
+    """`sampler_logprobs_in_loss`: it needs the recording, a GRPO loss that reads the log-probs (TRL's off-policy
+    mask, `off_policy_mask_threshold`) and no vLLM (which hands TRL its own log-probs: warned).
+
+    Raises:
+        ValueError: without `record_sampler_logprobs`; on RLOO (its loss reads none); on the `generate` path without
+            `off_policy_mask_threshold` (nothing in TRL's loss would read them: a silent no-op).
+    """
+    if args.sampler_logprobs_in_loss is not True:
+        return
+    if not args.record_sampler_logprobs:
         raise ValueError("sampler_logprobs_in_loss=True needs record_sampler_logprobs=True (the log-probs it hands "
                          "to TRL are the recorded ones)")
-    if args.sampler_logprobs_in_loss and is_rloo(args):
+    if is_rloo(args):
         raise ValueError("sampler_logprobs_in_loss=True hands the sampler's log-probs to TRL's loss, but RLOO's loss "
                          "reads none (no off-policy mask, no vLLM IS correction); for an IS correction on RLOO set "
                          "is_correction (docs/rloo.md)")
-    if args.sampler_logprobs_in_loss and args.use_vllm:
+    if args.use_vllm:
         warnings.warn("sampler_logprobs_in_loss=True has no effect with use_vllm=True: TRL always receives vLLM's "
-                      "log-probs as sampling_per_token_logps", stacklevel=4)
+                      "log-probs as sampling_per_token_logps", stacklevel=6)
+    elif trl_field(args, "off_policy_mask_threshold") is None:
+        raise ValueError("sampler_logprobs_in_loss=True hands the recorded sampler log-probs to TRL's loss, whose only "
+                         "reader on the generate path is the off-policy mask, but off_policy_mask_threshold is unset: "
+                         "nothing would read them. Set off_policy_mask_threshold (TRL's off-policy sequence mask, "
+                         "e.g. 0.5) or leave sampler_logprobs_in_loss=False; for an IS weight set is_correction "
+                         "(docs/corrections.md)")
 
 
 def _resolve_guided_layers(args) -> None:
@@ -212,9 +245,10 @@ def _check_band(args) -> None:
     Raises:
         ValueError: naming the field (not a number) or the band.
     """
-    for name in ("ratio_band_low", "ratio_band_high"):
-        if isinstance(getattr(args, name), bool) or not isinstance(getattr(args, name), (int, float)):
-            raise ValueError(f"{name} must be a number, got {getattr(args, name)!r}")
+    problems = [f"{name} must be a number, got {getattr(args, name)!r}" for name in ("ratio_band_low", "ratio_band_high")
+                if isinstance(getattr(args, name), bool) or not isinstance(getattr(args, name), (int, float))]
+    if problems:
+        raise Problems(problems)
     if not 0.0 < args.ratio_band_low < 1.0 < args.ratio_band_high:
         raise ValueError(
             f"ratio band must satisfy 0 < ratio_band_low < 1 < ratio_band_high, got "
@@ -227,57 +261,83 @@ def check_async_config(args) -> None:
     `args.guided_fp32_layer_ids`, `args.guided_fp32_calibration`, `args.is_correction_spec` (docs/async.md).
 
     Raises:
-        ValueError: naming the field, the value and the allowed values: an unknown `async_objective` or
-            `old_logprob_mode`; `old_logprob_mode` other than "bf16" (or `guided_fp32_layers`, `copy_storage`) without
+        Problems (a `ValueError`): every problem at once, each naming the field, the value and the allowed values:
+            an unknown `async_objective` or `old_logprob_mode`; `old_logprob_mode` other than "bf16" (or
+            `guided_fp32_layers`, `copy_storage`) without
             `async_objective="decoupled"` (only that objective runs a proximal pass); `old_logprob_mode="sampler"`
             (a proximal policy that is the behaviour policy is `"coupled"`); `is_correction` with `"coupled"` (no
             proximal policy to weight towards: TRL's loss); an invalid `is_correction` setting or ratio band.
     """
+    collect(partial(check, args) for check in (
+        _check_async_objective, _check_copy_storage, _resolve_guided_layers, _check_async_switches, _check_band,
+        _check_async_correction, _check_async_truncation))
+
+
+def _check_async_objective(args) -> None:
+    """`async_objective` and `old_logprob_mode` of an asynchronous run (`check_async_config`). Raises Problems."""
+    problems = []
     if args.async_objective not in OBJECTIVES:
-        raise ValueError(f"async_objective={args.async_objective!r} is not allowed; allowed: {', '.join(OBJECTIVES)}")
+        problems.append(_not_allowed("async_objective", args.async_objective, OBJECTIVES))
     if args.old_logprob_mode not in SCORING_MODES:
-        raise ValueError(f"old_logprob_mode={args.old_logprob_mode!r} is not a scoring mode; allowed: "
-                         f"{', '.join(SCORING_MODES)}")
-    if args.async_objective != "decoupled" and args.old_logprob_mode != TRL_MODE:
-        raise ValueError(f"old_logprob_mode={args.old_logprob_mode!r} chooses the proximal pass, which only "
-                         f"async_objective='decoupled' runs, but async_objective={args.async_objective!r}; set "
-                         f"async_objective='decoupled' or leave old_logprob_mode at {TRL_MODE!r}")
-    if args.old_logprob_mode == SAMPLER_MODE:
-        raise ValueError("old_logprob_mode='sampler' makes the proximal policy the behaviour policy: that is "
-                         "async_objective='coupled' (TRL's loss); choose a proximal pass among "
-                         f"{', '.join(m for m in SCORING_MODES if m != SAMPLER_MODE)}")
-    _check_copy_storage(args)
-    _resolve_guided_layers(args)
+        problems.append(_not_allowed("old_logprob_mode", args.old_logprob_mode,
+                                     [m for m in SCORING_MODES if m != SAMPLER_MODE]))
+    elif args.old_logprob_mode == SAMPLER_MODE:
+        problems.append("old_logprob_mode='sampler' makes the proximal policy the behaviour policy: that is "
+                        "async_objective='coupled' (TRL's loss); choose a proximal pass among "
+                        f"{', '.join(m for m in SCORING_MODES if m != SAMPLER_MODE)}")
+    elif args.async_objective in OBJECTIVES and args.async_objective != "decoupled" and args.old_logprob_mode != TRL_MODE:
+        problems.append(f"old_logprob_mode={args.old_logprob_mode!r} chooses the proximal pass, which only "
+                        f"async_objective='decoupled' runs, but async_objective={args.async_objective!r}; set "
+                        f"async_objective='decoupled' or leave old_logprob_mode at {TRL_MODE!r}")
+    if problems:
+        raise Problems(problems)
+
+
+def _check_async_switches(args) -> None:
+    """`max_staleness` and `ratio_diagnostics` of an asynchronous run. Raises Problems."""
+    problems = []
     if isinstance(args.max_staleness, bool) or not isinstance(args.max_staleness, int) or args.max_staleness < 0:
-        raise ValueError(f"max_staleness must be an integer >= 0 (0: fresh samples only), got {args.max_staleness!r}")
-    _check_band(args)
+        problems.append(f"max_staleness must be an integer >= 0 (0: fresh samples only), got {args.max_staleness!r}")
     if not isinstance(args.ratio_diagnostics, bool):
-        raise ValueError(f"ratio_diagnostics must be True or False, got {args.ratio_diagnostics!r}")
+        problems.append(f"ratio_diagnostics must be True or False, got {args.ratio_diagnostics!r}")
+    if problems:
+        raise Problems(problems)
+
+
+def _check_async_correction(args) -> None:
+    """`is_correction` of an asynchronous run, resolved into `args.is_correction_spec`: refused with the coupled
+    objective (no proximal policy to weight towards). Raises Problems."""
     args.is_correction_spec = resolve_correction(args.is_correction, args.is_correction_level,
                                                  args.is_correction_action, args.is_correction_low,
                                                  args.is_correction_high, args.is_correction_rejection,
                                                  args.is_correction_veto)
-    if args.truncation_correction not in ("none", "lift_sampler"):
-        raise ValueError(f"truncation_correction={args.truncation_correction!r} is not allowed on "
-                         "RatioAsyncGRPOTrainer; allowed: none, lift_sampler ('renormalize' needs kept-set log-probs "
-                         "of the training forward under autograd, which TRL's fused head does not give)")
-    if args.truncation_correction != "none":
-        if args.async_objective != "decoupled":
-            raise ValueError(f"truncation_correction={args.truncation_correction!r} lifts the behaviour log-probs with "
-                             "the kept mass of the proximal pass, which only async_objective='decoupled' runs, but "
-                             f"async_objective={args.async_objective!r}")
-        if not (args.top_p is not None and args.top_p < 1.0) and not (args.top_k or 0) > 0 and not args.min_p:
-            raise ValueError(f"truncation_correction={args.truncation_correction!r} corrects top_p/top_k/min_p, but "
-                             f"none is on (top_p={args.top_p}, top_k={args.top_k}, min_p={args.min_p}): nothing to "
-                             "correct; set truncation_correction='none'")
-        if args.repetition_penalty not in (None, 1.0):
-            raise ValueError(f"truncation_correction={args.truncation_correction!r} re-applies the server's filter to "
-                             f"the proximal logits without its repetition penalty ({args.repetition_penalty}); set "
-                             "repetition_penalty=1.0 or truncation_correction='none'")
     if args.is_correction_spec is not None and args.async_objective == "coupled":
         raise ValueError(f"is_correction={args.is_correction!r} weights the behaviour -> proximal ratio, which "
                          "async_objective='coupled' does not have (its loss is TRL's); set async_objective="
                          "'decoupled' or 'decoupled_loglinear'")
+
+
+def _check_async_truncation(args) -> None:
+    """`truncation_correction` of an asynchronous run: none or lift_sampler, with the decoupled objective, on a
+    truncated sampler without repetition penalty. Raises ValueError."""
+    if args.truncation_correction not in ("none", "lift_sampler"):
+        raise ValueError(f"truncation_correction={args.truncation_correction!r} is not allowed on "
+                         "RatioAsyncGRPOTrainer; allowed: none, lift_sampler ('renormalize' needs kept-set log-probs "
+                         "of the training forward under autograd, which TRL's fused head does not give)")
+    if args.truncation_correction == "none":
+        return
+    if args.async_objective != "decoupled":
+        raise ValueError(f"truncation_correction={args.truncation_correction!r} lifts the behaviour log-probs with "
+                         "the kept mass of the proximal pass, which only async_objective='decoupled' runs, but "
+                         f"async_objective={args.async_objective!r}")
+    if not (args.top_p is not None and args.top_p < 1.0) and not (args.top_k or 0) > 0 and not args.min_p:
+        raise ValueError(f"truncation_correction={args.truncation_correction!r} corrects top_p/top_k/min_p, but "
+                         f"none is on (top_p={args.top_p}, top_k={args.top_k}, min_p={args.min_p}): nothing to "
+                         "correct; set truncation_correction='none'")
+    if args.repetition_penalty not in (None, 1.0):
+        raise ValueError(f"truncation_correction={args.truncation_correction!r} re-applies the server's filter to "
+                         f"the proximal logits without its repetition penalty ({args.repetition_penalty}); set "
+                         "repetition_penalty=1.0 or truncation_correction='none'")
 
 
 def _check_sampling_fields(args) -> None:
@@ -301,13 +361,16 @@ def _check_sampling_fields(args) -> None:
                   lambda v: isinstance(v, int) and v >= (-1 if args.use_vllm else 0)),
         "min_p": ("0 <= min_p <= 1, or None (no min-p truncation)", lambda v: v is None or 0.0 <= v <= 1.0),
     }
+    problems = []
     for name, (rule, ok) in allowed.items():
         where, value = (f"generation_kwargs[{name!r}]", gen[name]) if name in gen else (name, getattr(args, name))
         if value is None and name != "min_p":
             continue  # TRL's own default then applies
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if not (number or value is None) or not ok(value):
-            raise ValueError(f"{where}={value!r} is not allowed; allowed: {rule}")
+            problems.append(f"{where}={value!r} is not allowed; allowed: {rule}")
+    if problems:
+        raise Problems(problems)
 
 
 def _check_copy_storage(args) -> None:
@@ -424,7 +487,7 @@ def _check_sampler_mode(args) -> None:
     if args.use_vllm and trl_field(args, "vllm_importance_sampling_correction"):
         warnings.warn("old_logprob_mode='sampler': vllm_importance_sampling_correction turned off; the old "
                       "log-probs are the sampler's, so TRL's importance-sampling ratio old/sampler is 1 by "
-                      "construction", stacklevel=4)
+                      "construction", stacklevel=6)
         args.vllm_importance_sampling_correction = False
 
 
@@ -468,10 +531,10 @@ def _check_truncation(args) -> None:
     `generation_config` fills unset fields) run when the trainer is built (`grpo_ratio.checks`).
     """
     correction = args.truncation_correction
-    if correction == "none" and args.kept_set_source != "auto":
+    if correction == "none" and args.kept_set_source in ("recorded", "recompute"):
         warnings.warn(f"kept_set_source={args.kept_set_source!r} has no effect with truncation_correction='none': "
                       f"it chooses where a correction's kept sets come from; set truncation_correction="
-                      f"'renormalize' or 'lift_sampler', or leave kept_set_source='auto'", stacklevel=4)
+                      f"'renormalize' or 'lift_sampler', or leave kept_set_source='auto'", stacklevel=6)
     if correction == "none" or args.resolved_kept_set_source == "recompute":
         return  # recomputed kept sets need nothing from the engine
     if not args.use_vllm:
@@ -548,12 +611,12 @@ def check_trl_fields(args) -> None:
     `RatioGRPOConfig.__post_init__` runs it before TRL's own `__post_init__`, whose arithmetic would fail first.
 
     Raises:
-        ValueError: `<field>=<value> is not allowed; allowed: <rule>`, for the first field out of its rule.
+        Problems (a `ValueError`): `<field>=<value> is not allowed; allowed: <rule>`, for every field out of its rule.
     """
-    for name, (rule, ok) in TRL_FIELD_RULES.items():
-        value = getattr(args, name)
-        if not ok(value):
-            raise ValueError(f"{name}={value!r} is not allowed; allowed: {rule}")
+    problems = [f"{name}={getattr(args, name)!r} is not allowed; allowed: {rule}"
+                for name, (rule, ok) in TRL_FIELD_RULES.items() if not ok(getattr(args, name))]
+    if problems:
+        raise Problems(problems)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -599,7 +662,8 @@ def check_train_dataset(dataset) -> None:
     `column_names`/`len` (TRL's own errors apply), pass.
 
     Raises:
-        ValueError: "train_dataset is empty (0 rows)", or no `prompt` column (naming the columns the dataset has).
+        ValueError: "train_dataset is empty (0 rows)", no `prompt` column (naming the columns the dataset has), or a
+            `prompt` column of non-text values (ints, floats, all-None: the tokenizer's raw error otherwise).
     """
     try:
         rows = len(dataset)
@@ -614,6 +678,13 @@ def check_train_dataset(dataset) -> None:
         raise ValueError(f"train_dataset has no 'prompt' column (GRPO reads the prompts from it); its columns are: "
                          f"{', '.join(map(repr, columns)) or 'none'}. Rename one, e.g. dataset.rename_column("
                          f"'question', 'prompt'), or map your rows to {{'prompt': ...}}")
+    feature = (getattr(dataset, "features", None) or {}).get("prompt")
+    dtype = getattr(feature, "dtype", None) if type(feature).__name__ == "Value" else None
+    if dtype is not None and dtype not in ("string", "large_string"):
+        raise ValueError(f"train_dataset's 'prompt' column holds {dtype} values, not text: TRL's trainers tokenize each "
+                         f"prompt, which must be a string or a conversation (a list of {{'role': ..., 'content': ...}} "
+                         f"messages). Map the column to text, e.g. dataset.map(lambda row: {{'prompt': "
+                         f"str(row['prompt'])}}), or build the prompts from the columns that hold them")
 
 
 def check_dropout(args, model: nn.Module) -> None:

@@ -4,7 +4,10 @@ are logged. Only new fields are declared here."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import dataclass, field, fields
+from difflib import get_close_matches
+from functools import cache, partial
 from typing import ClassVar
 
 from trl import GRPOConfig, RLOOConfig
@@ -21,11 +24,73 @@ from .corrections.is_correction import ACTIONS, LEVELS, PRESETS, REJECTION_METRI
 from .diagnostics.gate import GATE_ACTIONS
 from .modes import COPY_MODES, PRECISION_MODES, SAMPLER_MODE, SCORER_MODES, SCORING_MODES, TRL_MODE  # noqa: F401
 from .old_pass.copies import COPY_STORAGES
+from .problems import Problems, collect
 from .routing.replay import ROUTING_REPLAY_MODES  # noqa: F401  (re-exported: the allowed `routing_replay` values)
 
 
+class UnknownFieldError(Problems, TypeError):
+    """A config built with keywords it has no field for (Python's own error is a `TypeError`, so this is one too,
+    and a `ValueError` listing every unknown keyword): each named, with the trainer whose config has it, or a "did
+    you mean"."""
+
+
+@cache
+def _init_fields(cls) -> tuple[str, ...]:
+    """The keywords `cls(...)` takes: its dataclass fields with `init=True`."""
+    return tuple(f.name for f in fields(cls) if f.init)
+
+
+def _other_configs() -> dict[str, tuple[type, str]]:
+    """{class name: (config class, the trainer it configures)} of every grpo_ratio config; the asynchronous one only
+    where TRL's experimental async trainer imports (it is imported here, on the error path, for its field names)."""
+    configs = {"RatioGRPOConfig": (RatioGRPOConfig, "RatioGRPOTrainer, trl.GRPOTrainer"),
+               "RatioRLOOConfig": (RatioRLOOConfig, "RatioRLOOTrainer, trl.RLOOTrainer")}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from grpo_ratio import RatioAsyncGRPOConfig
+    except Exception:  # TRL's experimental async trainer does not import here: its fields are not named
+        return configs
+    configs["RatioAsyncGRPOConfig"] = (RatioAsyncGRPOConfig, "RatioAsyncGRPOTrainer, trl.experimental.async_grpo")
+    return configs
+
+
+def unknown_field_problems(cls, names: list[str]) -> list[str]:
+    """One message per keyword of `names` that config class `cls` has no field for: the other grpo_ratio configs
+    that have it (which trainer), else the nearest field of `cls` ("did you mean")."""
+    own = _init_fields(cls)
+    others = {name: (config, trainer) for name, (config, trainer) in _other_configs().items()
+              if not issubclass(cls, config)}
+    problems = []
+    for name in names:
+        homes = [f"{config_name} ({trainer})" for config_name, (config, trainer) in others.items()
+                 if name in _init_fields(config)]
+        if homes:
+            problems.append(f"{cls.__name__} has no field {name!r}: it is a field of {' and '.join(homes)}; use that "
+                            f"config with its trainer, or remove {name}")
+            continue
+        prefixed = [f for f in own if f.startswith(name)]
+        close = prefixed if len(prefixed) == 1 else get_close_matches(name, own, n=1, cutoff=0.6)
+        problems.append(f"{cls.__name__} has no field {name!r}" + (f"; did you mean {close[0]!r}?" if close else
+                        f" (its fields: `help({cls.__name__})`; grpo_ratio's own are in grpo_ratio/config.py)"))
+    return problems
+
+
+class KnownFields:
+    """Mixed into grpo_ratio's config classes: a keyword the config has no field for raises `UnknownFieldError`
+    naming every such keyword, the trainer whose config has it or a "did you mean", before the dataclass `__init__`
+    runs (which would raise Python's bare "unexpected keyword argument"). Only `__new__` is added: the dataclass
+    fields, `__init__`, `TrlParser` / `HfArgumentParser` and copying are unchanged."""
+
+    def __new__(cls, *args, **kwargs):
+        unknown = [name for name in kwargs if name not in _init_fields(cls)]
+        if unknown:
+            raise UnknownFieldError(unknown_field_problems(cls, unknown))
+        return super().__new__(cls)
+
+
 @dataclass
-class RatioFields:
+class RatioFields(KnownFields):
     r"""
     The fields grpo_ratio adds to a TRL config, declared once: [`RatioGRPOConfig`] (`trl.GRPOConfig` + these) and
     [`RatioRLOOConfig`] (`trl.RLOOConfig` + these) inherit them. Mixed in before the TRL config, so `__post_init__`
@@ -305,9 +370,10 @@ class RatioFields:
     )
 
     def __post_init__(self):
-        check_trl_fields(self)  # before TRL's own, which divides by num_generations (grpo_ratio/checks.py)
-        super().__post_init__()
-        check_config(self)  # every config-only refusal and warning (grpo_ratio/checks.py)
+        # TRL's fields first (TRL's own __post_init__ divides by num_generations), then TRL's checks, then every
+        # config-only refusal and warning (grpo_ratio/checks.py): every problem of the three in one error
+        trl_post_init = super().__post_init__
+        collect((partial(check_trl_fields, self), trl_post_init, partial(check_config, self)))
 
     @property
     def resolved_kept_set_source(self) -> str:

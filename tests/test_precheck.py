@@ -20,7 +20,7 @@ RECIPE = ROOT / "recipes" / "smollm2-135m" / "arithmetic" / "fp32_clone.yaml"
 
 def test_the_committed_field_list_is_the_real_parser():
     stored = json.loads(precheck.FIELDS_FILE.read_text())
-    assert {"flags": stored["flags"], "keys": stored["keys"]} == precheck.current_fields(), \
+    assert {k: stored[k] for k in ("flags", "keys", "only", "defaults")} == precheck.current_fields(), \
         "grpo_ratio/cli/cli_fields.json is stale: run python -m grpo_ratio.cli.precheck --write"
 
 

@@ -4,11 +4,13 @@ Importing torch, transformers and TRL takes 10-40 s on a CPU machine; a typo in 
 outside its allowed set, should not cost that, nor print a traceback. `check_train` and `check_compare` read only the
 YAML files and `cli_fields.json` (every flag of `grpo-ratio train`, with its allowed values, and the type of every
 bool, int and float field, generated from the real parser by `python -m grpo_ratio.cli.precheck --write` and kept
-equal to it by tests/test_precheck.py) and raise `ConfigError` with one line that names the key, the file or flag, a
-"did you mean" (difflib) and the allowed values: an unknown key or flag, a value outside its choices, a value that
-does not parse as its field's type (`--bf16 flase`; a recipe's `bf16: flase`), a number outside `RANGES`
-(`--num_generations 0`). What they cannot decide (cross-field rules) is left to the parser and
-`RatioGRPOConfig.__post_init__`, whose errors the command line also prints in one line.
+equal to it by tests/test_precheck.py) and raise one `ConfigError` listing every mistake, one line each naming the
+key, the file or flag, a "did you mean" (difflib) and the allowed values: an unknown key or flag, a key or flag of the
+other trainer (`trainer: rloo` with a GRPO-only key) or of the asynchronous one (`async_objective`), a value outside
+its choices, a value that does not parse as its field's type (`--bf16 flase`; a recipe's `bf16: flase`), a number
+outside `RANGES` (`--num_generations 0`), and the settings that need no model (`setting_problems`: a custom
+`is_correction`'s fields, the `ratio_gate` checks). What they cannot decide (the other cross-field rules) is left to
+the parser and `RatioGRPOConfig.__post_init__`, whose errors (every problem at once too) the command line also prints.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+from ..problems import Problems, messages
 
 
 FIELDS_FILE = Path(__file__).with_name("cli_fields.json")
@@ -63,16 +67,40 @@ TYPE_ALLOWED = {"bool": "true or false (also yes/no, t/f, y/n, 1/0, any case)", 
                 "float": "a number"}
 
 
-class ConfigError(ValueError):
-    """A command line or recipe mistake, described in one line."""
+class ConfigError(Problems):
+    """Every mistake of a command line and its recipes, one line each (`problems`; one mistake: its line alone)."""
+
+
+# the config class each `trainer` of `grpo-ratio train` builds (grpo_ratio/cli/train.py `TRAINERS`)
+CONFIGS = {"grpo": "RatioGRPOConfig", "rloo": "RatioRLOOConfig"}
+# fields whose combinations the precheck judges without a model (`setting_problems`); their defaults are recorded in
+# cli_fields.json ("defaults")
+PRECHECKED = ("is_correction", "is_correction_level", "is_correction_action", "is_correction_low",
+              "is_correction_high", "is_correction_rejection", "is_correction_veto", "ratio_gate",
+              "ratio_gate_patience", "ratio_gate_action")
 
 
 def load_fields(section: str = "flags") -> dict:
     """{flag without dashes: allowed values (strings) or None} of `grpo-ratio train` (`section="keys"`: the recipe
     keys, i.e. the fields, which TRL's parser matches by their underscore names only; `section="types"`: {field:
     "bool", "int", "float", "int | None", "float | None", "list[int]" or "list[float]"} for the fields of those types,
-    whose flags are the field's name with `_` or `-`)."""
+    whose flags are the field's name with `_` or `-`; `section="only"`: {"grpo": keys of the GRPO trainer alone,
+    "rloo": of the RLOO trainer alone, "async_grpo": fields of `RatioAsyncGRPOConfig` that neither has};
+    `section="defaults"`: the defaults of the `PRECHECKED` fields)."""
     return json.loads(FIELDS_FILE.read_text())[section]
+
+
+def _wrong_trainer(name: str, trainer: str | None, only: dict) -> str | None:
+    """For a key or flag (`name`, its field's name) that another trainer's config has: which one, and what to do;
+    None otherwise (or when the trainer is unknown)."""
+    if name in only.get("async_grpo", ()):
+        return ("is a field of RatioAsyncGRPOConfig (RatioAsyncGRPOTrainer, the asynchronous trainer: Python only, "
+                "docs/async.md), which grpo-ratio train does not run; remove it")
+    other = next((t for t in CONFIGS if t != trainer and name in only.get(t, ())), None)
+    if trainer not in CONFIGS or other is None:
+        return None
+    return (f"is a field of {CONFIGS[other]} (trainer: {other}), not of {CONFIGS[trainer]} (this run's trainer: "
+            f"{trainer}); remove it, or train with trainer: {other}")
 
 
 def _did_you_mean(name: str, known: Sequence[str]) -> str:
@@ -159,18 +187,10 @@ def _check_value(name: str, value, where: str, known: dict, types: dict | None =
         _check_type(field, value, where, kind)
 
 
-def check_recipe(path: str, known: dict | None = None, types: dict | None = None) -> None:
-    """Every key of the YAML recipe `path` is a flag of `grpo-ratio train`, with an allowed value of its field's type
-    (YAML's own types: `bf16: flase` is a string, not a boolean) inside `RANGES`.
-
-    Raises:
-        ConfigError: a missing or unreadable file, a file that is not a mapping, an unknown key, a value outside the
-            field's choices, of another type or outside its range.
-    """
+def _load_recipe(path: str) -> dict:
+    """The YAML mapping of recipe `path`. Raises ConfigError: a missing or unreadable file, not YAML, not a mapping."""
     import yaml
 
-    known = known if known is not None else load_fields("keys")
-    types = types if types is not None else load_fields("types")
     try:
         config = yaml.safe_load(Path(path).read_text())
     except OSError as err:
@@ -179,43 +199,160 @@ def check_recipe(path: str, known: dict | None = None, types: dict | None = None
         raise ConfigError(f"--config {path}: not valid YAML ({str(err).splitlines()[0]})") from None
     if not isinstance(config, dict):
         raise ConfigError(f"--config {path}: must be a YAML mapping of field: value")
+    return config
+
+
+def recipe_problems(path: str, known: dict | None = None, types: dict | None = None, trainer: str | None = None,
+                    values: dict | None = None) -> list[str]:
+    """Every mistake of the YAML recipe `path`, one line each (`check_recipe`); `values` (when given) receives its
+    keys' values. `trainer`: the run's (`grpo`, `rloo`; None: the recipe's own `trainer:` key)."""
+    known = known if known is not None else load_fields("keys")
+    types = types if types is not None else load_fields("types")
+    only = load_fields("only")
+    try:
+        config = _load_recipe(path)
+    except ConfigError as err:
+        return messages(err)
+    trainer = trainer or str(config.get("trainer", "grpo"))
+    problems = []
     for key, value in config.items():
         if key == "env":  # TRL's environment variables section
             continue
+        wrong = _wrong_trainer(str(key), trainer, only)
+        if wrong:
+            problems.append(f"{path}: {key!r} {wrong}")
+            continue
         if key not in known:
-            raise ConfigError(f"{path}: unknown key {key!r}{_did_you_mean(str(key), list(known))} (every key is a "
-                              f"field of RatioGRPOConfig, trl.ModelConfig or the task arguments: grpo-ratio train "
-                              f"--help)")
-        _check_value(key, value, path, known, types)
+            mine = [k for k in known if k not in only.get(next((t for t in CONFIGS if t != trainer), ""), ())]
+            problems.append(f"{path}: unknown key {key!r}{_did_you_mean(str(key), mine)} (every key is a field of "
+                            f"{CONFIGS.get(trainer, 'RatioGRPOConfig')}, trl.ModelConfig or the task arguments: "
+                            f"grpo-ratio train --help)")
+            continue
+        try:
+            _check_value(key, value, path, known, types)
+        except ConfigError as err:
+            problems.append(str(err))
+            continue
+        if values is not None:
+            values[key] = value
+    return problems
 
 
-def check_flags(argv: Sequence[str], known: dict | None = None, skip: Sequence[str] = (),
-                types: dict | None = None) -> None:
-    """Every `--flag` of `argv` (except `skip`) is a flag of `grpo-ratio train`, spelled out (no abbreviation), and
-    a value that follows it is allowed: in the flag's choices, parsing as its field's type (a bool field's bare flag
-    is True; a list field's values each) and inside `RANGES`.
+def check_recipe(path: str, known: dict | None = None, types: dict | None = None, trainer: str | None = None) -> None:
+    """Every key of the YAML recipe `path` is a flag of `grpo-ratio train` for its trainer (`trainer`, else the
+    recipe's `trainer:` key, else grpo), with an allowed value of its field's type (YAML's own types: `bf16: flase`
+    is a string, not a boolean) inside `RANGES`.
 
     Raises:
-        ConfigError: an unknown flag (with a "did you mean"), a value outside the choices, of another type or
-            outside its range.
+        ConfigError: every mistake at once: a missing or unreadable file, a file that is not a mapping, an unknown
+            key, a key of the other trainer or of the asynchronous one, a value outside the field's choices, of
+            another type or outside its range.
     """
+    problems = recipe_problems(path, known, types, trainer)
+    if problems:
+        raise ConfigError(problems)
+
+
+def flag_problems(argv: Sequence[str], known: dict | None = None, skip: Sequence[str] = (),
+                  types: dict | None = None, trainer: str | None = None, values: dict | None = None) -> list[str]:
+    """Every mistake of the flags of `argv`, one line each (`check_flags`); `values` (when given) receives the
+    flags' values, converted as the parser converts them."""
     known = known if known is not None else load_fields()
     types = types if types is not None else load_fields("types")
-    args = list(argv)
+    only = load_fields("only")
+    args, problems = list(argv), []
     for i, token in enumerate(args):
         if not token.startswith("--") or token in skip or token == "--":
             continue
         name, eq, value = token[2:].partition("=")
+        wrong = _wrong_trainer(name.replace("-", "_"), trainer, only)
+        if wrong:
+            problems.append(f"--{name} {wrong}")
+            continue
         flag = _resolve_flag(name, known)
         if flag is None:
-            raise ConfigError(f"unknown flag --{name}" + _did_you_mean(name, list(known)).replace("'", "--", 1)
-                              .replace("'", "", 1) + " (grpo-ratio train --help lists every flag)")
+            problems.append(f"unknown flag --{name}" + _did_you_mean(name, list(known)).replace("'", "--", 1)
+                            .replace("'", "", 1) + " (grpo-ratio train --help lists every flag)")
+            continue
         if not eq and i + 1 < len(args) and not args[i + 1].startswith("--"):
             value = args[i + 1]
             if types.get(flag.replace("-", "_"), "").startswith("list["):  # nargs="+": every value up to the next flag
                 value = _values_after(args[i:], token)
         if eq or value:  # a bare flag: True for a bool field, the parser's error otherwise
-            _check_value(flag, value, f"--{flag}", known, types)
+            try:
+                _check_value(flag, value, f"--{flag}", known, types)
+            except ConfigError as err:
+                problems.append(str(err))
+                continue
+        if values is not None:
+            field = flag.replace("-", "_")
+            values[field] = _converted(value if (eq or value) else None, types.get(field))
+    return problems
+
+
+def _converted(value, kind: str | None):
+    """A flag's text as the parser hands it to the field (`kind` from `types`; a bare flag, None: True)."""
+    if value is None:
+        return True
+    if isinstance(value, list):
+        return [_converted(v, kind[len("list["):-1]) for v in value] if kind else value
+    base = (kind or "").removesuffix(" | None")
+    if kind and kind != base and value.lower() in ("none", "null"):
+        return None
+    if base == "bool":
+        return BOOL_WORDS[value.lower()]
+    return int(value) if base == "int" else float(value) if base == "float" else value
+
+
+def check_flags(argv: Sequence[str], known: dict | None = None, skip: Sequence[str] = (),
+                types: dict | None = None, trainer: str | None = None) -> None:
+    """Every `--flag` of `argv` (except `skip`) is a flag of `grpo-ratio train` (of its `trainer`, when given),
+    spelled out (no abbreviation), and a value that follows it is allowed: in the flag's choices, parsing as its
+    field's type (a bool field's bare flag is True; a list field's values each) and inside `RANGES`.
+
+    Raises:
+        ConfigError: every mistake at once: an unknown flag (with a "did you mean"), a flag of the other trainer or
+            of the asynchronous one, a value outside the choices, of another type or outside its range.
+    """
+    problems = flag_problems(argv, known, skip, types, trainer)
+    if problems:
+        raise ConfigError(problems)
+
+
+def setting_problems(values: dict) -> list[str]:
+    """The combinations of a run's settings (`values`: the recipe's keys, then the flags) that need no model: a
+    custom IS correction's fields (`is_correction.resolve_correction`, which needs no torch) and the `ratio_gate` checks (`gate.training_checks`: keys no trainer logs, scopes, patience, action),
+    judged as `RatioGRPOConfig` judges them, every problem at once."""
+    settings = {**load_fields("defaults"), **{k: v for k, v in values.items() if k in PRECHECKED}}
+    problems = []
+    correction = [settings[f] for f in PRECHECKED[:7]]
+    if any(v is not None for v in correction):
+        from ..corrections.is_correction import resolve_correction
+
+        try:
+            resolve_correction(*correction)
+        except ValueError as err:
+            problems += messages(err)
+    gate = settings["ratio_gate"]
+    if gate is not None or values.keys() & {"ratio_gate_patience", "ratio_gate_action"}:
+        from ..diagnostics.gate import training_checks
+
+        try:
+            training_checks([gate] if isinstance(gate, str) else gate or [], settings["ratio_gate_patience"],
+                            settings["ratio_gate_action"])
+        except ValueError as err:
+            problems += messages(err)
+    return problems
+
+
+def _trainer_in(args: list[str]) -> str | None:
+    """The `--trainer` flag's value, or None."""
+    for i, token in enumerate(args):
+        if token.startswith("--trainer="):
+            return token.split("=", 1)[1]
+        if token == "--trainer" and i + 1 < len(args):
+            return args[i + 1]
+    return None
 
 
 def _values_after(args: list[str], flag: str) -> list[str]:
@@ -230,24 +367,41 @@ def _values_after(args: list[str], flag: str) -> list[str]:
 
 
 def check_train(argv: Sequence[str]) -> None:
-    """`grpo-ratio train` arguments: the recipe of `--config` and every flag. Raises ConfigError."""
+    """`grpo-ratio train` arguments: the recipe of `--config`, every flag (both against the run's trainer: `--trainer`,
+    else the recipe's `trainer:`, else grpo) and the settings they make together (`setting_problems`).
+
+    Raises:
+        ConfigError: every mistake at once.
+    """
     args = list(argv)
     if "-h" in args or "--help" in args:
         return
-    for path in _values_after(args, "--config")[:1]:
-        check_recipe(path)
-    check_flags([a for a in args if a != "--config"])
+    paths = _values_after(args, "--config")[:1]
+    trainer = _trainer_in(args)
+    if trainer is None and paths:
+        try:
+            trainer = str(_load_recipe(paths[0]).get("trainer", "grpo"))
+        except ConfigError:
+            pass  # said by recipe_problems
+    values, problems = {}, []
+    for path in paths:
+        problems += recipe_problems(path, trainer=trainer or "grpo", values=values)
+    problems += flag_problems([a for a in args if a != "--config"], trainer=trainer or "grpo", values=values)
+    problems += setting_problems(values)
+    if problems:
+        raise ConfigError(problems)
 
 
 def check_compare(argv: Sequence[str]) -> None:
-    """`grpo-ratio compare` arguments: every recipe of `--recipes` and every override flag. Raises ConfigError."""
+    """`grpo-ratio compare` arguments: every recipe of `--recipes` (against its own trainer), every override flag,
+    and the settings each recipe makes with the overrides (`setting_problems`).
+
+    Raises:
+        ConfigError: every mistake at once.
+    """
     args = list(argv)
     if "-h" in args or "--help" in args or "--render" in args:
         return
-    for path in _values_after(args, "--recipes"):
-        if not Path(path).is_file():
-            raise ConfigError(f"--recipes: no such file: {path}")
-        check_recipe(path)
     own = {f.lstrip("-"): None for f in COMPARE_FLAGS}
     rest, skip_values = [], False
     for token in args:  # drop compare's own flags and their values
@@ -258,7 +412,17 @@ def check_compare(argv: Sequence[str]) -> None:
         elif skip_values:
             continue
         rest.append(token)
-    check_flags(rest, {**load_fields(), **own})
+    overrides, problems = {}, []
+    problems += flag_problems(rest, {**load_fields(), **own}, trainer=_trainer_in(rest), values=overrides)
+    for path in _values_after(args, "--recipes"):
+        if not Path(path).is_file():
+            problems.append(f"--recipes: no such file: {path}")
+            continue
+        values = {}
+        problems += [p for p in recipe_problems(path, trainer=_trainer_in(rest), values=values)]
+        problems += [f"{path} with the flags: {p}" for p in setting_problems({**values, **overrides})]
+    if problems:
+        raise ConfigError(list(dict.fromkeys(problems)))
 
 
 def run_or_exit(command: str, argv: Sequence[str]) -> None:
@@ -343,7 +507,28 @@ def current_fields() -> dict[str, dict[str, list | None]]:
             if option.startswith("--") and option != "--help":
                 flags[option[2:]] = choices
     flags["config"] = None
-    return {"flags": dict(sorted(flags.items())), "keys": dict(sorted(keys.items()))}
+    return {"flags": dict(sorted(flags.items())), "keys": dict(sorted(keys.items())), **trainer_fields()}
+
+
+def trainer_fields() -> dict:
+    """{"only": {trainer: the keys of its parser alone; "async_grpo": the fields of `RatioAsyncGRPOConfig` neither
+    parser has}, "defaults": {field: default} of the `PRECHECKED` fields}, from the real classes (the heavy import;
+    TRL's experimental async trainer too)."""
+    import dataclasses
+    import os
+
+    from ..config import RatioGRPOConfig
+    from .train import TRAINER_NAMES, make_parser
+
+    keys = {t: {a.dest for a in make_parser(t)._actions if a.dest != "help"} for t in TRAINER_NAMES}
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    from ..async_grpo import RatioAsyncGRPOConfig
+
+    asynchronous = {f.name for f in dataclasses.fields(RatioAsyncGRPOConfig) if f.init}
+    only = {t: sorted(keys[t] - set.union(*(keys[o] for o in TRAINER_NAMES if o != t))) for t in TRAINER_NAMES}
+    only["async_grpo"] = sorted(asynchronous - set.union(*keys.values()))
+    defaults = {f.name: f.default for f in dataclasses.fields(RatioGRPOConfig) if f.name in PRECHECKED}
+    return {"only": only, "defaults": defaults}
 
 
 if __name__ == "__main__":

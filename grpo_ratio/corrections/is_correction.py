@@ -36,7 +36,9 @@ Conventions shared with TRL: a position outside `mask` or with a NaN log-ratio (
 exactly 1 and is never rejected; NaN log-ratios are left out of sequence sums and means (TRL's product treats them as
 0, which is the same for a sum). Math in fp32; weights in fp32, shape (B, T), or (B, 1) when every part is
 sequence-level (TRL's own shapes, which `loss_type="vespo"` relies on). Presets for the peers' recipes: `PRESETS`.
-Metrics of the weights: `grpo_ratio.diagnostics.mismatch`.
+Metrics of the weights: `grpo_ratio.diagnostics.mismatch`. torch is imported inside the functions that compute on
+tensors: the settings (`resolve_correction`, `ISCorrection`, `PRESETS`) are judged without it, by the command line
+before its heavy imports too (`grpo_ratio/cli/precheck.py`).
 """
 
 from __future__ import annotations
@@ -44,8 +46,13 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+from ..problems import Problems
+
+
+if TYPE_CHECKING:
+    import torch
 
 
 LEVELS = ("token", "sequence_product", "sequence_geometric", "none")
@@ -68,6 +75,54 @@ def _check_bounds(name: str, low: float | None, high: float | None, positive: bo
         raise ValueError(f"{name}: low ({low}) must be < high ({high})")
     if positive and any(b is not None and b <= 0 for b in (low, high)):
         raise ValueError(f"{name}: ratio bounds must be > 0, got low={low}, high={high}")
+
+
+# the config fields an `ISCorrection`'s parts come from (`RatioGRPOConfig`'s `is_correction_*`), named in its errors;
+# `ISCorrection.from_trl`'s come from TRL's `vllm_importance_sampling_*`
+_FIELD_NAMES = {"level": "is_correction_level", "action": "is_correction_action", "low": "is_correction_low",
+                "high": "is_correction_high", "veto": "is_correction_veto"}
+_TRL_NAMES = {"level": "vllm_importance_sampling_mode", "action": "vllm_importance_sampling_mode",
+              "low": "vllm_importance_sampling_clip_min", "high": "vllm_importance_sampling_clip_max",
+              "veto": "veto"}
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def correction_problems(level: str | None, action: str | None, low, high, veto,
+                        names: dict[str, str] = _FIELD_NAMES) -> list[str]:
+    """Every problem of an IS correction's weight, bounds and veto (an empty list: none), each naming its field
+    (`names`: the `is_correction_*` fields by default): an unknown level or action (the allowed ones named), a bound
+    or veto that is not a number, low >= high, a bound <= 0, bounds with level "none", "truncate" without a bound, a
+    veto outside (0, 1). A `None` level or action is not judged (the caller says it is missing)."""
+    problems = []
+    if level is not None and level not in LEVELS:
+        problems.append(f"{names['level']}={level!r} is not allowed; allowed: {', '.join(LEVELS)}")
+    if action is not None and action not in ACTIONS:
+        problems.append(f"{names['action']}={action!r} is not allowed; allowed: {', '.join(ACTIONS)}")
+    numbers = {}
+    for part, value in (("low", low), ("high", high), ("veto", veto)):
+        if value is not None and not _is_number(value):
+            problems.append(f"{names[part]}={value!r} must be a number")
+        else:
+            numbers[part] = value
+    low, high, veto = numbers.get("low"), numbers.get("high"), numbers.get("veto")
+    if low is not None and high is not None and not low < high:
+        problems.append(f"{names['low']} ({low}) must be < {names['high']} ({high})")
+    if any(b is not None and b <= 0 for b in (low, high)):
+        problems.append(f"{names['low']} / {names['high']}: the weight's bounds are ratios and must be > 0, got "
+                        f"low={low}, high={high}")
+    bounded = low is not None or high is not None
+    if level == "none" and bounded:
+        problems.append(f"{names['level']}='none' has weight 1 everywhere: bounds ({names['low']}/{names['high']}) "
+                        f"have nothing to act on")
+    if level not in (None, "none") and action == "truncate" and "low" in numbers and "high" in numbers and not bounded:
+        problems.append(f"action 'truncate' ({names['action']}) needs a bound ({names['low']} and/or "
+                        f"{names['high']}); without one use action 'mask' (the raw, unbounded weights)")
+    if veto is not None and not 0 < veto < 1:
+        problems.append(f"{names['veto']} must be in (0, 1), got {veto}")
+    return problems
 
 
 @dataclass(frozen=True)
@@ -163,8 +218,9 @@ class ISCorrection:
         veto (`float`, *optional*): reject a sequence holding a token with r_t < veto (0 < veto < 1).
 
     Raises:
-        ValueError: a value outside the allowed ones (named in the message), low >= high, a bound <= 0, bounds with
-            `level="none"`, `"truncate"` without a bound, or a veto outside (0, 1).
+        Problems (a `ValueError`): every problem of `correction_problems` at once (a value outside the allowed ones,
+            low >= high, a bound <= 0, bounds with `level="none"`, `"truncate"` without a bound, a veto outside
+            (0, 1)), each naming its `is_correction_*` field.
     """
 
     level: str = "token"
@@ -175,19 +231,9 @@ class ISCorrection:
     veto: float | None = None
 
     def __post_init__(self):
-        if self.level not in LEVELS:
-            raise ValueError(f"IS level {self.level!r} is not allowed; allowed: {', '.join(LEVELS)}")
-        if self.action not in ACTIONS:
-            raise ValueError(f"IS action {self.action!r} is not allowed; allowed: {', '.join(ACTIONS)}")
-        _check_bounds("IS weight bounds", self.low, self.high, positive=True)
-        bounded = self.low is not None or self.high is not None
-        if self.level == "none" and bounded:
-            raise ValueError("IS level 'none' has weight 1 everywhere: bounds (low/high) have nothing to act on")
-        if self.level != "none" and self.action == "truncate" and not bounded:
-            raise ValueError("IS action 'truncate' needs a bound (low and/or high); without one use action 'mask' "
-                             "(the raw, unbounded weights)")
-        if self.veto is not None and not 0 < self.veto < 1:
-            raise ValueError(f"IS veto must be in (0, 1), got {self.veto}")
+        problems = correction_problems(self.level, self.action, self.low, self.high, self.veto)
+        if problems:
+            raise Problems(problems)
         object.__setattr__(self, "rejections", tuple(self.rejections))
 
     @classmethod
@@ -200,6 +246,9 @@ class ISCorrection:
         if mode not in TRL_MODES:
             raise ValueError(f"vllm_importance_sampling_mode={mode!r} is not allowed; allowed: {', '.join(TRL_MODES)}")
         level, action = TRL_MODES[mode]
+        problems = correction_problems(level, action, clip_min, clip_max, None, _TRL_NAMES)
+        if problems:
+            raise Problems(problems)
         return cls(level, action, clip_min, clip_max)
 
     @property
@@ -246,6 +295,8 @@ def clean_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> tuple[torch.
     Raises:
         ValueError: shapes differ or are not 2-D.
     """
+    import torch  # here, not at the top (module docstring)
+
     _check_pair(log_ratio, mask)
     has = mask.bool() & ~torch.isnan(log_ratio)  # (B, T)
     x = torch.nan_to_num(torch.where(has, log_ratio.float(), 0.0), nan=0.0)  # (B, T)
@@ -268,6 +319,8 @@ def sequence_log_weights(log_ratio: torch.Tensor, mask: torch.Tensor, geometric:
 def apply_bounds(weights: torch.Tensor, low: float | None, high: float | None, action: str):
     """(bounded weights, affected): `"truncate"` clamps into [low, high], `"mask"` sets weights outside it to 0;
     affected = weights strictly outside (what `clamp` changes, what the mask zeroes). Any shape; `None` = no bound."""
+    import torch  # here, not at the top (module docstring)
+
     lo = -math.inf if low is None else low
     hi = math.inf if high is None else high
     affected = (weights < lo) | (weights > hi)
@@ -279,6 +332,8 @@ def apply_bounds(weights: torch.Tensor, low: float | None, high: float | None, a
 def token_statistic(x: torch.Tensor, metric: str) -> torch.Tensor:
     """Per-token rejection statistic (module docstring) from a cleaned log-ratio x (B, T); `ratio` stays in log space
     (x itself): its aggregates are taken on logs and compared with log bounds."""
+    import torch  # here, not at the top (module docstring)
+
     if metric in ("ratio", "k1"):
         return x if metric == "ratio" else -x
     if metric == "k2":
@@ -297,6 +352,8 @@ def rejected_by(log_ratio: torch.Tensor, mask: torch.Tensor, rule: RejectionRule
     Raises:
         ValueError: shapes differ or are not 2-D.
     """
+    import torch  # here, not at the top (module docstring)
+
     x, has = clean_log_ratio(log_ratio, mask)
     stat = token_statistic(x, rule.metric)  # (B, T)
     if rule.level == "sequence":
@@ -340,6 +397,8 @@ def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, correction: 
     Raises:
         ValueError: shapes differ or are not 2-D.
     """
+    import torch  # here, not at the top (module docstring)
+
     x, has = clean_log_ratio(log_ratio, mask)
     B, T = x.shape
     if correction.level == "token":
@@ -443,23 +502,42 @@ def resolve_correction(name: str | None, level: str | None = None, action: str |
     (`parse_rejections`) and `veto`.
 
     Raises:
-        ValueError: an unknown name (the presets and "custom" named), a field set that the name does not use, a
-            missing level or action, or an invalid correction (`ISCorrection`, `parse_rejection`).
+        Problems (a `ValueError`): every problem at once, each naming its field: an unknown name (the presets and
+            "custom" named), a field set that the name does not use, a missing level or action, an invalid weight,
+            bound or veto (`correction_problems`), an invalid rejection rule (`parse_rejection`).
     """
     given = [f for f, v in zip(CUSTOM_FIELDS, (level, action, low, high, rejection, veto)) if v is not None]
     if name != "custom":
+        problems = []
         if name is not None and name not in PRESETS:
-            raise ValueError(f"is_correction={name!r} is not allowed; allowed: {', '.join(PRESETS)}, custom (or unset)")
+            problems.append(f"is_correction={name!r} is not allowed; allowed: {', '.join(PRESETS)}, custom (or unset)")
         if given:
-            raise ValueError(f"{', '.join(given)} only {'applies' if len(given) == 1 else 'apply'} with "
-                             f"is_correction='custom', but is_correction={name!r}")
+            problems.append(f"{', '.join(given)} only {'applies' if len(given) == 1 else 'apply'} with "
+                            f"is_correction='custom', but is_correction={name!r}")
+        if problems:
+            raise Problems(problems)
         return None if name is None else PRESETS[name].correction
+    problems = []
     if level is None:
-        raise ValueError(f"is_correction='custom' needs is_correction_level, one of {', '.join(LEVELS)}")
+        problems.append(f"is_correction='custom' needs is_correction_level, one of {', '.join(LEVELS)}")
     if action is None and level != "none":
-        raise ValueError(f"is_correction='custom' with is_correction_level={level!r} needs is_correction_action, "
-                         f"one of {', '.join(ACTIONS)}")
-    return ISCorrection(level, action or "mask", low, high, parse_rejections(rejection), veto)
+        problems.append(f"is_correction='custom'{'' if level is None else f' with is_correction_level={level!r}'} "
+                        f"needs is_correction_action, one of {', '.join(ACTIONS)} ('truncate' also needs "
+                        f"is_correction_low and/or is_correction_high)")
+    problems += correction_problems(level, action, low, high, veto)
+    rules = []
+    if rejection is not None and not isinstance(rejection, str):
+        problems.append(f"is_correction_rejection={rejection!r} must be a string of comma-separated rules, e.g. "
+                        f"'seq_mean_k3<=0.01'")
+    else:
+        for part in (p for p in (rejection or "").split(",") if p.strip()):
+            try:
+                rules.append(parse_rejection(part))
+            except ValueError as err:
+                problems.append(f"is_correction_rejection: {err}")
+    if problems:
+        raise Problems(problems)
+    return ISCorrection(level, action or "mask", low, high, tuple(rules), veto)
 
 
 def presets_table() -> str:

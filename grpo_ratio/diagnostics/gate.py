@@ -38,6 +38,8 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..problems import Problems
+
 
 OPS = {"<=": operator.le, ">=": operator.ge, "<": operator.lt, ">": operator.gt, "==": operator.eq, "!=": operator.ne}
 SCOPES = ("each", "mean", "first", "last", "max", "min")
@@ -220,23 +222,35 @@ def render(results: list[tuple[str, CheckResult]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _unknown_ratio_key(key: str) -> str | None:
-    """For a `ratio/*` key the diagnostics never emit: "is not a key ...; did you mean ...?" (the nearest keys of
-    `metric_keys.TABLE`), to follow the key; None for any other key."""
+def _unknown_key(key: str) -> str | None:
+    """For a key no trainer logs (`metric_keys.logged_key`): "is not a key ...; did you mean ...?" (the nearest keys
+    of ours and TRL's), to follow the key; for a `train/`/`eval/` prefix the key the log rows hold; None for a key
+    the trainers can log."""
     from difflib import get_close_matches
 
     from . import metric_keys
 
-    if not key.startswith(f"{metric_keys.PREFIX}/") or metric_keys.known(key):
+    for prefix in ("train/", "eval/"):
+        if key.startswith(prefix):
+            return (f"is W&B's or TensorBoard's name: the trainer's log rows hold {key[len(prefix):]!r} (W&B and "
+                    f"TensorBoard add the {prefix!r} prefix); use that key")
+    if metric_keys.logged_key(key):
         return None
-    near = get_close_matches(key, list(metric_keys.TABLE), n=3, cutoff=0.6)
-    return "is not a key the ratio diagnostics emit" + (
-        f"; did you mean {', '.join(map(repr, near))}?" if near else " (docs/metrics.md lists them)")
+    ours = key.startswith(f"{metric_keys.PREFIX}/")
+    candidates = ([*metric_keys.TABLE, *metric_keys.STALENESS_ROWS, *metric_keys.ROUTE_LAYER_ROWS] if ours else
+                  [k for k in metric_keys.TRL_KEYS if "<" not in k])
+    near = get_close_matches(key, candidates, n=3, cutoff=0.6)
+    what = "the ratio diagnostics emit" if ours else "TRL or transformers log (grpo_ratio.diagnostics.metric_keys.TRL_KEYS)"
+    hint = f"; did you mean {', '.join(map(repr, near))}?" if near else (
+        " (docs/metrics.md lists them)" if ours else
+        "; a metric of your own (TRL's log_metric, a callback) is checked under a namespace of your own, "
+        "e.g. 'my/accuracy'")
+    return f"is not a key {what}{hint}"
 
 
 def _near_keys(key: str) -> str:
-    """` (<_unknown_ratio_key>)` for a never-logged check, else ""."""
-    unknown = _unknown_ratio_key(key)
+    """` (<_unknown_key>)` for a never-logged check, else ""."""
+    unknown = _unknown_key(key)
     return f" ({key} {unknown})" if unknown else ""
 
 
@@ -246,18 +260,15 @@ def exit_code(results: list[tuple[str, CheckResult]]) -> int:
 
 
 def _check_logged_key(key: str) -> None:
-    """A gate key must be one the trainer's log rows hold: W&B's and TensorBoard's `train/`/`eval/` prefixes are not
-    in them, and a `ratio/*` key must be one the diagnostics emit (`metric_keys.known`). Other keys (TRL's, rewards,
-    a callback's own) cannot be known in advance; the callback says at the end of training which were never logged.
+    """A gate key must be one the trainer's log rows can hold (`metric_keys.logged_key`): W&B's and TensorBoard's
+    `train/`/`eval/` prefixes are not in them, a `ratio/*` key must be one the diagnostics emit, another key one TRL
+    or transformers logs (`metric_keys.TRL_KEYS`: `reward`, `rewards/<func>/mean`, ...) or one of a namespace of the
+    user's own (`NAME/...`): a check of a key never logged could never fire.
 
     Raises:
-        ValueError: a `train/`/`eval/` prefix, or a `ratio/*` key the diagnostics never emit (with the nearest ones).
+        ValueError: naming the key, the key to use (a prefix) or the nearest keys.
     """
-    for prefix in ("train/", "eval/"):
-        if key.startswith(prefix):
-            raise ValueError(f"ratio_gate: {key!r}: the trainer's log rows hold {key[len(prefix):]!r} (W&B and "
-                             f"TensorBoard add the {prefix!r} prefix); use that key")
-    unknown = _unknown_ratio_key(key)
+    unknown = _unknown_key(key)
     if unknown:
         raise ValueError(f"ratio_gate: {key!r} {unknown}")
 
@@ -267,19 +278,25 @@ def training_checks(checks, patience: int, action: str) -> list[Check]:
     parsed checks.
 
     Raises:
-        ValueError: a check that does not parse or has a scope other than `TRAINING_SCOPES` (the others need the whole
-            run), a key the log rows never hold (`_check_logged_key`), patience not an integer >= 1, or an action not
-            in `GATE_ACTIONS`.
+        Problems (a `ValueError`): every problem at once: a check that does not parse or has a scope other than
+            `TRAINING_SCOPES` (the others need the whole run), a key the log rows never hold (`_check_logged_key`),
+            patience not an integer >= 1, or an action not in `GATE_ACTIONS`.
     """
-    parsed = [c if isinstance(c, Check) else parse_check(c) for c in checks]
-    for check in parsed:
-        _check_logged_key(check.key)
+    problems, parsed = [], []
+    for check in checks:
+        try:
+            parsed.append(check if isinstance(check, Check) else parse_check(check))
+            _check_logged_key(parsed[-1].key)
+        except ValueError as err:
+            problems.append(str(err))
     bad = [str(c) for c in parsed if c.scope not in TRAINING_SCOPES]
     if bad:
-        raise ValueError(f"ratio_gate: {', '.join(bad)}: during training only the scopes {', '.join(TRAINING_SCOPES)} "
-                         f"can be judged (the others need the whole run; use `grpo-ratio report RUN --check` after it)")
+        problems.append(f"ratio_gate: {', '.join(bad)}: during training only the scopes {', '.join(TRAINING_SCOPES)} "
+                        f"can be judged (the others need the whole run; use `grpo-ratio report RUN --check` after it)")
     if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
-        raise ValueError(f"ratio_gate_patience must be an integer >= 1, got {patience!r}")
+        problems.append(f"ratio_gate_patience must be an integer >= 1, got {patience!r}")
     if action not in GATE_ACTIONS:
-        raise ValueError(f"ratio_gate_action={action!r} is not allowed; allowed: {', '.join(GATE_ACTIONS)}")
+        problems.append(f"ratio_gate_action={action!r} is not allowed; allowed: {', '.join(GATE_ACTIONS)}")
+    if problems:
+        raise Problems(problems)
     return parsed

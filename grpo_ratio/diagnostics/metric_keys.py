@@ -278,6 +278,44 @@ def known(key: str) -> bool:
     return len(parts) == 4 and parts[:2] == [PREFIX, "route"] and parts[2] in ROUTE_PAIRS and _is_layer_stat(parts[3])
 
 
+# The keys TRL 1.16 and transformers log next to ours (fnmatch patterns: `*` is one path segment here), which
+# `ratio_gate` may check: transformers' Trainer (`loss`, `grad_norm`, `learning_rate`, `epoch`), TRL's GRPOTrainer and
+# RLOOTrainer (trl/trainer/grpo_trainer.py, rloo_trainer.py: `self._metrics[mode][...]`) and its experimental
+# AsyncGRPOTrainer (trl/experimental/async_grpo: the trainer's metrics and the rollout worker's sample metrics).
+# `<func>` is a reward function's name. A key of another namespace (`NAME/...`) is the user's own (TRL's
+# `log_metric`, a callback) and cannot be known in advance.
+TRL_KEYS = (
+    "loss", "grad_norm", "learning_rate", "epoch",
+    "reward", "reward_std", "frac_reward_zero_std", "rewards/<func>", "rewards/<func>/mean", "rewards/<func>/std",
+    "num_tokens", "kl", "entropy", "aux_loss", "policy_loss", "entropy_coef", "cispo_clip_ratio", "step_time",
+    "completions/mean_length", "completions/min_length", "completions/max_length", "completions/clipped_ratio",
+    "completions/mean_terminated_length", "completions/min_terminated_length", "completions/max_terminated_length",
+    "clip_ratio/low_mean", "clip_ratio/low_min", "clip_ratio/high_mean", "clip_ratio/high_max",
+    "clip_ratio/region_mean",
+    "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
+    "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
+    "sampling/importance_sampling_ratio/max",
+    "tools/call_frequency", "tools/failure_frequency", "vespo/phi_seq_mean",
+    "ratio", "sample/<name>", "batch/<name>", "perf/<name>",  # AsyncGRPOTrainer
+)
+# the namespaces of the keys above and of ours: a key under one of them must be one of the keys
+NAMESPACES = (PREFIX, *dict.fromkeys(k.split("/")[0] for k in TRL_KEYS if "/" in k))
+
+
+def logged_key(key: str) -> bool:
+    """Whether `key` is one the trainers can log: a `ratio/*` key of ours (`known`), a key of TRL or transformers
+    (`TRL_KEYS`, `<...>` standing for one segment; an evaluation row's `eval_` prefix removed), or a key of a
+    namespace of the user's own (`NAME/...`, NAME not one of `NAMESPACES`)."""
+    key = key.removeprefix("eval_")
+    if key.startswith(f"{PREFIX}/"):
+        return known(key)
+    parts = key.split("/")
+    if len(parts) > 1 and parts[0] not in NAMESPACES:
+        return True
+    return any(len(p) == len(parts) and all(a == b or (a.startswith("<") and b) for a, b in zip(p, parts))
+               for p in (pattern.split("/") for pattern in TRL_KEYS))
+
+
 def render() -> str:
     """The table as markdown (docs/metrics.md, "Every key")."""
     lines = ["| key | present when | meaning |", "| --- | --- | --- |"]
