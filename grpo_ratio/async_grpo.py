@@ -32,8 +32,8 @@ from .config import RatioFields
 from .corrections.decoupled import OBJECTIVES, decoupled_inputs, loglinear_proximal, proximal_weights
 from .corrections.kept_sets import SamplingSettings
 from .diagnostics.run_record_callback import RunRecordCallback
-from .diagnostics.trains_nothing_callback import trains_nothing_callback
 from .diagnostics.staleness import StalenessStats
+from .diagnostics.trains_nothing_callback import trains_nothing_callback
 from .modes import MODES, SAMPLER_MODE, SCORING_MODES, TRL_MODE
 from .old_pass.copies import WeightsVersion, WeightsVersionCallback
 from .old_pass.scorer import OldLogprobScorer

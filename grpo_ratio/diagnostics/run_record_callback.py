@@ -13,7 +13,15 @@ import warnings
 
 from transformers import TrainerCallback
 
-from .run_record import read_run_record, run_config, run_finished, update_run_record, write_log_history
+from .run_record import (
+    GATE_STOP,
+    PER_TRAIN_KEYS,
+    read_run_record,
+    run_config,
+    run_finished,
+    update_run_record,
+    write_log_history,
+)
 
 
 logger = logging.getLogger(__name__)
@@ -23,9 +31,10 @@ class RunRecordCallback(TrainerCallback):
     """Write `run.json` (the config's `RUN_FIELDS`, whether training ended) and `log_history.json`
     (`state.log_history`) to `args.output_dir`.
 
-    - `on_train_begin`: `run.json` with `"config"` and `"train_ended": false`, merged into the one already there
-      (an entry point's keys, such as `grpo-ratio compare`'s arm and seed) unless that one records a finished run,
-      which this run replaces.
+    - `on_train_begin`: `run.json` with `"config"`, `"train_ended": false` and the keys said of one `train()`
+      (`run_record.PER_TRAIN_KEYS`: a gate stop, a step that trained nothing) null, merged into the one already
+      there (an entry point's keys, such as `grpo-ratio compare`'s arm and seed) unless that one records a finished
+      run or one the gate stopped, which this run replaces.
     - `on_log` (every `logging_steps`, evaluations and TRL's final summary row): `log_history.json`; a crashed or
       stopped run keeps its history up to its last log.
     - `on_train_end`: `log_history.json` again and `"train_ended": true`.
@@ -39,7 +48,7 @@ class RunRecordCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
-            self._record(args, train_ended=False)
+            self._record(args, train_ended=False, **dict.fromkeys(PER_TRAIN_KEYS))
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero:
@@ -59,7 +68,7 @@ class RunRecordCallback(TrainerCallback):
                 existing = read_run_record(args.output_dir)
             except (OSError, TypeError, ValueError):
                 existing = {}
-            fresh = bool(existing) and run_finished(existing)
+            fresh = bool(existing) and (run_finished(existing) or bool(existing.get(GATE_STOP)))
         self._guarded(update_run_record, args.output_dir, fresh, config=run_config(args), **fields)
         self.recorded = True
 

@@ -23,14 +23,11 @@ import warnings
 from transformers import TrainerCallback
 
 from . import metric_keys as keys
-from .run_record import update_run_record
+from .run_record import TRAINS_NOTHING, update_run_record
 from .trains_nothing import GATE_CHECK, ZERO_WEIGHT_WARN, fmt, trained_nothing, zero_weight_share
 
 
 logger = logging.getLogger(__name__)
-
-TRAINS_NOTHING = "trains_nothing"  # run.json: the first warning (step, share, message)
-
 
 def _round_up(x: float) -> float:
     """x rounded up to one significant digit (0.223 -> 0.3): a bound to quote."""
@@ -51,7 +48,7 @@ def _bounds_text(correction) -> str:
         text = f"rejection {rule}"
         if rule.metric == "k1" and rule.agg == "mean" and rule.low is not None and rule.high is not None:
             text += (f" (the geometric-mean ratio old/sampler of a sequence kept in "
-                     f"[{math.exp(-rule.high):.6g}, {math.exp(-rule.low):.6g}])")
+                     f"[{math.exp(-rule.high):.4g}, {math.exp(-rule.low):.4g}])")
         parts.append(text)
     if correction.veto is not None:
         parts.append(f"veto {correction.veto:g} (a sequence with any r_t below it rejected)")
@@ -116,12 +113,13 @@ def trains_nothing_message(row: dict, step, share: float, correction, setting: s
     """The warning: which correction (`setting`, e.g. "is_correction='geo_rs'"), its bounds, the distance measured
     (from the logged `row`), and the settings that would fit. `correction`: the `ISCorrection` the weight came from."""
     measured, looser = _measured(row, correction)
-    frozen = " and the step trained nothing (loss 0, grad_norm 0)" if trained_nothing(row) else ""
+    frozen = ("the step trained nothing (loss 0, grad_norm 0)" if trained_nothing(row)
+              else "those tokens train nothing")
     rejected = row.get(keys.IS_REJECTED_SEQ_FRAC)
     seqs = f", {rejected:.0%} of the sequences rejected" if rejected is not None else ""
     fits = _fits(row, correction, setting, truncation_correction, looser)
     return (f"grpo_ratio: {setting} set the IS weight of {share:.0%} of the tokens of step {step} to 0 "
-            f"({keys.IS_ZERO_WEIGHT_TOKEN_FRAC} = {fmt(share)}{seqs}){frozen}: those tokens train nothing. "
+            f"({keys.IS_ZERO_WEIGHT_TOKEN_FRAC} = {fmt(share)}{seqs}): {frozen}. "
             f"Its bounds: {_bounds_text(correction)}. Measured: {measured}. "
             + (f"What would fit: {fits}. " if fits else "")
             + f"To stop such a run instead: ratio_gate=[{GATE_CHECK!r}], ratio_gate_action='stop' (docs/corrections.md).")
