@@ -31,10 +31,10 @@ class RunRecordCallback(TrainerCallback):
     """Write `run.json` (the config's `RUN_FIELDS`, whether training ended) and `log_history.json`
     (`state.log_history`) to `args.output_dir`.
 
-    - `on_train_begin`: `run.json` with `"config"`, `"train_ended": false` and the keys said of one `train()`
-      (`run_record.PER_TRAIN_KEYS`: a gate stop, a step that trained nothing) null, merged into the one already
-      there (an entry point's keys, such as `grpo-ratio compare`'s arm and seed) unless that one records a finished
-      run or one the gate stopped, which this run replaces.
+    - `on_train_begin`: `run.json` with `"config"` and `"train_ended": false`, merged into the one already there
+      (an entry point's keys, such as `grpo-ratio compare`'s arm and seed; without what an earlier run said of its
+      own `train()`, `run_record.PER_TRAIN_KEYS`) unless that one records a finished run or one the gate stopped,
+      which this run replaces.
     - `on_log` (every `logging_steps`, evaluations and TRL's final summary row): `log_history.json`; a crashed or
       stopped run keeps its history up to its last log.
     - `on_train_end`: `log_history.json` again and `"train_ended": true`.
@@ -48,7 +48,7 @@ class RunRecordCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
-            self._record(args, train_ended=False, **dict.fromkeys(PER_TRAIN_KEYS))
+            self._record(args, train_ended=False)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero:
@@ -69,7 +69,10 @@ class RunRecordCallback(TrainerCallback):
             except (OSError, TypeError, ValueError):
                 existing = {}
             fresh = bool(existing) and (run_finished(existing) or bool(existing.get(GATE_STOP)))
-        self._guarded(update_run_record, args.output_dir, fresh, config=run_config(args), **fields)
+        # merged into another run's record (one cut short): what that run's train() said of itself is not this run's
+        # (the callbacks that write those keys set them back themselves at a later train() of the same trainer)
+        drop = PER_TRAIN_KEYS if not self.recorded else ()
+        self._guarded(update_run_record, args.output_dir, fresh, drop, config=run_config(args), **fields)
         self.recorded = True
 
     def _guarded(self, write, *call_args, **call_kwargs) -> None:
