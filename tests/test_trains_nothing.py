@@ -198,3 +198,54 @@ def test_zero_weight_share_from_older_logs_and_the_asynchronous_trainer():
            "ratio/staleness/1/num_tokens": 10.0, "ratio/staleness/1/is_weight_mean": 0.8}
     assert zero_weight_share(row) == pytest.approx(0.75)
     assert not trained_nothing({"loss": 0.0}) and trained_nothing({"loss": 0.0, "grad_norm": 0.0})
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the console prints a few ratio keys; every key stays logged (issue 40, item 8)
+
+
+def _printed_rows(text: str) -> list[dict]:
+    import ast
+
+    return [ast.literal_eval(line) for line in text.splitlines() if line.startswith("{") and "'loss'" in line]
+
+
+def test_the_console_prints_trls_keys_and_a_few_ratio_keys_while_every_key_is_logged(tmp_path, capsys):
+    from grpo_ratio.diagnostics.console import CONSOLE_RATIO_KEYS, RatioPrinterCallback
+
+    trainer = tiny_trainer(tmp_path, max_steps=2, top_p=0.8, truncation_correction="renormalize", is_correction="tis")
+    assert sum(isinstance(c, RatioPrinterCallback) for c in trainer.callback_handler.callbacks) == 1
+    trainer.train()
+    printed = _printed_rows(capsys.readouterr().out)
+    logged = [r for r in trainer.state.log_history if "loss" in r]
+    assert len(printed) == len(logged) == 2
+    for shown, row in zip(printed, logged):
+        ratio = [k for k in row if k.startswith("ratio/")]
+        assert len(row) > 70 and len(ratio) > 45  # everything is logged (was: everything printed, ~75 keys)
+        ours = {k for k in shown if k.startswith("ratio/") and k != "ratio/*"}
+        assert ours == {k for k in CONSOLE_RATIO_KEYS if k in row} and len(ours) <= len(CONSOLE_RATIO_KEYS)
+        assert shown["ratio/*"] == f"+{len(ratio) - len(ours)} more in log_history.json"
+        assert {k for k in row if not k.startswith("ratio/")} - {"step"} == set(shown) - ours - {"ratio/*"}
+        assert len(shown) < 40
+    assert json.loads((tmp_path / "log_history.json").read_text()) == trainer.state.log_history
+
+
+def test_the_progress_bar_prints_the_same_trimmed_row_and_leaves_the_row_whole(capsys):
+    from tqdm.auto import tqdm
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from grpo_ratio.diagnostics.console import RatioPrinterCallback, RatioProgressCallback
+
+    row = {"loss": 0.5, "reward": 0.25, "ratio/new_old/oob_rate": 0.01, "ratio/new_old/p1": 0.9,
+           "ratio/old_sampler/kl_k3": 1e-3, "total_flos": 7.0}
+    args, state, control = TrainingArguments("out", report_to="none"), TrainerState(), TrainerControl()
+    bar = RatioProgressCallback()
+    bar.training_bar = tqdm(total=1, disable=False)
+    bar.on_log(args, state, control, logs=dict(row))
+    printer = RatioPrinterCallback()
+    shared = dict(row)
+    printer.on_log(args, state, control, logs=shared)
+    out = _printed_rows(capsys.readouterr().out)
+    expected = {"loss": "0.5", "reward": "0.25", "ratio/new_old/oob_rate": "0.01", "ratio/*": "+2 more in log_history.json"}
+    assert out == [expected, expected]
+    assert shared == {k: v for k, v in row.items() if k != "total_flos"}  # as PrinterCallback leaves the row
