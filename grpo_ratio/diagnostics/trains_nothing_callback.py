@@ -1,7 +1,7 @@
 """`TrainsNothingCallback`: say during training, once, that an IS correction zeroes (nearly) every token of a step.
 
 An IS correction whose bound the run's sampler/trainer distance never meets sets every weight to 0: loss 0,
-grad_norm 0, a frozen policy, and nothing else looks wrong (issue 40: `is_correction="geo_rs"` at top_p=0.8 without
+grad_norm 0, a frozen policy, and nothing else looks wrong (e.g. `is_correction="geo_rs"` at top_p=0.8 without
 a truncation correction rejected every sequence of every step). At the first logged step where the share of tokens
 with IS weight 0 (`trains_nothing.zero_weight_share`) reaches `ZERO_WEIGHT_WARN` (0.9), this callback warns
 (`UserWarning` and a log line) naming the correction, its bounds, the distance the run measured and a setting that
