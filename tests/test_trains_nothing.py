@@ -199,3 +199,32 @@ def test_zero_weight_share_from_older_logs_and_the_asynchronous_trainer():
     assert zero_weight_share(row) == pytest.approx(0.75)
     assert not trained_nothing({"loss": 0.0}) and trained_nothing({"loss": 0.0, "grad_norm": 0.0})
 
+
+
+def test_the_asynchronous_trainers_row_warns_from_its_staleness_buckets(tmp_path):
+    # RatioAsyncGRPOTrainer logs its IS weights per staleness bucket; a row where every bucket's weight is 0
+    from transformers import TrainerControl, TrainerState
+
+    from grpo_ratio.corrections.is_correction import preset
+    from grpo_ratio.diagnostics.trains_nothing_callback import trains_nothing_callback
+
+    class Args:
+        is_correction, truncation_correction, output_dir = "geometric_mask", "none", str(tmp_path)
+
+    callback = trains_nothing_callback(Args(), preset("geometric_mask"))
+    row = {"loss": 0.0, "grad_norm": 0.0, "ratio/staleness/0/num_tokens": 24.0,
+           "ratio/staleness/0/is_weight_mean": 0.0, "ratio/staleness/0/prox_behav_oob_rate": 0.5,
+           "ratio/staleness/1/num_tokens": 8.0, "ratio/staleness/1/is_weight_mean": 0.0,
+           "ratio/staleness/1/prox_behav_oob_rate": 0.75}
+    state = TrainerState(global_step=3)
+    with pytest.warns(UserWarning, match="is_correction='geometric_mask' set the IS weight of 100% of the tokens"):
+        callback.on_log(Args(), state, TrainerControl(), logs=row)
+    assert "0.99<=seq_mean_ratio<=1.01" in callback.message
+    assert "proximal/behaviour out of band 50% at staleness 0, 75% at staleness 1" in callback.message
+    assert read_run_record(tmp_path)["trains_nothing"]["step"] == 3
+    import warnings
+
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        callback.on_log(Args(), TrainerState(global_step=4), TrainerControl(), logs=row)
+    assert again == [] and "step 3" in callback.message  # once per train()

@@ -78,6 +78,11 @@ def _measured(row: dict, correction) -> tuple[str, str | None]:
             looser.append(f"{rule.name}<={_round_up(2 * value):g}")
         elif rule.metric == "prob_error" and abs_log is not None:
             looser.append(f"{rule.name}<={_round_up(1 + 2 * (math.exp(abs_log) - 1)):g}")
+    stale = sorted((int(k.split("/")[2]), v) for k, v in row.items()
+                   if k.startswith(keys.STALENESS_PREFIX + "/") and k.endswith("/prox_behav_oob_rate"))
+    if stale:  # the asynchronous trainer: the behaviour -> proximal ratio the weight is made of, per staleness
+        said.append("proximal/behaviour out of band " + ", ".join(f"{v:.0%} at staleness {k}" for k, v in stale)
+                    + " (ratio/staleness/<k>/prox_behav_oob_rate)")
     p1, p99 = row.get(keys.IS_WEIGHT_RAW_P1), row.get(keys.IS_WEIGHT_RAW_P99)
     if p1 is not None and p99 is not None:
         said.append(f"raw IS weights p1 {fmt(p1)}, p99 {fmt(p99)}")
