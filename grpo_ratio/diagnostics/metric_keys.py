@@ -128,9 +128,9 @@ SINGLE_KEYS = {
                             "untruncated)"),
     KEPT_SET_ADDED_RATE: KeyInfo('a correction with kept_set_source="recompute"', "share of sampled tokens the "
                                  "recomputed filter dropped (added back)"),
-    IS_WEIGHTS_MIN: KeyInfo(_IS_LOSS, "smallest IS weight the loss uses (after the lift)"),
-    IS_WEIGHTS_MEAN: KeyInfo(_IS_LOSS, "mean IS weight the loss uses (after the lift)"),
-    IS_WEIGHTS_MAX: KeyInfo(_IS_LOSS, "largest IS weight the loss uses (after the lift)"),
+    IS_WEIGHTS_MIN: KeyInfo(_IS_LOSS, "smallest IS weight the loss uses (after any truncation correction)"),
+    IS_WEIGHTS_MEAN: KeyInfo(_IS_LOSS, "mean IS weight the loss uses (after any truncation correction)"),
+    IS_WEIGHTS_MAX: KeyInfo(_IS_LOSS, "largest IS weight the loss uses (after any truncation correction)"),
     FP16_FALLBACK_ROWS: KeyInfo('old_logprob_mode="fp16_clone"', "rows re-scored in fp32 after an fp16 overflow, "
                                 "summed over processes"),
     CLIP_FLIP_RATE: KeyInfo("a PPO-clip loss, token-level IS, on a clip_flip_every update", "share of tokens whose "
