@@ -165,8 +165,9 @@ class TrainsNothingCallback(TrainerCallback):
             return control
         self.message = trains_nothing_message(logs, state.global_step, share, self.correction, self.setting,
                                               self.truncation_correction)
-        logger.warning(self.message)
-        warnings.warn(self.message, stacklevel=2)
+        if state.is_local_process_zero:  # every process reads the same reduced row: one warning per machine
+            logger.warning(self.message)
+            warnings.warn(self.message, stacklevel=2)
         if state.is_world_process_zero:
             self._record(args, {"step": state.global_step, "share": share, "message": self.message})
         return control
