@@ -32,8 +32,10 @@ from .checks import check_async_config
 from .config import KnownFields, RatioFields
 from .corrections.decoupled import OBJECTIVES, decoupled_inputs, loglinear_proximal, proximal_weights
 from .corrections.kept_sets import SamplingSettings
+from .diagnostics.console import quiet_console
 from .diagnostics.run_record_callback import RunRecordCallback
 from .diagnostics.staleness import StalenessStats
+from .diagnostics.trains_nothing_callback import trains_nothing_callback
 from .modes import MODES, SAMPLER_MODE, SCORING_MODES, TRL_MODE
 from .old_pass.copies import WeightsVersion, WeightsVersionCallback
 from .old_pass.scorer import OldLogprobScorer
@@ -223,6 +225,8 @@ class RatioAsyncGRPOTrainer(AsyncGRPOTrainer):
         self.add_callback(WeightsVersionCallback(self.weights_version, self.accelerator))
         self.add_callback(RunRecordCallback())  # run.json + log_history.json in output_dir: what the report reads
         self.is_correction = args.is_correction_spec
+        self.add_callback(trains_nothing_callback(args, self.is_correction))  # every token of a step rejected: warned
+        quiet_console(self)  # the console prints a few headline ratio/* keys; every key is still logged
         self.proximal_forwards = 0
         self._proximal = self._kept_mass = None
         precision_pass = args.async_objective == "decoupled" and args.old_logprob_mode != TRL_MODE

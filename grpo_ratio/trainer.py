@@ -50,10 +50,12 @@ from .corrections.is_correction import importance_weights
 from .corrections.kept_logprobs import lift_sampler_logprobs
 from .corrections.processors import RepetitionPenalty
 from .diagnostics.attribution import AttributionReference, row_positions, sample_rows
+from .diagnostics.console import quiet_console
 from .diagnostics.gate_callback import RatioGateCallback
 from .diagnostics.ratio_diagnostics import FULL_VOCAB_KEYS, RatioDiagnostics
 from .diagnostics.ratios import importance_sampling_weights
 from .diagnostics.run_record_callback import RunRecordCallback
+from .diagnostics.trains_nothing_callback import trains_nothing_callback
 from .models import trainer_model_source
 from .modes import FP32_CLONE, FP32_HEAD
 from .old_pass.copies import WeightsVersion, WeightsVersionCallback
@@ -132,6 +134,9 @@ class RatioHooks:
         self.add_callback(WeightsVersionCallback(self.weights_version, self.accelerator))
         self.diagnostics = RatioDiagnostics(args, self.accelerator, self.eos_token_ids,
                                             plan=self.plan) if args.ratio_diagnostics else None
+        if self.diagnostics is not None:  # a warning when the IS correction zeroes (nearly) every token of a step
+            self.add_callback(trains_nothing_callback(args, self.diagnostics.is_correction))
+            quiet_console(self)  # the console prints a few headline ratio/* keys; every key is still logged
         if args.ratio_gate:  # the tolerance gate on logged metrics (grpo_ratio/diagnostics/gate.py)
             self.add_callback(RatioGateCallback(args.ratio_gate, args.ratio_gate_patience, args.ratio_gate_action))
         self.add_callback(RunRecordCallback())  # run.json + log_history.json in output_dir: what the report reads

@@ -13,7 +13,10 @@ TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
-PIP=".venv/bin/python -m pip"
+pip_q() {  # quiet pip; drops the notices about package indexes this machine lists but lacks (as setup_vllm.sh)
+  .venv/bin/python -m pip "$@" 2>&1 | { grep -v -e "^WARNING: Location '.*' is ignored" || true; }
+}
+PIP=pip_q
 $PIP install -q --upgrade pip
 # torch before anything that depends on it: an unpinned `torch` resolved first would pull a CUDA build
 if [ -n "${TORCH_INDEX:-}" ]; then

@@ -220,7 +220,9 @@ def test_a_gate_stop_is_a_non_zero_exit_of_the_entry_point_and_in_the_run_record
             "(ratio_gate_action='stop'); outputs are saved, exit status 3") in proc.stderr
     record = json.loads((out / "run.json").read_text())
     assert record[STOPPED_BY_GATE] == "ratio/new_old/num_tokens<1"
-    assert record["train_ended"] is True and record["completed"] is True  # every output written
+    # every output written, but the run is not complete: stopped at step 1 of 3 (was "completed": true)
+    assert record["train_ended"] is True and record["outputs_saved"] is True and record["completed"] is False
+    assert record["gate_stop"]["step"] == 1 and record["gate_stop"]["max_steps"] == 3
     assert len(json.loads((out / "log_history.json").read_text())) >= 1 and (out / "metrics.png").is_file()
 
 

@@ -84,6 +84,7 @@ _SINGLE = {
     keys.IS_WEIGHT_ESS: (f"`{RC}rollout_is_eff_sample_size`", _, _, _),
     keys.IS_WEIGHT_MEAN: (f"`{RC}rollout_is_mean`", "`sampling/importance_sampling_ratio/mean`", _,
                           "`sampling_importance_ratio`"),
+    keys.IS_ZERO_WEIGHT_TOKEN_FRAC: (_, _, _, _),
     keys.IS_WEIGHT_RAW_P1: (f"`{RC}rollout_is_min` (raw for sequence IS)", _, _, _),
     keys.IS_WEIGHT_RAW_P50: (_, _, _, _),
     keys.IS_WEIGHT_RAW_P99: (f"`{RC}rollout_is_max` (raw for sequence IS)", _, _, _),

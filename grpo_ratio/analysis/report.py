@@ -6,7 +6,9 @@
     grpo-ratio report --ranges results/arms_smollm2_arithmetic         # per-arm ranges (docs/reading.md's table)
     grpo-ratio report --verdict results/arms_smollm2_arithmetic        # the comparison verdict only
 
-It prints, as markdown to paste into an issue, the run's configuration, the per-metric summary (mean, first, last,
+It prints, as markdown to paste into an issue, first what makes a run's numbers not a finished training (a stop by
+the ratio gate: at which step, which check, which value; every step that trained nothing, loss 0 and grad_norm 0 or
+an IS correction that zeroed >= 90% of the tokens, and why), then the run's configuration, the per-metric summary (mean, first, last,
 min, max over the logged steps) and the findings (`grpo_ratio.analysis.advice`): what is out of the healthy range, what is
 expected for the run's arm, the likely cause and a config change the run does not already have. For a comparison it
 adds the verdict of each arm against the baseline (`grpo_ratio.analysis.verdict`: paired by seed, with an interval, and the
@@ -24,7 +26,16 @@ from pathlib import Path
 
 from ..diagnostics import gate
 from ..diagnostics import metric_keys as keys
-from ..diagnostics.run_record import LOG_HISTORY_FILE, RUN_FIELDS, read_run_record, run_config
+from ..diagnostics.run_record import (
+    GATE_STOP,
+    LOG_HISTORY_FILE,
+    RUN_FIELDS,
+    STOPPED_BY_GATE,
+    TRAINS_NOTHING,
+    read_run_record,
+    run_config,
+)
+from ..diagnostics.trains_nothing import GATE_CHECK, steps_that_trained_nothing
 from ..modes import SAMPLER
 from .advice import Finding, findings, route_findings
 from .verdict import RunSeries, Verdict, compare_arms, needs_text, run_series
@@ -53,7 +64,9 @@ SUMMARY_KEYS = {
     keys.CLIP_FLIP_RATE: "PPO-clip decisions changed by the choice of old log-probs",
     "clip_ratio/region_mean": "TRL: share of tokens clipped",
     keys.FP16_FALLBACK_ROWS: "fp16_clone rows re-scored in fp32 (overflow)",
-    keys.IS_WEIGHTS_MEAN: "IS weights the loss uses (after lift_sampler)",
+    keys.IS_WEIGHTS_MEAN: "IS weights the loss uses",  # the run's correction is added (`_what`)
+    keys.IS_ZERO_WEIGHT_TOKEN_FRAC: "share of tokens with IS weight 0: they trained nothing",
+    keys.IS_REJECTED_SEQ_FRAC: "share of sequences an IS rejection rule or the veto zeroed",
     "sampling/importance_sampling_ratio/mean": "TRL: vLLM IS weights (before any lift)",
     keys.NEW_OLD.num_tokens: "valid tokens measured per update",
 }
@@ -91,9 +104,71 @@ def _fmt(x: float) -> str:
     return f"{x:.4g}"
 
 
-def render_run(name: str, stats: dict, found: list[Finding], config: dict | None = None) -> str:
-    """Markdown: the run's configuration (when known), the summary table and the findings."""
+def _what(key: str, config: dict | None) -> str:
+    """The table's "what" of `key`, in the run's own settings: the IS weight names the correction it came from and
+    the truncation correction it was taken after (none, `renormalize`'s kept sets, `lift_sampler`'s lift)."""
+    if key != keys.IS_WEIGHTS_MEAN or not config:
+        return SUMMARY_KEYS[key]
+    parts = [f"is_correction={config['is_correction']!r}" if config.get("is_correction")
+             else "TRL's vLLM IS correction" if config.get("use_vllm") else "IS correction"]
+    correction = config.get("truncation_correction")
+    parts.append({"lift_sampler": "after lift_sampler (sampler log-probs lifted by the kept mass)",
+                  "renormalize": "over the kept sets (truncation_correction='renormalize')"}.get(
+                      correction, "no truncation correction"))
+    return f"{SUMMARY_KEYS[key]} ({', '.join(parts)})"
+
+
+def render_gate_stop(record: dict | None) -> list[str]:
+    """Markdown lines saying that the ratio gate stopped the run (its run.json: `gate_stop`, `stopped_by_gate`):
+    at which step of how many, which check, which value; [] when no gate stopped it."""
+    record = record or {}
+    stop, check = record.get(GATE_STOP) or {}, record.get(STOPPED_BY_GATE)
+    if not check and not stop:
+        return []
+    check = stop.get("check", check)
+    step, planned = stop.get("step"), stop.get("max_steps")
+    where = "" if step is None else f" at step {step}" + (f" of {planned}" if planned else "")
+    value = f" ({stop['key']} = {_fmt(stop['value'])})" if "key" in stop and "value" in stop else ""
+    missing = (f"; steps {step + 1}-{planned} never ran" if isinstance(step, int) and isinstance(planned, int)
+               and planned > step else "")
+    return [f"**Stopped by the ratio gate{where}**: `{check}` failed{value} (ratio_gate_action='stop'){missing}. "
+            "The run is not complete (run.json: completed false); its summary covers the steps before the stop.", ""]
+
+
+def render_trained_nothing(history: list[dict], config: dict | None, record: dict | None = None) -> list[str]:
+    """Markdown lines flagging every logged step that trained nothing (loss 0 and grad_norm 0) or whose IS weights
+    were 0 on >= `trains_nothing.ZERO_WEIGHT_WARN` (90%) of the tokens, grouped by why (`trains_nothing.steps_that_trained_nothing`), and
+    the warning the trainer gave (run.json `trains_nothing`); [] when every step trained."""
+    flagged = steps_that_trained_nothing(history, config)
+    if not flagged:
+        return []
+    total = len([r for r in history if "loss" in r and "train_runtime" not in r]) or len(flagged)
+    by_why: dict[str, list] = {}
+    for step, why in flagged:
+        by_why.setdefault(why, []).append(step)
+    lines = [f"**Trained nothing on {len(flagged)} of {total} logged steps**:"]
+    lines += [f"- step{'s' if len(steps) > 1 else ''} {', '.join(str(s) for s in steps)}: {why}." for why, steps in
+              by_why.items()]
+    warned = (record or {}).get(TRAINS_NOTHING) or {}
+    if warned.get("message"):
+        message = warned["message"].removeprefix("grpo_ratio: ")
+        lines.append(f"- The trainer warned at step {warned.get('step')}: {message}")
+    elif any("IS weight" in why for why in by_why):
+        lines.append(f"- Widen the correction's bounds, correct truncated sampling first (truncation_correction), or "
+                     f"use a truncating preset (is_correction='tis'); `ratio_gate=['{GATE_CHECK}']` with "
+                     f"ratio_gate_action='stop' stops such a run (docs/corrections.md).")
+    return lines + [""]
+
+
+def render_run(name: str, stats: dict, found: list[Finding], config: dict | None = None,
+               history: list[dict] | None = None, record: dict | None = None) -> str:
+    """Markdown: first what makes the run's numbers not a finished training (a stop by the ratio gate, from its
+    `record`, run.json; steps that trained nothing, from its `history`), then the run's configuration (when known),
+    the summary table and the findings. A run with a gate stop or a step that trained nothing is never called
+    healthy."""
     lines = [f"### {name}", ""]
+    first = render_gate_stop(record) + render_trained_nothing(history or [], config, record)
+    lines += first
     if config:
         lines += [", ".join(f"{k}={v}" for k, v in config.items() if v is not None), ""]
     else:
@@ -101,11 +176,12 @@ def render_run(name: str, stats: dict, found: list[Finding], config: dict | None
                   "logged keys only and cannot say what is expected for the run's arm.", ""]
     lines += ["| metric | what | mean | first | last | min | max |", "|---|---|---|---|---|---|---|"]
     for key, s in stats.items():
-        lines.append(f"| `{key}` | {SUMMARY_KEYS[key]} | {_fmt(s['mean'])} | {_fmt(s['first'])} | {_fmt(s['last'])} "
+        lines.append(f"| `{key}` | {_what(key, config)} | {_fmt(s['mean'])} | {_fmt(s['first'])} | {_fmt(s['last'])} "
                      f"| {_fmt(s['min'])} | {_fmt(s['max'])} |")
     steps = max((s["steps"] for s in stats.values()), default=0)
-    lines += ["", f"{steps} logged steps. " + ("Findings:" if found else "Nothing out of the healthy range "
-                                                                          "(docs/reading.md).")]
+    verdict = ("Findings:" if found else "No other finding." if first
+               else "Nothing out of the healthy range (docs/reading.md).")
+    lines += ["", f"{steps} logged steps. " + verdict]
     for f in found:
         # the fix as written: it starts with a field name or a command to copy, so it is not capitalised
         fix = f"Try: {f.fix}" if not f.fix.startswith("nothing") else f.fix[0].upper() + f.fix[1:]
@@ -500,6 +576,18 @@ def load_runs(path: Path) -> list[tuple[str, list[dict], dict | None]]:
     return runs
 
 
+def load_records(path: Path) -> list[dict]:
+    """The run record (`run.json`) of each run `load_runs(path)` returns, in its order; {} where there is none (a
+    TRL `trainer_state.json`)."""
+    if path.is_file() and path.name == "summary.json":
+        path = path.parent
+    if path.is_file():
+        return [read_run_record(path.parent) if path.name == LOG_HISTORY_FILE else {}]
+    if any((path / f).is_file() for f in (LOG_HISTORY_FILE, "trainer_state.json")) or _last_checkpoint_state(path):
+        return [read_run_record(path)]
+    return [read_run_record(folder) for *_, folder in _comparison_runs(path)]
+
+
 def _comparison_runs(path: Path) -> list[tuple[str, list[dict], dict | None, Path]]:
     """(name, history, config, folder) of every `<arm>-s<seed>/log_history.json` under a comparison folder; a run
     that `grpo-ratio compare` started and never finished (its run.json says `"completed": false`; its trainer may
@@ -539,6 +627,12 @@ def _gate(runs, checks, stream) -> int:
     return gate.exit_code(results)
 
 
+def _gate_stop_json(record: dict) -> dict | None:
+    """The gate stop of a run record for `--json`: its `gate_stop`, or `{"check": ...}` from `stopped_by_gate`."""
+    stop = record.get(GATE_STOP)
+    return stop if stop else ({"check": record[STOPPED_BY_GATE]} if record.get(STOPPED_BY_GATE) else None)
+
+
 def _comparison_summary(path: Path) -> dict | None:
     """The `summary.json` of a comparison folder (or that file itself); None for a single run."""
     path = path if path.name == "summary.json" else path / "summary.json"
@@ -572,6 +666,7 @@ def main(argv: list[str] | None = None) -> int:
             print("".join(render_effect(p) for p in paths), end="")
             return 0
         runs = [run for p in paths for run in load_runs(p)]
+        records = [record for p in paths for record in load_records(p)]
         checks = gate.collect_checks(args.check, args.thresholds)
     except (FileNotFoundError, ValueError) as err:  # json.JSONDecodeError is a ValueError
         print(f"grpo-ratio report: error: {err}", file=sys.stderr)
@@ -590,12 +685,15 @@ def main(argv: list[str] | None = None) -> int:
         stats = summarize_history(history)
         results.append((name, stats, findings(stats, config) + route_findings(stats, config), config))
     if args.json:
-        print(json.dumps([{"run": n, "config": c, "summary": s, "findings": [asdict(f) for f in fs]}
-                          for n, s, fs, c in results], indent=1))
+        print(json.dumps([{"run": n, "config": c, "gate_stop": _gate_stop_json(r),
+                           "trained_nothing": [{"step": st, "why": why} for st, why in
+                                               steps_that_trained_nothing(h, c)],
+                           "summary": s, "findings": [asdict(f) for f in fs]}
+                          for (n, s, fs, c), (_, h, _), r in zip(results, runs, records, strict=True)], indent=1))
         return _gate(runs, checks, sys.stderr)
     print(f"## grpo-ratio report: {' '.join(args.path)}\n\n{_versions()}\n")
-    for (name, stats, found, config), (_, history, _) in zip(results, runs, strict=True):
-        print(render_run(name, stats, found, config))
+    for (name, stats, found, config), (_, history, _), record in zip(results, runs, records, strict=True):
+        print(render_run(name, stats, found, config, history, record))
         if attribution := render_attribution(history):
             print(attribution)
         if staleness := render_staleness(history, config):

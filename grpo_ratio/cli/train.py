@@ -15,7 +15,8 @@ unknown scoring mode, a missing data path or an unreadable model fails before an
 
 Writes to `output_dir`: the model (unless `--save_final_model false`), `log_history.json` (TRL's log rows: reward,
 `ratio/*`, `clip_ratio/*`, ...) and `run.json` (the fields `grpo-ratio report` reads: mode, correction, sampling;
-`"completed": true` once every output is written; `"stopped_by_gate"` when `ratio_gate_action: stop` stopped it),
+`"completed": true` once every output of a run that reached its end is written; `"completed": false`,
+`"stopped_by_gate"` and `"gate_stop"` (step, check, value) when `ratio_gate_action: stop` stopped it),
 both written by the trainer as it trains (`grpo_ratio/diagnostics/run_record.py`), `metrics.png` (those curves per
 step) and, with `report_to: [wandb]`, an offline W&B run under `output_dir/wandb` (`WANDB_MODE=offline` unless you set
 it; upload later with `wandb sync`).
@@ -294,8 +295,9 @@ def main(script_args, training_args, model_args, trainer: RatioGRPOTrainer | Non
     if trainer.accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)  # save_strategy "no" and no final save: nothing created it yet
         # log_history.json and run.json's "config" (the fields `grpo-ratio report` reads: which mode, which
-        # correction) were written by the trainer (RunRecordCallback); the run is whole now
-        update_run_record(out, completed=True)
+        # correction) were written by the trainer (RunRecordCallback); every output is saved now, and the run is
+        # complete unless the gate stopped it (then "completed" stays false, as the gate wrote it)
+        update_run_record(out, completed=stopped_by is None, outputs_saved=True)
         title = run_title(model_args.model_name_or_path or DEFAULT_MODEL, training_args, trainer.state.global_step,
                           next(trainer.accelerator.unwrap_model(trainer.model).parameters()).dtype)
         band = (training_args.ratio_band_low, training_args.ratio_band_high)

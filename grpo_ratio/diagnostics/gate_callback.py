@@ -2,8 +2,9 @@
 
 Each log row (`on_log`, what `logging_steps` writes to `trainer.state.log_history`) is checked; a check that fails on
 `patience` consecutive logged steps warns, or stops training (`control.should_training_stop`). A stop is said in the
-run's record (`run.json` `"stopped_by_gate"`, `grpo_ratio.diagnostics.run_record`), and `grpo-ratio train` exits
-non-zero after it (`run_record.GATE_STOP_EXIT_CODE`). Checks, scopes and their syntax: `grpo_ratio.diagnostics.gate`.
+run's record (`run.json`: `"stopped_by_gate"`, `"gate_stop"` with the step, check and value, and `"completed": false`;
+`grpo_ratio.diagnostics.run_record`), first in `grpo-ratio report`, and `grpo-ratio train` exits non-zero after it
+(`run_record.GATE_STOP_EXIT_CODE`; a script of your own: `sys.exit(run_record.exit_status(output_dir))`). Checks, scopes and their syntax: `grpo_ratio.diagnostics.gate`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import warnings
 from transformers import TrainerCallback
 
 from .gate import Check, training_checks
-from .run_record import STOPPED_BY_GATE, update_run_record
+from .run_record import GATE_STOP, STOPPED_BY_GATE, update_run_record
 
 
 logger = logging.getLogger(__name__)
@@ -35,7 +36,10 @@ class RatioGateCallback(TrainerCallback):
     Attributes:
         tripped (`list[str]`): one message per time the gate tripped, for inspection after training.
         stopped_by (`str | None`): under `action="stop"`, the check (`str(Check)`) that stopped the last `train()`;
-            None when it ran to its end. Also written to `run.json` as `"stopped_by_gate"` (main process).
+            None when it ran to its end. Also written to `run.json` as `"stopped_by_gate"`, with `"gate_stop"`
+            (`stop`) and `"completed": false` (main process).
+        stop (`dict | None`): that stop's `step` (the logged step training stopped after), `max_steps` (planned),
+            `check`, `key`, `value` (the failing logged value) and `patience`; None when no check stopped it.
 
     Raises:
         ValueError: a check with another scope, patience < 1, or an action not in `GATE_ACTIONS`.
@@ -48,10 +52,11 @@ class RatioGateCallback(TrainerCallback):
         self.seen = [False] * len(self.checks)
         self.tripped: list[str] = []
         self.stopped_by: str | None = None
+        self.stop: dict | None = None
 
     def on_train_begin(self, args, state, control, **kwargs):
         if self.stopped_by is not None:  # a second train() of the same trainer: the last stop is not this run's
-            self.stopped_by = None
+            self.stopped_by = self.stop = None
             self._record(args, state)
         return control
 
@@ -83,17 +88,23 @@ class RatioGateCallback(TrainerCallback):
             control.should_training_stop = True
             if self.stopped_by is None:  # the first check that stopped it
                 self.stopped_by = str(check)
+                self.stop = {"step": state.global_step, "max_steps": state.max_steps, "check": str(check),
+                             "key": check.key, "value": value, "patience": self.patience}
                 self._record(args, state)
         self.tripped.append(message)
         logger.warning(message)
         warnings.warn(message, stacklevel=2)
 
     def _record(self, args, state) -> None:
-        """`run.json` `"stopped_by_gate"` (main process); a record that cannot be written is never worth the run."""
+        """`run.json` `"stopped_by_gate"`, `"gate_stop"` and `"completed": false` after a stop; null and no
+        `"completed"` after a reset (main process); a record that cannot be written is never worth the run."""
         if not state.is_world_process_zero:
             return
+        stopped = self.stopped_by is not None
         try:
-            update_run_record(args.output_dir, **{STOPPED_BY_GATE: self.stopped_by})
+            update_run_record(args.output_dir, drop=() if stopped else ("completed",),
+                              **{STOPPED_BY_GATE: self.stopped_by, GATE_STOP: self.stop},
+                              **({"completed": False} if stopped else {}))
         except (OSError, TypeError, ValueError) as err:
             logger.warning("ratio gate: cannot write %s to the run record in %s (%s)", STOPPED_BY_GATE,
                            args.output_dir, err)

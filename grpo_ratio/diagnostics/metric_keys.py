@@ -109,6 +109,7 @@ IS_REJECTED_TOKEN_FRAC = f"{PREFIX}/is_rejected_token_frac"
 IS_REJECTED_SEQ_FRAC = f"{PREFIX}/is_rejected_seq_frac"
 IS_WEIGHT_ESS = f"{PREFIX}/is_weight_ess"
 IS_WEIGHT_MEAN = f"{PREFIX}/is_weight_mean"
+IS_ZERO_WEIGHT_TOKEN_FRAC = f"{PREFIX}/is_zero_weight_token_frac"
 IS_WEIGHT_RAW_P1 = f"{PREFIX}/is_weight_raw/p1"
 IS_WEIGHT_RAW_P50 = f"{PREFIX}/is_weight_raw/p50"
 IS_WEIGHT_RAW_P99 = f"{PREFIX}/is_weight_raw/p99"
@@ -127,9 +128,9 @@ SINGLE_KEYS = {
                             "untruncated)"),
     KEPT_SET_ADDED_RATE: KeyInfo('a correction with kept_set_source="recompute"', "share of sampled tokens the "
                                  "recomputed filter dropped (added back)"),
-    IS_WEIGHTS_MIN: KeyInfo(_IS_LOSS, "smallest IS weight the loss uses (after the lift)"),
-    IS_WEIGHTS_MEAN: KeyInfo(_IS_LOSS, "mean IS weight the loss uses (after the lift)"),
-    IS_WEIGHTS_MAX: KeyInfo(_IS_LOSS, "largest IS weight the loss uses (after the lift)"),
+    IS_WEIGHTS_MIN: KeyInfo(_IS_LOSS, "smallest IS weight the loss uses (after any truncation correction)"),
+    IS_WEIGHTS_MEAN: KeyInfo(_IS_LOSS, "mean IS weight the loss uses (after any truncation correction)"),
+    IS_WEIGHTS_MAX: KeyInfo(_IS_LOSS, "largest IS weight the loss uses (after any truncation correction)"),
     FP16_FALLBACK_ROWS: KeyInfo('old_logprob_mode="fp16_clone"', "rows re-scored in fp32 after an fp16 overflow, "
                                 "summed over processes"),
     CLIP_FLIP_RATE: KeyInfo("a PPO-clip loss, token-level IS, on a clip_flip_every update", "share of tokens whose "
@@ -144,6 +145,8 @@ SINGLE_KEYS = {
     IS_REJECTED_SEQ_FRAC: KeyInfo(_IS_REJECT, "share of sequences (partly) rejected"),
     IS_WEIGHT_ESS: KeyInfo(_IS_ANY, "effective sample size of the weights the loss uses, (sum w)^2 / (N sum w^2)"),
     IS_WEIGHT_MEAN: KeyInfo(_IS_ANY, "mean weight the loss uses, over valid tokens"),
+    IS_ZERO_WEIGHT_TOKEN_FRAC: KeyInfo(_IS_ANY, "share of tokens whose IS weight is 0 (bounds, rejection or veto): "
+                                       "they train nothing; 1 = the step trained nothing"),
     IS_WEIGHT_RAW_P1: KeyInfo(_IS_RAW, "1st percentile of the raw weight (before bounds and rejection)"),
     IS_WEIGHT_RAW_P50: KeyInfo(_IS_RAW, "median raw weight"),
     IS_WEIGHT_RAW_P99: KeyInfo(_IS_RAW, "99th percentile of the raw weight"),

@@ -120,14 +120,15 @@ class ISWeightStats(SumStats):
     Fields (fp64 scalar tensors unless stated): token and sequence counts (`num_tokens`, `num_seqs`: valid tokens with
     a log-ratio, sequences with one), how many of them were truncated / masked by the bounds or rejected (a sequence
     counts when any of its tokens does), `sum_w` and `sum_w2` of the applied weights over valid tokens (sequence
-    weights count once per token, as in the loss), and `raw_log_weights` (`torch.Tensor` (N,), fp32): every finite
+    weights count once per token, as in the loss), `zero_tokens` (valid tokens whose applied weight is exactly 0,
+    by the bounds, a rejection rule or the veto: they train nothing), and `raw_log_weights` (`torch.Tensor` (N,), fp32): every finite
     raw log-weight, one per token (`level="token"`) or per sequence, for the quantiles (gathered in `all_reduce`).
     `action` (`"truncate"`, `"mask"` or `None` for `level="none"`) and `rejects` (`bool`) say which shares exist.
     """
 
     _SUMS: ClassVar[tuple[str, ...]] = ("num_tokens", "num_seqs", "truncated_tokens", "truncated_seqs",
                                         "masked_tokens", "masked_seqs", "rejected_tokens", "rejected_seqs", "sum_w",
-                                        "sum_w2")
+                                        "sum_w2", "zero_tokens")
     action: str | None = None
     rejects: bool = False
     num_tokens: torch.Tensor = field(default_factory=_zero)
@@ -140,6 +141,7 @@ class ISWeightStats(SumStats):
     rejected_seqs: torch.Tensor = field(default_factory=_zero)
     sum_w: torch.Tensor = field(default_factory=_zero)
     sum_w2: torch.Tensor = field(default_factory=_zero)
+    zero_tokens: torch.Tensor = field(default_factory=_zero)
     raw_log_weights: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
 
     @classmethod
@@ -155,7 +157,7 @@ class ISWeightStats(SumStats):
         parts = [has.sum(), has.any(dim=-1).sum()]
         for flags in (result.truncated, result.masked, result.rejected):
             parts += [flags.sum(), flags.any(dim=-1).sum()]
-        self._add(parts + [w.sum(), w.square().sum()])
+        self._add(parts + [w.sum(), w.square().sum(), (w == 0).sum()])
         if result.log_raw is not None:
             raw = result.log_raw[result.raw_mask].float()  # (n_units,)
             self.raw_log_weights = torch.cat([self.raw_log_weights.to(raw.device), raw[torch.isfinite(raw)]])
@@ -179,7 +181,8 @@ class ISWeightStats(SumStats):
 
     def as_metrics(self, prefix: str = "ratio") -> dict[str, float]:
         """`{prefix}/is_weight_ess` = (sum w)^2 / (N sum w^2) in [0, 1] (0 when every weight is 0),
-        `{prefix}/is_weight_mean` = sum w / N, `{prefix}/is_weight_raw/{p1,p50,p99}` (before bounds and rejection),
+        `{prefix}/is_weight_mean` = sum w / N, `{prefix}/is_zero_weight_token_frac` = #{w = 0} / N (tokens that
+        train nothing), `{prefix}/is_weight_raw/{p1,p50,p99}` (before bounds and rejection),
         `{prefix}/is_{truncated|masked}_{token,seq}_frac` (the word follows `action`) and
         `{prefix}/is_rejected_{token,seq}_frac` (with rejection rules or a veto). `{}` without valid tokens."""
         n, s = self.num_tokens.item(), self.num_seqs.item()
@@ -187,7 +190,8 @@ class ISWeightStats(SumStats):
             return {}
         w2 = self.sum_w2.item()
         metrics = {f"{prefix}/is_weight_ess": (self.sum_w.square() / (n * self.sum_w2)).item() if w2 > 0 else 0.0,
-                   f"{prefix}/is_weight_mean": (self.sum_w / n).item()}
+                   f"{prefix}/is_weight_mean": (self.sum_w / n).item(),
+                   f"{prefix}/is_zero_weight_token_frac": (self.zero_tokens / n).item()}
         x = torch.sort(self.raw_log_weights).values  # (N,)
         if x.numel():
             for key, value in zip(QUANTILES, sorted_quantiles(x, list(QUANTILES.values())), strict=True):

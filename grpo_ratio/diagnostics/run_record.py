@@ -13,12 +13,17 @@ own calls `trainer.train()`:
   - `"train_ended"`: false from the start of `train()`, true once it reached its end (a stop by
     `control.should_training_stop` included; a crash leaves it false).
   - `"stopped_by_gate"` (`STOPPED_BY_GATE`): the check (`[SCOPE:]KEY OP VALUE`) whose failure stopped training
-    under `ratio_gate_action="stop"`, written by `RatioGateCallback` when it stops the run (set back to null by a
-    later `train()` of the same trainer); absent or null when no gate stopped it. `grpo-ratio train` then exits
-    with status `GATE_STOP_EXIT_CODE` (3).
-  Entry points add keys to the same object (`update_run_record`): `grpo-ratio train` `"completed"` (all its outputs
-  written, a run stopped by the gate included), `grpo-ratio compare` `"arm"`, `"seed"`, `"fingerprint"`, `"machine"`
-  and `"completed"`.
+    under `ratio_gate_action="stop"`, and `"gate_stop"` (`GATE_STOP`): `{"step", "max_steps", "check", "key",
+    "value", "patience"}` of that stop (the logged step it stopped after, of how many planned, the failing value),
+    with `"completed": false`: all three written by `RatioGateCallback` when it stops the run; null when no gate
+    stopped it (set back by a later `train()`). `grpo-ratio train` then exits with status `GATE_STOP_EXIT_CODE` (3);
+    a script of your own turns it into its exit status with `exit_status(output_dir)`.
+  - `"trains_nothing"` (`TRAINS_NOTHING`): `{"step", "share", "message"}` of the first logged step where an IS
+    correction set the weight of >= 90% of the tokens to 0 (`trains_nothing_callback.TrainsNothingCallback`, the
+    warning it gave); null otherwise.
+  Entry points add keys to the same object (`update_run_record`): `grpo-ratio train` `"completed"` (true once all its
+  outputs are written after a run that reached its end; false after a gate stop) and `"outputs_saved"`,
+  `grpo-ratio compare` `"arm"`, `"seed"`, `"fingerprint"`, `"machine"` and `"completed"`.
 
 Both files are replaced whole (a temporary file, then a rename): a run killed while writing leaves the previous
 version, never half a file. Nothing is written into checkpoint folders.
@@ -34,12 +39,16 @@ import os
 from pathlib import Path
 
 
-__all__ = ["GATE_STOP_EXIT_CODE", "LOG_HISTORY_FILE", "RUN_FIELDS", "RUN_FILE", "STOPPED_BY_GATE", "read_run_record",
-           "run_config", "run_finished", "update_run_record", "write_log_history"]
+__all__ = ["GATE_STOP", "GATE_STOP_EXIT_CODE", "LOG_HISTORY_FILE", "PER_TRAIN_KEYS", "RUN_FIELDS", "RUN_FILE",
+           "STOPPED_BY_GATE", "TRAINS_NOTHING", "exit_status", "read_run_record", "run_config", "run_finished",
+           "update_run_record", "write_log_history"]
 
 LOG_HISTORY_FILE = "log_history.json"
 RUN_FILE = "run.json"
 STOPPED_BY_GATE = "stopped_by_gate"  # run.json: the check that stopped training (ratio_gate_action="stop")
+GATE_STOP = "gate_stop"  # run.json: that stop's step, max_steps, check, key, value, patience
+TRAINS_NOTHING = "trains_nothing"  # run.json: the first step an IS correction zeroed >= 90% of the tokens
+PER_TRAIN_KEYS = (STOPPED_BY_GATE, GATE_STOP, TRAINS_NOTHING)  # said of one train(): null again at the next one
 # exit status of `grpo-ratio train` (trainers/grpo.py) when the ratio gate stopped training: not 0 (a CI job keyed on
 # the exit status sees the gate fire), not 1 (an uncaught error) nor 2 (a set-up error, `grpo-ratio train: error:`)
 GATE_STOP_EXIT_CODE = 3
@@ -50,8 +59,9 @@ RUN_FIELDS = ("old_logprob_mode", "guided_fp32_layers", "truncation_correction",
               "min_p", "temperature", "bf16", "fp16", "use_vllm", "vllm_dtype", "vllm_importance_sampling_correction",
               "num_iterations", "disable_dropout", "mask_truncated_completions", "max_completion_length",
               "ratio_diagnostics", "learning_rate", "max_steps", "per_device_train_batch_size", "num_generations",
-              "routing_replay", "ratio_attribution", "is_correction", "async_objective", "max_staleness",
-              "trl_trainer")
+              "routing_replay", "ratio_attribution", "is_correction", "is_correction_level", "is_correction_action",
+              "is_correction_low", "is_correction_high", "is_correction_rejection", "is_correction_veto",
+              "vllm_importance_sampling_mode", "async_objective", "max_staleness", "trl_trainer")
 
 
 def run_config(args) -> dict:
@@ -76,6 +86,19 @@ def read_run_record(run_dir: str | Path) -> dict:
     return record
 
 
+def exit_status(run_dir: str | Path) -> int:
+    """The exit status a script gives its run, as `grpo-ratio train` does: `GATE_STOP_EXIT_CODE` (3) when the ratio
+    gate stopped the last `train()` in `run_dir` (its run.json names a `"stopped_by_gate"` check), else 0.
+
+        trainer.train()
+        sys.exit(exit_status(trainer.args.output_dir))
+
+    Raises:
+        ValueError: a `run.json` that is not a JSON object.
+    """
+    return GATE_STOP_EXIT_CODE if read_run_record(run_dir).get(STOPPED_BY_GATE) else 0
+
+
 def run_finished(record: dict) -> bool:
     """Whether a run record belongs to a run that finished: its entry point says `"completed"`, else its trainer
     says `"train_ended"`; a record with neither (or no record, {}) counts as finished, as before either existed."""
@@ -97,9 +120,9 @@ def write_log_history(run_dir: str | Path, history: list[dict]) -> Path:
     return path
 
 
-def update_run_record(run_dir: str | Path, fresh: bool = False, **fields) -> dict:
+def update_run_record(run_dir: str | Path, fresh: bool = False, drop: tuple[str, ...] = (), **fields) -> dict:
     """Merge `fields` into `run_dir/run.json` (created when missing; started anew with `fresh`, or when the file is
-    unreadable); returns the record written."""
+    unreadable), without the keys in `drop`; returns the record written."""
     path = Path(run_dir) / RUN_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -107,5 +130,7 @@ def update_run_record(run_dir: str | Path, fresh: bool = False, **fields) -> dic
     except ValueError:  # not ours (or not JSON): replaced, as the files of an overwritten run are
         record = {}
     record.update(fields)
+    for key in drop:
+        record.pop(key, None)
     _write_json(path, record)
     return record

@@ -13,7 +13,15 @@ import warnings
 
 from transformers import TrainerCallback
 
-from .run_record import read_run_record, run_config, run_finished, update_run_record, write_log_history
+from .run_record import (
+    GATE_STOP,
+    PER_TRAIN_KEYS,
+    read_run_record,
+    run_config,
+    run_finished,
+    update_run_record,
+    write_log_history,
+)
 
 
 logger = logging.getLogger(__name__)
@@ -24,7 +32,8 @@ class RunRecordCallback(TrainerCallback):
     (`state.log_history`) to `args.output_dir`.
 
     - `on_train_begin`: `run.json` with `"config"` and `"train_ended": false`, merged into the one already there
-      (an entry point's keys, such as `grpo-ratio compare`'s arm and seed) unless that one records a finished run,
+      (an entry point's keys, such as `grpo-ratio compare`'s arm and seed; without what an earlier run said of its
+      own `train()`, `run_record.PER_TRAIN_KEYS`) unless that one records a finished run or one the gate stopped,
       which this run replaces.
     - `on_log` (every `logging_steps`, evaluations and TRL's final summary row): `log_history.json`; a crashed or
       stopped run keeps its history up to its last log.
@@ -59,8 +68,11 @@ class RunRecordCallback(TrainerCallback):
                 existing = read_run_record(args.output_dir)
             except (OSError, TypeError, ValueError):
                 existing = {}
-            fresh = bool(existing) and run_finished(existing)
-        self._guarded(update_run_record, args.output_dir, fresh, config=run_config(args), **fields)
+            fresh = bool(existing) and (run_finished(existing) or bool(existing.get(GATE_STOP)))
+        # merged into another run's record (one cut short): what that run's train() said of itself is not this run's
+        # (the callbacks that write those keys set them back themselves at a later train() of the same trainer)
+        drop = PER_TRAIN_KEYS if not self.recorded else ()
+        self._guarded(update_run_record, args.output_dir, fresh, drop, config=run_config(args), **fields)
         self.recorded = True
 
     def _guarded(self, write, *call_args, **call_kwargs) -> None:
