@@ -162,6 +162,26 @@ def test_a_killed_comparison_resumes_with_the_missing_runs_only(compare, tmp_pat
     assert len([r for r in result.runs[1].history if "loss" in r]) == 1
 
 
+def test_a_gate_stopped_arm_reads_as_stopped_and_is_kept_on_resume(compare, tmp_path):
+    # the gate stops the arm at step 1 of 3: run.json says so (completed false), the outputs are saved, and a
+    # resumed comparison reads the arm back instead of training it again
+    calls = []
+
+    def build(arm, seed, run_dir):
+        calls.append(arm)
+        return _tiny_build(max_steps=3, ratio_gate=["ratio/new_old/num_tokens<1"], ratio_gate_action="stop")(
+            arm, seed, run_dir)
+
+    kwargs = dict(name="cmp", output_root=tmp_path, last_k=1, show=False)
+    with pytest.warns(UserWarning, match="stopping training"):
+        compare.run_comparison(["bf16"], [0], build, **kwargs)
+    record = json.loads((tmp_path / "cmp" / "bf16-s0" / "run.json").read_text())
+    assert record["completed"] is False and record["outputs_saved"] is True
+    assert record["gate_stop"]["step"] == 1 and record["gate_stop"]["max_steps"] == 3
+    result = compare.run_comparison(["bf16"], [0], build, **kwargs)
+    assert calls == ["bf16"] and result.resumed == ["bf16-s0"]
+
+
 def test_a_folder_of_another_configuration_is_never_overwritten(compare, tmp_path):
     kwargs = dict(name="cmp", output_root=tmp_path, show=False)
     compare.run_comparison(["bf16"], [0], _tiny_build(max_steps=1), fingerprints={"bf16": "recipe A"}, **kwargs)

@@ -590,12 +590,12 @@ def load_records(path: Path) -> list[dict]:
 
 def _comparison_runs(path: Path) -> list[tuple[str, list[dict], dict | None, Path]]:
     """(name, history, config, folder) of every `<arm>-s<seed>/log_history.json` under a comparison folder; a run
-    that `grpo-ratio compare` started and never finished (its run.json says `"completed": false`; its trainer may
-    have logged some steps) is left out, as it is left out of the comparison's summary."""
+    that `grpo-ratio compare` started and never finished (its run.json says `"completed": false` without
+    `"outputs_saved": true`, which a gate-stopped arm has; its trainer may have logged some steps) is left out, as it is left out of the comparison's summary."""
     subs = sorted(p for p in path.iterdir() if (p / LOG_HISTORY_FILE).is_file()) if path.is_dir() else []
     records = {p: read_run_record(p) for p in subs}
     return [(p.name, _read_history(p / LOG_HISTORY_FILE), records[p].get("config"), p) for p in subs
-            if records[p].get("completed") is not False]
+            if records[p].get("outputs_saved", records[p].get("completed")) is not False]
 
 
 def _arm_seed(name: str, folder: Path) -> tuple[str, int]:

@@ -49,7 +49,7 @@ from transformers import TrainerCallback, set_seed
 from grpo_ratio.analysis.plots import dtype_name, plot_comparison
 from grpo_ratio.analysis.report import render_verdicts
 from grpo_ratio.analysis.verdict import compare_arms, run_series
-from grpo_ratio.cli.train import build_trainer, make_parser, trainer_of
+from grpo_ratio.cli.train import build_trainer, gate_stop, make_parser, trainer_of
 from grpo_ratio.diagnostics import metric_keys as keys
 from grpo_ratio.diagnostics.run_record import run_config, update_run_record, write_log_history
 from grpo_ratio.machine import describe_machine, machine_record
@@ -327,8 +327,8 @@ def _finished_run(arm: str, seed: int, run_dir: Path, fingerprint) -> RunResult 
         differs = _differences(meta.get("fingerprint"), fingerprint)
         raise FileExistsError(f"{run_dir} holds a run of another configuration ({differs}); use another --name or "
                               f"--output_root, or delete that folder")
-    if not meta.get("completed"):
-        return None  # started, never finished: train it again
+    if not meta.get("outputs_saved", meta.get("completed")):
+        return None  # started, never finished: train it again (a gate-stopped arm's outputs are saved: kept)
     rollouts = json.loads((run_dir / "first_rollouts.json").read_text())
     history = json.loads((run_dir / "log_history.json").read_text())
     config = {**meta["config"], "weights_dtype": meta.get("weights_dtype")}  # how the plot names the arm
@@ -376,7 +376,9 @@ def _run_one(arm: str, seed: int, build: Callable, name: str, run_dir: Path, fin
     (run_dir / FINGERPRINTS_FILE).write_text(json.dumps(
         {"what": "sha256 of each optimizer step's prompts and completions (index i = step i + 1)",
          "fingerprints": result.fingerprints}, indent=1))
-    update_run_record(run_dir, completed=True)  # last: the run is whole
+    # last: every output is saved (resuming the comparison keeps this arm); the run is complete unless the ratio gate
+    # stopped it, which run.json then says first (completed false, gate_stop), as `grpo-ratio train` does
+    update_run_record(run_dir, completed=gate_stop(trainer) is None, outputs_saved=True)
     del trainer, recorder
     gc.collect()  # one model at a time: free the last run's model and copies before the next
     return result

@@ -23,7 +23,8 @@ own calls `trainer.train()`:
     warning it gave); null otherwise.
   Entry points add keys to the same object (`update_run_record`): `grpo-ratio train` `"completed"` (true once all its
   outputs are written after a run that reached its end; false after a gate stop) and `"outputs_saved"`,
-  `grpo-ratio compare` `"arm"`, `"seed"`, `"fingerprint"`, `"machine"` and `"completed"`.
+  `grpo-ratio compare` `"arm"`, `"seed"`, `"fingerprint"`, `"machine"`, `"completed"` (as `grpo-ratio train`) and
+  `"outputs_saved"` (a resumed comparison keeps an arm that has it, a gate-stopped one too).
 
 Both files are replaced whole (a temporary file, then a rename): a run killed while writing leaves the previous
 version, never half a file. Nothing is written into checkpoint folders.
