@@ -793,13 +793,55 @@ def check_server_logprobs(trainer) -> None:
     if not (args.use_vllm and args.vllm_mode == "server" and uses):
         return
     client = getattr(getattr(trainer, "vllm_generation", None), "vllm_client", None)  # the main process's
+    _refuse_unprocessed_logprobs(uses, client, trainer.accelerator.num_processes)
+
+
+def async_sampler_logprob_uses(args) -> list[str]:
+    """The settings of a `RatioAsyncGRPOConfig` that compute with the server's behaviour log-probs beyond TRL's own
+    loss, as `field=value`: a decoupled objective (the behaviour -> proximal IS weight exp(proximal - behaviour), and
+    A-3PO's proximal interpolated from the behaviour log-probs), `lift_sampler` (they are lifted by log M),
+    an `is_correction` (the weight's denominator). `"coupled"` is TRL's loss: none."""
+    uses = [f"async_objective={args.async_objective!r}"] if args.decoupled else []
+    if args.truncation_correction == "lift_sampler":
+        uses.append("truncation_correction='lift_sampler'")
+    if getattr(args, "is_correction_spec", None) is not None:
+        uses.append(f"is_correction={args.is_correction!r}")
+    return uses
+
+
+def check_async_server_logprobs(trainer) -> None:
+    """`RatioAsyncGRPOTrainer`: where the run computes with the server's behaviour log-probs
+    (`async_sampler_logprob_uses`), refuse a server that does not return processed log-probs, as
+    `check_server_logprobs` does for GRPO/RLOO. TRL's async rollout worker asks `/v1/completions` for the sampled
+    tokens' log-probs and reads no `logprobs_mode`; `vllm serve` defaults to `raw_logprobs`. The main process waits
+    for the server (`VLLMClient.wait_for_server_ready`, as TRL's own start-up probes do) and asks `/server_info`;
+    every process learns the answer, so all of them stop. Nothing is asked with `async_objective="coupled"` and no
+    `lift_sampler`.
+
+    Raises:
+        ValueError: the server's `logprobs_mode` is not `processed_logprobs`, naming the settings that need it and
+            the flag.
+    """
+    uses = async_sampler_logprob_uses(trainer.args)
+    if not uses:
+        return
+    client = getattr(trainer, "vllm_client", None)  # TRL builds it on the main process only
+    if client is not None:
+        client.wait_for_server_ready()
+    _refuse_unprocessed_logprobs(uses, client, trainer.accelerator.num_processes)
+
+
+def _refuse_unprocessed_logprobs(uses: list[str], client, num_processes: int) -> None:
+    """Ask the server's `logprobs_mode` on the process holding `client` (TRL's GRPO client or its async one: both
+    return `/server_info`'s `vllm_config`), broadcast it, raise unless it is `processed_logprobs`."""
     mode = client.get_server_info()["model_config"]["logprobs_mode"] if client is not None else None
-    if trainer.accelerator.num_processes > 1:
+    if num_processes > 1:
         from accelerate.utils import broadcast_object_list
 
         mode = broadcast_object_list([mode], from_process=0)[0]
     if mode != "processed_logprobs":
-        where = f" at {client.base_url}" if client is not None else ""
+        url = getattr(client, "base_url", None) or getattr(client, "server_url", None)
+        where = f" at {url}" if url else ""
         raise ValueError(f"{', '.join(uses)} computes with the vLLM server's sampler log-probs, but the server{where} "
                          f"runs with --logprobs-mode {mode}: it returns the log-probs of another distribution than "
                          f"the one it sampled from (raw_logprobs, plain `vllm serve`'s default: before temperature, "
