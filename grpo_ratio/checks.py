@@ -651,13 +651,13 @@ def check_vllm(args, engine_dtype: torch.dtype | None, trainer_dtype: torch.dtyp
         warnings.warn(f"an fp32 LM head on the trainer side only (old_logprob_mode={args.old_logprob_mode!r}, "
                       f"cast_lm_head_to_fp32={trl_field(args, 'cast_lm_head_to_fp32')}) while vLLM runs its head in {engine_head}: "
                       f"an fp32 head on one side moves the old/sampler gap rather than closing it. Set "
-                      f"vllm_lm_head_fp32=True (a server: {VLLM_FP32_HEAD_FLAG}) for the sampler-side twin",
+                      f"vllm_lm_head_fp32=True (a server: {VLLM_FP32_HEAD_FLAG}) for the sampler-side counterpart",
                       stacklevel=3)
     elif engine_head == torch.float32:
         warnings.warn(f"an fp32 LM head on the sampler side only (vllm_lm_head_fp32=True) while the old log-probs "
                       f"use a {head} head (old_logprob_mode={args.old_logprob_mode!r}): an fp32 head on one side "
                       f"moves the old/sampler gap rather than closing it. Set old_logprob_mode='fp32_head' (or "
-                      f"cast_lm_head_to_fp32=True) for the trainer-side twin", stacklevel=3)
+                      f"cast_lm_head_to_fp32=True) for the trainer-side counterpart", stacklevel=3)
     if args.truncation_correction == "lift_sampler" and trl_field(args, "vllm_importance_sampling_correction"):
         warnings.warn("truncation_correction='lift_sampler': TRL computes its logged sampling/importance_sampling_"
                       "ratio/* before the lift (it still carries the kept mass); the lifted weights the loss uses "
