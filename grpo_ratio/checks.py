@@ -454,9 +454,12 @@ def _check_vllm_mask_top_k(args, correction: str) -> None:
     if not top_k or top_k < 0:
         raise ValueError(f"truncation_correction={correction!r} with kept_set_source='recorded' on vLLM needs "
                          f"{where} > 0, got {top_k!r}: vLLM returns sampling masks only for requests with top_k > 0 "
-                         f"and refuses the first training or evaluation request otherwise. Set top_k (e.g. "
-                         f"top_k=1024, which keeps every token top_p keeps on most steps), or "
-                         f"kept_set_source='recompute'")
+                         f"and refuses the first training or evaluation request otherwise. Use "
+                         f"kept_set_source='recompute' (the sampler's filter re-applied to the old policy's logits: "
+                         f"nothing recorded, no host cost), or sample with a top_k > 0 you mean as part of the "
+                         f"sampling: a top_k below the set top_p/min_p keep changes the distribution, and vLLM "
+                         f"returns every kept id of every token as a Python int (~36 B each; top_k=1024 with top_p=1 "
+                         f"is ~300 MB per 8,192-token completion)")
 
 
 def _whole(value) -> bool:
