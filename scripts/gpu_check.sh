@@ -7,6 +7,7 @@
 #   bash scripts/gpu_check.sh --prepare DIR [--python-version 3.12]   # where PyPI is reachable: the wheels into DIR
 #   bash scripts/gpu_check.sh --wheels DIR [--out gpu_check.json]      # on the GPU machine, offline
 #   bash scripts/gpu_check.sh --dry-run [--wheels DIR] [--out FILE]    # on a CPU: the whole script, no GPU
+#   bash scripts/gpu_check.sh --dry-run --collect-only                  # the same, the tests collected, not run
 #
 # --prepare downloads, without their dependencies, the wheels of what the bare machine lacks (WHEELS below: TRL,
 # datasets and what datasets needs beyond transformers' own dependencies) for CPython 3.12 on manylinux x86_64
@@ -32,7 +33,9 @@
 # --dry-run runs every step on the CPU: the same install (from --wheels DIR into a fresh folder; without it the
 # interpreter's own packages), the environment step without the CUDA requirement, pytest collecting every node id
 # below and running the bodies of the CPU-runnable ones on the CPU (GPU_TESTS_DEVICE=cpu), and the benchmark's tiny
-# shape on the CPU under the same arm timing. tests/gpu/test_gpu_check.py runs it on every CPU test run.
+# shape on the CPU under the same arm timing (about 6 minutes on 2 busy cores). With --collect-only it runs no test
+# body and no arm (the benchmark only checks its GPU arguments): tests/gpu/test_gpu_check.py runs that on every CPU
+# test run, and the whole dry run in -m slow.
 #
 #   PYTHON   the interpreter (default python3)
 #
@@ -44,6 +47,7 @@ cd "$ROOT"
 
 OUT=gpu_check.json
 DRY_RUN=0
+COLLECT_ONLY=0
 WHEELS=""
 PREPARE=""
 PY_VERSION=3.12
@@ -52,14 +56,19 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUT="$2"; shift 2 ;;
     --dry-run) DRY_RUN=1; shift ;;
+    --collect-only) COLLECT_ONLY=1; shift ;;
     --wheels) WHEELS="$2"; shift 2 ;;
     --prepare) PREPARE="$2"; shift 2 ;;
     --python-version) PY_VERSION="$2"; shift 2 ;;
     -h|--help) usage; exit 0 ;;
-    *) echo "gpu_check.sh: unknown argument $1 (allowed: --prepare DIR, --python-version X.Y, --wheels DIR, --out FILE, --dry-run)" >&2
+    *) echo "gpu_check.sh: unknown argument $1 (allowed: --prepare DIR, --python-version X.Y, --wheels DIR, --out FILE, --dry-run, --collect-only)" >&2
        exit 2 ;;
   esac
 done
+if [ "$COLLECT_ONLY" = 1 ] && [ "$DRY_RUN" = 0 ]; then
+  echo "gpu_check.sh: --collect-only goes with --dry-run" >&2
+  exit 2
+fi
 
 PYTHON=${PYTHON:-python3}
 MAX_WHEEL_BYTES=$((64 * 1024 * 1024))
@@ -224,6 +233,11 @@ fi
 if [ "${STEPS[-1]}" = environment ] && [ "$(cat "$WORK/environment.rc")" = 0 ]; then
   if [ "$DRY_RUN" = 1 ]; then
     step collect 60 "$PYTHON" -m pytest --collect-only -q -p no:cacheprovider -m gpu "${GPU_TESTS[@]}"
+  fi
+  if [ "$DRY_RUN" = 1 ] && [ "$COLLECT_ONLY" = 1 ]; then
+    step peak_memory_args 60 "$PYTHON" "$PEAK_MEMORY" --check-args --device cuda --shape 1.5b --tokens 512 \
+      --arms "$PEAK_MEMORY_ARMS" --budget-s 120
+  elif [ "$DRY_RUN" = 1 ]; then
     step gpu_tests 240 env GPU_TESTS_DEVICE=cpu "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider -rs \
       --junitxml="$WORK/gpu_tests.xml" "${DRY_RUN_TESTS[@]}"
     left=$(left_s)
