@@ -148,10 +148,14 @@ def run_arm(arm: Arm, tokens: int, device: str = "cpu", shape: str = "tiny") -> 
     from grpo_ratio import RatioGRPOTrainer
     from grpo_ratio.testing import letter_reward, tiny_prompts
 
+    if shape != "tiny" and device != "cuda":
+        raise SystemExit(f"--shape {shape} runs on a GPU only (--device cuda): its arms would be built and trained "
+                         f"on the CPU")
     steady_malloc()
     with tempfile.TemporaryDirectory(prefix="peak_memory_") as tmp:
         set_seed(0)
-        model = never_eos_model(VOCAB, shape=shape)
+        with torch.device(device):  # on a GPU the weights are initialised there, not on the CPU and moved
+            model = never_eos_model(VOCAB, shape=shape)
         model_fp32_bytes = sum(p.numel() for p in model.parameters()) * 4
         cls = GRPOTrainer if arm.trainer == "trl" else RatioGRPOTrainer
         trainer = cls(model=model, reward_funcs=letter_reward, args=arm_config(arm, tokens, tmp, device),
@@ -189,11 +193,21 @@ class CudaPeak:
 
 
 def run_benchmark(tokens: int, arms=ARMS, log=print, device: str = "cpu", shape: str = "tiny",
-                  on_arm=None) -> list[dict]:
+                  on_arm=None, budget_s: float | None = None) -> list[dict]:
     """Each arm in a fresh process of this file (`--arm`), one after the other; their records in the order of `arms`.
-    `on_arm(records)` is called after each, so a long run keeps the arms it finished."""
-    records = []
-    for arm in arms:
+    `on_arm(records)` is called after each, so a long run keeps the arms it finished.
+
+    `budget_s`: the seconds all arms may take together. The first arm is timed (its whole process: imports, model,
+    one step); an arm starts only if 1.25 x the slowest arm so far still fits in what is left, and the arms not
+    started are logged as skipped (absent from the records)."""
+    records, start, slowest = [], time.perf_counter(), 0.0
+    for n, arm in enumerate(arms):
+        left = None if budget_s is None else budget_s - (time.perf_counter() - start)
+        if left is not None and records and 1.25 * slowest > left:
+            log(f"skipped {', '.join(a.name for a in arms[n:])}: {left:.0f} s left of {budget_s:.0f} s, an arm "
+                f"takes up to {slowest:.0f} s here")
+            break
+        began = time.perf_counter()
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
             cmd = [sys.executable, __file__, "--arm", arm.name, "--tokens", str(tokens), "--arm-json", out.name,
                    "--device", device, "--shape", shape]
@@ -201,6 +215,8 @@ def run_benchmark(tokens: int, arms=ARMS, log=print, device: str = "cpu", shape:
             if done.returncode != 0:
                 raise RuntimeError(f"arm {arm.name} failed:\n{done.stderr[-4000:]}")
             records.append(json.loads(Path(out.name).read_text()))
+        records[-1]["process_seconds"] = round(time.perf_counter() - began, 1)
+        slowest = max(slowest, records[-1]["process_seconds"])
         if on_arm is not None:
             on_arm(records)
         r = records[-1]
@@ -254,6 +270,8 @@ def main(argv=None):
                    help="where the arms train: peak RSS on the CPU, the CUDA allocator's peak on a GPU")
     p.add_argument("--shape", choices=tuple(SHAPES), default="tiny", help="the model's shape (V = 151,936 in both)")
     p.add_argument("--check-args", action="store_true", help="validate the arguments, say what would run, and exit")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="seconds for all arms: the first (stock TRL) is timed, the rest run while they fit")
     p.add_argument("--arm", default=None, help=argparse.SUPPRESS)  # the child process of one arm
     p.add_argument("--arm-json", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -275,8 +293,12 @@ def main(argv=None):
     unknown = [n for n in names if n not in by_name]
     if unknown:
         raise SystemExit(f"--arms: unknown arm(s) {unknown}; allowed: {', '.join(by_name)}")
+    if a.shape != "tiny" and a.device != "cuda":
+        raise SystemExit(f"--shape {a.shape} runs on a GPU only (--device cuda)")
     if a.check_args:
-        print(f"would run arms {', '.join(names)} on {a.device}, shape {a.shape}, {a.tokens} completion tokens")
+        budget = "" if a.budget_s is None else f", within {a.budget_s:.0f} s"
+        print(f"would run arms {', '.join(names)} on {a.device}, shape {a.shape}, {a.tokens} completion tokens"
+              f"{budget}")
         return
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here (torch.cuda.is_available() is False)")
@@ -292,7 +314,7 @@ def main(argv=None):
 
     names = [REFERENCE] + [n for n in names if n != REFERENCE]  # the reference first: every saved table has it
     records = run_benchmark(a.tokens, [by_name[n] for n in names], log=lambda m: print(m, file=sys.stderr, flush=True),
-                            device=a.device, shape=a.shape, on_arm=save)
+                            device=a.device, shape=a.shape, on_arm=save, budget_s=a.budget_s)
     print(render(save(records)))
 
 

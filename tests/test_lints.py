@@ -52,7 +52,7 @@ def _caught_heads(args, engine, trainer, engine_head):
 
 
 def test_fp32_head_on_one_side_only_names_the_other_sides_switch():
-    # trainer side only: the bodies agree (bf16), the heads do not; the fix is the sampler-side twin
+    # trainer side only: the bodies agree (bf16), the heads do not; the fix is the sampler-side counterpart
     args = _vllm_args(bf16=True, old_logprob_mode="fp32_head")
     (message,) = _caught(args, torch.bfloat16, torch.bfloat16)
     assert "an fp32 LM head on the trainer side only" in message and "moves the old/sampler gap" in message
@@ -60,7 +60,7 @@ def test_fp32_head_on_one_side_only_names_the_other_sides_switch():
     # both heads in fp32 (vllm_lm_head_fp32=True: the engine reports head_dtype float32): nothing to say
     both = _vllm_args(bf16=True, old_logprob_mode="fp32_head", vllm_lm_head_fp32=True)
     assert _caught_heads(both, torch.bfloat16, torch.bfloat16, torch.float32) == []
-    # sampler side only: the fix is the trainer-side twin
+    # sampler side only: the fix is the trainer-side counterpart
     sampler_only = _vllm_args(bf16=True, old_logprob_mode="bf16", vllm_lm_head_fp32=True)
     (message,) = _caught_heads(sampler_only, torch.bfloat16, torch.bfloat16, torch.float32)
     assert "an fp32 LM head on the sampler side only" in message and "old_logprob_mode='fp32_head'" in message

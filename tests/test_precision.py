@@ -195,6 +195,38 @@ def test_scoring_passes_run_in_ieee_fp32(restored_precision, mode, ieee):
     assert torch.backends.cuda.matmul.fp32_precision == "tf32"
 
 
+def test_fused_fp32_head_runs_in_ieee_fp32(restored_precision, monkeypatch):
+    # was: `fp32_head`'s fused path (the old log-probs from the training forward's own final-norm input, TRL's
+    # on-policy default) ran its fp32 head matmul in TF32 under `tf32=True`; only the separate pass was IEEE
+    from trl.kernels import ChunkedLogProbFunction
+
+    from grpo_ratio.old_pass import forward as forward_module
+    from grpo_ratio.old_pass.fused_head import capture_norm_inputs, fused_old_logps
+    from grpo_ratio.old_pass.scorer import OldLogprobScorer
+    from grpo_ratio.testing import tiny_model
+
+    seen = []  # the fp32 matmul precision TRL's tiled head kernel ran under, call by call
+
+    class Spy:
+        @staticmethod
+        def apply(*args):
+            seen.append(torch.backends.cuda.matmul.fp32_precision)
+            return ChunkedLogProbFunction.apply(*args)
+
+    monkeypatch.setattr(forward_module, "ChunkedLogProbFunction", Spy)
+    torch.backends.fp32_precision = "tf32"  # what transformers' enable_tf32 sets for `tf32=True`
+    model = tiny_model("qwen2")
+    scorer = OldLogprobScorer(model, "fp32_head")
+    ids, mask = _tiny_batch()  # (2, 10)
+    with torch.no_grad(), capture_norm_inputs(model) as record:
+        model(input_ids=ids, attention_mask=mask)  # the training forward, as TRL runs it (TF32 on)
+    fused = fused_old_logps(scorer, record, ids[:, -4:], 1.0, 0)  # (2, 4)
+    assert seen == ["ieee"] and fused.shape == (2, 4) and fused.dtype == torch.float32
+    scorer.score(ids, mask, 4)  # the separate pass, IEEE as before
+    assert seen == ["ieee", "ieee"]
+    assert torch.backends.cuda.matmul.fp32_precision == "tf32"  # the run's setting is back
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # fp32 passes under FlashAttention
 

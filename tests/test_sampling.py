@@ -209,6 +209,37 @@ def test_kept_sets_from_vllm(csr):
     assert sizes_only == KeptSets.from_lists(cells).size_only()
 
 
+def test_vllm_nested_masks_are_read_without_an_array_per_token(monkeypatch):
+    # was: one np.asarray per generated token (524k calls per 64 x 8k-token batch); now one pass over the ints of a
+    # completion and one array per completion, with the same sets
+    import numpy as np
+
+    g = np.random.default_rng(0)
+    cells = [[sorted(g.choice(300, size=int(g.integers(1, 9)), replace=False).tolist()) for _ in range(T)]
+             for T in (512, 300)]  # 2 completions x up to 512 tokens, 1-8 kept ids each, Python lists as vLLM's
+    outputs = [completion(n, [1] * len(row), row) for n, row in enumerate(cells)]
+    expected = KeptSets.from_lists(cells, num_steps=512)
+    calls = []
+    asarray = np.asarray
+    monkeypatch.setattr(np, "asarray", lambda *a, **k: calls.append(1) or asarray(*a, **k))
+    got = kept_sets_from_vllm(outputs)
+    monkeypatch.undo()
+    assert got == expected and got.sizes.shape == (2, 512) and int(got.sizes.sum()) == sum(map(len, sum(cells, [])))
+    assert len(calls) <= 2  # at most one per completion (812 cells)
+
+
+def test_kept_sets_from_csr_rows():
+    import numpy as np
+
+    rows = [(np.array([5, 7, 1], np.int32), np.array([2, 1])), (np.array([2, 2, 3, 4], np.int32), np.array([1, 3, 0]))]
+    assert KeptSets.from_csr_rows(rows) == KeptSets.from_lists([[[5, 7], [1]], [[2], [2, 3, 4], []]])
+    assert KeptSets.from_csr_rows(rows, num_steps=4).sizes.tolist() == [[2, 1, 0, 0], [1, 3, 0, 0]]
+    with pytest.raises(ValueError, match="row 1 has 3 steps but num_steps=2"):
+        KeptSets.from_csr_rows(rows, num_steps=2)
+    with pytest.raises(ValueError, match="row 0's sizes add up to 4, not to its 3 ids"):
+        KeptSets.from_csr_rows([(rows[0][0], np.array([2, 2]))])
+
+
 def test_kept_sets_from_vllm_errors():
     missing = completion(0, [1, 2], [[1], [2]])
     missing.sampling_mask = None

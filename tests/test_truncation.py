@@ -124,7 +124,9 @@ def test_vllm_masks_without_top_k_are_refused(kw, where):
     # (training or evaluation: TRL sends both the same sampling fields): a config error, naming both fixes
     with pytest.raises(ValueError, match=where) as error:
         _vllm_config(**kw)
-    assert "kept_set_source='recompute'" in str(error.value) and "top_k=1024" in str(error.value)
+    message = str(error.value)
+    assert "kept_set_source='recompute'" in message and "~300 MB per 8,192-token completion" in message
+    assert "Set top_k (e.g." not in message  # was: "Set top_k (e.g. top_k=1024, ...)": 1,024 ids per token at top_p=1
     _vllm_config(top_k=0, generation_kwargs={"top_k": 64})  # generation_kwargs overrides the field: allowed
     _vllm_config(top_k=0, kept_set_source="recompute")  # recomputed sets need nothing of the engine
 

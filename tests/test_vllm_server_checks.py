@@ -12,48 +12,11 @@ Run: pytest tests/test_vllm_server_checks.py
 from __future__ import annotations
 
 import contextlib
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
 import pytest
 from trainer_fixtures import tiny_grpo_args
-
-
-class StubServer:
-    """A thread serving TRL's start-up endpoints with a given `logprobs_mode`; records the paths it was asked."""
-
-    def __init__(self, logprobs_mode: str):
-        self.logprobs_mode, self.paths = logprobs_mode, []
-        stub = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 (http.server's name)
-                path = self.path.split("?")[0]
-                stub.paths.append(path)
-                body = {"/health": {}, "/v1/models": {"data": [{"id": "tiny"}]},
-                        "/server_info": {"vllm_config": {"model_config": {"logprobs_mode": stub.logprobs_mode},
-                                                         "weight_transfer_config": {"backend": "nccl"}}}}.get(path)
-                self.send_response(404 if body is None else 200)
-                self.send_header("Content-Type", "application/json")
-                self.end_headers()
-                self.wfile.write(json.dumps(body or {"detail": "Not Found"}).encode())
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+from vllm_stub_server import StubServer
 
 
 @pytest.fixture

@@ -51,6 +51,8 @@ class KeptSets:
 
     Memory: 4 B per kept id + 8 B per cell of offsets + 4 B per cell of sizes. top_k=1024 over 8,192 tokens is
     8,388,608 ids = 32 MiB per sequence (2 GiB for 64 sequences); `support_size_only` keeps 32 KiB per sequence.
+    That is this tensor; vLLM's own sampling masks arrive as Python ints (~36 B per id: ~300 MB per such sequence)
+    before they are read into it.
 
     Raises:
         ValueError: a field has the wrong shape or dtype, or offsets and ids disagree.
@@ -101,6 +103,35 @@ class KeptSets:
         sizes = np.zeros((len(rows), T), dtype=np.int32)
         sizes[np.arange(T)[None, :] < np.asarray(lengths, dtype=np.int64)[:, None]] = [len(c) for c in cells]
         ids = np.concatenate([np.asarray(c, dtype=np.int32) for c in cells]) if cells else np.zeros(0, np.int32)
+        sizes_t = torch.from_numpy(sizes).to(device)
+        return cls(sizes=sizes_t, ids=torch.from_numpy(ids).to(device), offsets=offsets_from_sizes(sizes_t))
+
+    @classmethod
+    def from_csr_rows(cls, rows: Sequence[tuple[np.ndarray, np.ndarray]], num_steps: int | None = None,
+                      device: torch.device | str | None = None) -> KeptSets:
+        """Build from each row's sets in CSR: `rows[n] = (ids, sizes)`, ids (nnz_n,) int32 cell after cell, sizes
+        (T_n,) int64 per step (vLLM's sampling masks as `grpo_ratio.sampler.vllm` reads them). No per-cell object:
+        one concatenation of the ids, one (N, T) sizes array, on the host, then one copy per tensor to `device`.
+
+        Rows shorter than `num_steps` (default: the longest row) get empty cells (size 0).
+
+        Raises:
+            ValueError: a row is longer than `num_steps`, or its sizes do not add up to its ids.
+        """
+        lengths = [len(sizes) for _, sizes in rows]
+        T = max(lengths, default=0) if num_steps is None else num_steps
+        too_long = next((n for n, length in enumerate(lengths) if length > T), None)
+        if too_long is not None:
+            raise ValueError(f"kept sets: row {too_long} has {lengths[too_long]} steps but num_steps={T}")
+        bad = next((n for n, (ids, sizes) in enumerate(rows) if int(np.sum(sizes)) != len(ids)), None)
+        if bad is not None:
+            raise ValueError(f"kept sets: row {bad}'s sizes add up to {int(np.sum(rows[bad][1]))}, not to its "
+                             f"{len(rows[bad][0])} ids")
+        sizes = np.zeros((len(rows), T), dtype=np.int32)
+        for n, (_, row_sizes) in enumerate(rows):
+            sizes[n, :len(row_sizes)] = row_sizes
+        ids = (np.concatenate([np.asarray(ids, dtype=np.int32) for ids, _ in rows]) if rows
+               else np.zeros(0, np.int32))
         sizes_t = torch.from_numpy(sizes).to(device)
         return cls(sizes=sizes_t, ids=torch.from_numpy(ids).to(device), offsets=offsets_from_sizes(sizes_t))
 

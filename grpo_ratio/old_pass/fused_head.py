@@ -13,8 +13,10 @@ Where the two cannot be equal the trainer keeps the separate pass (`fused_head_f
 dropout in the training forward, a head that is not a plain `nn.Linear` or logits transformed after it, a decoder
 that does not return the norm's output (a probe forward of two tokens at start-up), a sharded engine, TRL running its
 own old pass (then the mode replaces it: nothing to save), a truncation correction (its kept sets and log M_old come
-from the old pass's full logits). Equality is checked, not assumed: tests/test_fused_head.py
-(tiny dense models, `torch.equal` against the separate pass) and tests/test_smollm2.py (SmolLM2-135M, slow).
+from the old pass's full logits). Equality is checked on a CPU, not assumed: tests/test_fused_head.py (tiny dense
+models, `torch.equal` against the separate pass) and tests/test_smollm2.py (SmolLM2-135M, slow). On a GPU it is not
+shown: the training forward (with grad) and the no-grad separate pass may pick different attention and matmul kernels
+for the body. The fp32 norm and head run in IEEE fp32 on both paths (`ieee_fp32`), whatever TF32 setting the run has.
 
 Shapes: b = rows of a micro-batch, P = prompt tokens, T = completion tokens, H = hidden size.
 """

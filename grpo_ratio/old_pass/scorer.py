@@ -303,7 +303,10 @@ class OldLogprobScorer:
         """`fp32_head` from the body's own output: the final norm and the LM head in fp32 applied to `hidden`, the input
         of the final norm in some forward (the trainer's training forward), exactly as the separate pass applies them
         (same runners, same casts, same T + 1 positions, the same tiles: no (b, T + 1, V) logits). Equal to
-        `score(...)` bitwise when `hidden` is what the separate pass's body computes (TRL's layout, no dropout).
+        `score(...)` bitwise when `hidden` is what the separate pass's body computes (TRL's layout, no dropout):
+        checked on CPU; on CUDA the training forward (with grad) and the no-grad separate pass may pick different
+        attention and matmul kernels for the body, so there the two are close, not shown equal. The norm and head run
+        in IEEE fp32 (`ieee_fp32`) whatever TF32 setting the run has, as in the separate pass.
 
         Args:
             hidden: (b, P+T, H) input of the final norm, any float dtype (detached here).
@@ -320,12 +323,15 @@ class OldLogprobScorer:
             raise ValueError(f"head_logprobs is the unsharded fp32_head mode's, not {self.mode!r}"
                              f"{' (sharded)' if self.sharded is not None else ''}")
         a, T = self._anatomy, completion_ids.size(1)
-        norm, head = (fp32_forward(self._fp32_runner(m, version, True)[0], None, None, self.device_type)
-                      for m in (a.norm, a.head))
-        normed = norm(hidden.detach())  # (b, P+T, H) fp32
-        # the causal LM's `logits_to_keep` slice, through the head as `head_inputs` records it in the separate pass
-        x, projection = capture_head(self.model, head, normed[:, -(T + 1):])  # (b, T + 1, H)
-        return HeadInput(x, projection).logprobs(completion_ids, temperature)  # (b, T)
+        # IEEE fp32 as in the separate pass (`score`): the run's `tf32=True`, or `torch_compile=True` with bf16, set
+        # TF32 for the whole process, which the fused path runs inside (the training step)
+        with ieee_fp32():
+            norm, head = (fp32_forward(self._fp32_runner(m, version, True)[0], None, None, self.device_type)
+                          for m in (a.norm, a.head))
+            normed = norm(hidden.detach())  # (b, P+T, H) fp32
+            # the causal LM's `logits_to_keep` slice, through the head as `head_inputs` records it in the separate pass
+            x, projection = capture_head(self.model, head, normed[:, -(T + 1):])  # (b, T + 1, H)
+            return HeadInput(x, projection).logprobs(completion_ids, temperature)  # (b, T)
 
     def _head_as_trained(self, input_ids, attention_mask, logits_to_keep) -> HeadInput:
         """The policy's head input and map as its training forward computes them: training autocast, TRL's inputs

