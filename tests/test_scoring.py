@@ -105,6 +105,40 @@ def test_fp16_overflow_falls_back_to_fp32():
     assert (logps - ref).abs().max() <= 1e-5
 
 
+def _one_token_overflows(dtype=torch.float32, token=5):
+    """A tiny Qwen2 whose input embedding of `token` overflows fp16 (x1e8; RMSNorm keeps fp32 finite), and a batch
+    (4, 12) with `token` in rows 0 and 2 only: an fp16 pass overflows on those rows and no other."""
+    model = tiny_model("qwen2", dtype=dtype)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[token].mul_(1e8)
+    ids = torch.randint(token + 1, 300, (4, 12), generator=torch.Generator().manual_seed(0))  # (B, P+T)
+    ids[0, 9], ids[2, 10] = token, token
+    return model, ids, torch.ones_like(ids)
+
+
+def test_fp16_fallback_rows_meet_the_kept_sets_and_the_full_vocabulary():
+    # fp16_clone with a truncation correction (kept sets recomputed from the pass's logits) or ratio_full_vocab
+    # (compare_policy): the overflowing rows' fp32 logits sit beside the other rows' fp16 ones in one HeadLogits, whose
+    # cells once raised "Index put requires the source and destination dtypes match"
+    from grpo_ratio.corrections.kept_sets import SamplingSettings
+
+    model, ids, mask = _one_token_overflows()
+    settings = SamplingSettings(top_k=20)
+    fp16 = OldLogprobScorer(model, "fp16_clone").score(ids, mask, T, kept=settings, compare_policy=True)
+    assert fp16.fallback_rows == 2
+    fp32 = OldLogprobScorer(model, "fp32_clone").score(ids, mask, T, kept=settings, compare_policy=True)
+    alone = OldLogprobScorer(model, "fp16_clone").score(ids[[1, 3]], mask[[1, 3]], T, kept=settings,
+                                                        compare_policy=True)
+    assert alone.fallback_rows == 0
+    # the fallback rows are the fp32 pass's, the others the fp16 pass's, on the kept sets and the full vocabulary
+    torch.testing.assert_close(fp16.on_kept.logps[[0, 2]], fp32.on_kept.logps[[0, 2]], atol=1e-5, rtol=0)
+    torch.testing.assert_close(fp16.on_kept.logps[[1, 3]], alone.on_kept.logps, atol=1e-6, rtol=0)
+    for mixed, whole, rows in zip(fp16.full_vocab, fp32.full_vocab, alone.full_vocab, strict=True):
+        torch.testing.assert_close(mixed[[0, 2]], whole[[0, 2]], atol=1e-6, rtol=1e-4)
+        torch.testing.assert_close(mixed[[1, 3]], rows, atol=1e-6, rtol=1e-4)
+    assert torch.isfinite(fp16.on_kept.log_mass).all() and (fp16.on_kept.log_mass <= 1e-6).all()
+
+
 @pytest.mark.parametrize("mode,layers,match", [
     ("fp64", None, "allowed: bf16, fp32_clone, fp16_clone, fp32_head, guided_fp32"),
     ("guided_fp32", None, "needs guided_fp32_layers"),
