@@ -443,3 +443,35 @@ def test_report_warns_when_a_bucket_trained_nothing():
                staleness_key(2, "num_tokens"): 10, staleness_key(2, "clip_flip_rate"): 0.25}
     assert "At staleness 1, 33.0% of tokens" in render_staleness([coupled], {"async_objective": "coupled"})
     assert "At staleness" not in render_staleness([coupled], {"async_objective": "decoupled"})
+
+
+@pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16])
+def test_fp16_clone_fallback_attends_in_fp32_off_the_fa3_kernel(storage):
+    """Async fp16_clone on a packed row whose fp16 pass overflows (token 5's embedding x1e8): the fp32 re-run attends
+    through the torch tree kernel in fp32, never through TRL's flash-attn3 kernel (a dtype-strict stand-in with its
+    signature refuses fp32 as the kernel does), and gives the fp32 model's unpacked log-probs to 1e-5."""
+    from trl.experimental.async_grpo.packing import TREE_ATTENTION, register_tree_attention
+
+    from grpo_ratio.old_pass.scorer import OldLogprobScorer
+    from grpo_ratio.testing.async_cpu import dtype_strict_tree_kernel
+
+    register_tree_attention()
+    model = tiny_model("qwen2", seed=0, dtype=storage)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[5].mul_(1e8)  # overflows fp16; RMSNorm keeps fp32 finite
+    model.config._attn_implementation = TREE_ATTENTION
+    reference = tiny_model("qwen2", seed=0, dtype=storage).float()  # the policy's values in fp32, unpacked
+    reference.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    completions = [[20, 21, 5, 23, 1], [20, 30, 31, 1]]
+    batch = packed_batch([sample(c, 0.0, 1.0, group_id=0, model=reference) for c in completions])
+    selected = batch["attention_mask"].bool()
+    kwargs = dict(input_ids=batch["input_ids"][selected][None], position_ids=batch["position_ids"][selected][None],
+                  **{k: batch[k][batch[k] >= 0] for k in ("tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k")})
+    kwargs["tree_max_seqlen_q"], kwargs["tree_max_seqlen_k"] = batch["tree_max_seqlens"][0].tolist()
+    trained = batch["token_index"] >= 0
+    positions = batch["token_index"][trained]  # (M,)
+    targets = batch["input_ids"][selected].roll(-1)[positions]  # (M,) the token each position predicts
+    with dtype_strict_tree_kernel() as kernel_dtypes:
+        logps = OldLogprobScorer(model, "fp16_clone").score_packed(kwargs, positions, targets)
+    assert kernel_dtypes and set(kernel_dtypes) == {torch.float16}  # the fp16 pass only; the fp32 re-run bypassed it
+    torch.testing.assert_close(logps, batch["old_log_probs"][trained], atol=1e-5, rtol=0)

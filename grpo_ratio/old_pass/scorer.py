@@ -490,7 +490,9 @@ class OldLogprobScorer:
             logps = head.projection.logprobs(head.hidden[0, positions], targets, temperature)  # (M,)
             # fp16 overflow must never reach the ratio (one host read, fp16 only)
             if self.spec.overflows and not bool(torch.isfinite(logps).all()):
-                head = self._head_full(torch.float32, run, version)
+                # the fp32 re-run attends in fp32 too: TRL's flash-attn3 kernel refuses fp32 q/k/v
+                with contextlib.nullcontext() if fp32_attention else fp32_tree_attention():
+                    head = self._head_full(torch.float32, run, version)
                 logps = head.projection.logprobs(head.hidden[0, positions], targets, temperature)
             if kept is None:
                 return logps
