@@ -130,11 +130,22 @@ class WeightsVersion:
         self.value += 1
 
 
+# the hook dicts of `nn.Module` that run around a forward or a backward (`copy.deepcopy` copies them)
+_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+               "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
+
+
 def _strip_instance_patches(module: nn.Module) -> None:
-    # accelerate (autocast wrapper) and TRL (fused head) patch `forward` on the instance; a copy must not inherit them
+    """Make a deep copy a plain module: accelerate (autocast wrapper) and TRL (fused head) patch `forward` on the
+    instance, and the policy's forward/backward hooks (a `RouteHooks` router hook, ...) are copied along by
+    `copy.deepcopy`; a copy inherits neither (whoever runs the copy attaches what it needs: `RouteHooks.attach`)."""
     for m in module.modules():
         m.__dict__.pop("forward", None)
         m.__dict__.pop("_original_forward", None)
+        for name in _HOOK_DICTS:
+            hooks = m.__dict__.get(name)
+            if hooks:
+                hooks.clear()  # the copy's own dict (a handle of the policy's hook removes from the policy's)
 
 
 def empty_model_like(model: nn.Module) -> nn.Module:
