@@ -391,7 +391,7 @@ def test_deep_copied_layers_carry_one_router_hook_and_report_their_own_routes():
     mask = torch.ones_like(ids)
     with hooks.recording() as recorded:
         scorer.score(ids, mask, 3)
-    copy_router = next(m for m in scorer._copies[id(model.model.layers[layer])].module.modules()
+    copy_router = next(m for m in scorer._copies[id(model.model.layers[layer]), torch.float32].module.modules()
                        if type(m).__name__ == hooks.layout.family.router_class)
     assert len(copy_router._forward_hooks) == 1 and len(hooks.layout.routers[layer]._forward_hooks) == 1
     foreign = _foreign(recorded.native(), hooks.layout.num_experts)

@@ -44,6 +44,7 @@ from ..corrections.kept_sets import KeptSets, SamplingSettings
 from ..corrections.processors import RepetitionPenalty
 from ..diagnostics.mismatch import full_vocab_divergence
 from ..modes import MODES, PRECISION_MODES
+from .adapters import has_adapters
 from .copies import COPY_STORAGES, ModuleCopy, PerLayerCast, check_per_layer_cast
 from .forward import (
     HeadInput,
@@ -150,7 +151,9 @@ class OldLogprobScorer:
     Copies are built lazily, only when the policy's weights are not already in the dtype a mode needs:
     `fp32_clone` on fp32 weights and `fp32_head`/`guided_fp32` on fp32 weights use no copy at all (they run the
     policy's own weights outside autocast); on bf16 weights they copy only the modules they upcast (or, for
-    `fp32_clone`, the whole model). `fp16_clone` uses an fp16 copy unless the weights are fp16.
+    `fp32_clone`, the whole model). `fp16_clone` uses an fp16 copy unless the weights are fp16; its fp32 re-run of
+    overflowing rows uses the policy's own weights when they are fp32, else per-layer fp32 casts (`PerLayerCast`:
+    no fp32 copy is kept), or, with PEFT adapters, a resident fp32 copy kept beside the fp16 one (one copy per dtype).
 
     Raises:
         ValueError: unknown mode, guided_fp32 without layers, layers with another mode, a layer index out of range,
@@ -181,7 +184,7 @@ class OldLogprobScorer:
         if spec.runs_fp32_modules:
             self._anatomy = model_anatomy(model)
             self.layers = layers
-        self._copies: dict[int, ModuleCopy] = {}  # id(source module) -> copy
+        self._copies: dict[tuple[int, torch.dtype], ModuleCopy] = {}  # (id(source module), dtype) -> copy
         self.route_hooks = route_hooks
         self._chunk_start = 0  # first row of the chunk being scored (the fp16 fallback's rows are the chunk's)
 
@@ -202,8 +205,8 @@ class OldLogprobScorer:
         return self._per_layer[dtype]
 
     def _copy_of(self, module: nn.Module, dtype: torch.dtype, version: int, whole_model: bool = False) -> nn.Module:
-        key = id(module)
-        if key not in self._copies or self._copies[key].dtype != dtype:
+        key = (id(module), dtype)  # one copy per dtype: a copy of another dtype never replaces it
+        if key not in self._copies:
             self._copies[key] = ModuleCopy(module, dtype, whole_model=whole_model)
         copy = self._copies[key].get(version)
         self._attach_routes(copy, None if whole_model else module)
@@ -249,16 +252,20 @@ class OldLogprobScorer:
 
     # -- one chunk per mode ------------------------------------------------------------------------------------------
 
-    def _head_full(self, dtype: torch.dtype, run: Callable[[nn.Module], HeadInput], version) -> HeadInput:
+    def _head_full(self, dtype: torch.dtype, run: Callable[[nn.Module], HeadInput], version,
+                   fallback: bool = False) -> HeadInput:
         """Whole forward in `dtype` outside autocast: the policy itself when its weights are already `dtype`. `run`
-        runs one forward of the module it is given up to the LM head (`_forward`, `packed_head_input`)."""
+        runs one forward of the module it is given up to the LM head (`_forward`, `packed_head_input`). `fallback`:
+        the fp16 fallback's fp32 re-run of a few rows, which keeps no whole-model copy where it can do without one
+        (a per-layer cast of the policy, bitwise the resident copy's numbers; PEFT adapters need the resident copy,
+        which merges them)."""
         if self.sharded is not None:
             with self.sharded.whole_model(dtype, version) as model, self._no_autocast():
                 self._attach_routes(model, None)
                 return run(model)
         if self.weight_dtype == dtype:
             model, casts = self.model, contextlib.nullcontext(self.model)
-        elif self.copy_storage == "per_layer":
+        elif self.copy_storage == "per_layer" or (fallback and not has_adapters(self.model)):
             model, casts = self.model, self.per_layer_cast(dtype).active()
         else:
             model, casts = self._copy_of(self.model, dtype, version, True), contextlib.nullcontext()
@@ -382,7 +389,7 @@ class OldLogprobScorer:
         rows = bad.nonzero().squeeze(1) if n_bad else torch.zeros(1, dtype=torch.long, device=bad.device)
         with self._route_rows(rows):  # a replay session serves these rows their own routes
             head32 = self._head_full(torch.float32, lambda model: self._forward(
-                model, input_ids[rows], attention_mask[rows], logits_to_keep), version)
+                model, input_ids[rows], attention_mask[rows], logits_to_keep), version, fallback=True)
         if n_bad:
             logps[rows] = head32.logprobs(completion_ids[rows], temperature)
             logits = logits.with_rows(rows, head32.logits())  # the kept sets and divergences read these rows' too
@@ -492,7 +499,7 @@ class OldLogprobScorer:
             if self.spec.overflows and not bool(torch.isfinite(logps).all()):
                 # the fp32 re-run attends in fp32 too: TRL's flash-attn3 kernel refuses fp32 q/k/v
                 with contextlib.nullcontext() if fp32_attention else fp32_tree_attention():
-                    head = self._head_full(torch.float32, run, version)
+                    head = self._head_full(torch.float32, run, version, fallback=True)
                 logps = head.projection.logprobs(head.hidden[0, positions], targets, temperature)
             if kept is None:
                 return logps
