@@ -475,3 +475,55 @@ def test_fp16_clone_fallback_attends_in_fp32_off_the_fa3_kernel(storage):
         logps = OldLogprobScorer(model, "fp16_clone").score_packed(kwargs, positions, targets)
     assert kernel_dtypes and set(kernel_dtypes) == {torch.float16}  # the fp16 pass only; the fp32 re-run bypassed it
     torch.testing.assert_close(logps, batch["old_log_probs"][trained], atol=1e-5, rtol=0)
+
+
+def test_staleness_stats_leave_out_unknown_terms_whatever_their_values():
+    # unknown terms (untagged, or past the last bucket) add nothing, even NaN or inf weights (no boolean-mask selection
+    # any more: they are zeroed in place, so a NaN must not leak into the sums)
+    from grpo_ratio.diagnostics.staleness import StalenessStats
+
+    stats = StalenessStats(3, (0.9, 1.1), 0.2, 0.2, decoupled=True)
+    nan, inf = float("nan"), float("inf")
+    new = torch.tensor([0.0, nan, 0.5, 0.0, 0.0])
+    stats.update(torch.tensor([0, -1, 1, 5, 1]), new, torch.zeros(5), torch.zeros(5), torch.ones(5),
+                 torch.tensor([1.0, nan, 2.0, inf, 4.0]))
+    metrics = stats.flush()
+    assert metrics[staleness_key(0, "num_tokens")] == 1 and metrics[staleness_key(1, "num_tokens")] == 2
+    assert metrics[staleness_key(1, "is_weight_mean")] == 3.0
+    assert metrics[staleness_key(1, "new_behav_mean_abs_log_ratio")] == 0.25
+    assert metrics[staleness_key(1, "new_behav_oob_rate")] == 0.5  # exp(0.5) is out of [0.9, 1.1]
+    assert staleness_key(2, "num_tokens") not in metrics
+
+
+def test_untagged_terms_of_the_loglinear_objective_are_refused_at_log_time(model_dir, tmp_path):
+    # on an accelerator loglinear_alpha no longer asserts on the device (that left the CUDA context unusable): the
+    # trainer counts untagged terms there and refuses them when it logs, where the host reads anyway
+    trainer = make_trainer(model_dir, tmp_path, async_objective="decoupled_loglinear")
+    trainer._untagged_terms = torch.tensor(3)
+    with pytest.raises(ValueError, match="3 loss terms had no staleness"):
+        trainer.log({"loss": 0.0})
+    assert trainer._untagged_terms is None
+    trainer._untagged_terms = torch.tensor(0)
+    trainer.log({"loss": 0.0})  # none: nothing said
+
+
+def test_the_bf16_proximal_pass_runs_in_eval_mode_like_the_precision_modes(model_dir, tmp_path):
+    # was: `model(**kwargs)` in train mode (dropout on, activation checkpointing not disabled) where every scoring
+    # mode's pass runs in eval mode; the values stay bitwise the training forward's (no dropout in this model)
+    trainer = make_trainer(model_dir, tmp_path, async_objective="decoupled")
+    batch = packed_batch(samples_of(), staleness=[0, 0, 0, 0])
+    selected = batch["token_index"] >= 0
+    trainer.model.train()
+    seen = []
+    layer = trainer.model.model.layers[0]
+    handle = layer.register_forward_pre_hook(lambda module, args: seen.append(module.training))
+    try:
+        with async_grpo_on_cpu():
+            call = trainer._forward_call(trainer.model, batch)
+            prox, _ = trainer._proximal_logprobs(trainer.model, call.kwargs, batch["token_index"][selected])
+            own = trainer.model(**call.kwargs).log_probs.flatten()[batch["token_index"][selected]].float()
+    finally:
+        handle.remove()
+    assert seen == [False, True]  # the proximal pass in eval mode, the training forward in train mode
+    assert trainer.model.training and layer.training
+    assert torch.equal(prox, own.detach())

@@ -148,3 +148,56 @@ def test_fp16_fallback_rows_meet_the_kept_sets_and_the_full_vocabulary():
 def test_bad_scorer_arguments(mode, layers, match):
     with pytest.raises(ValueError, match=match):
         OldLogprobScorer(tiny_model("qwen2"), mode, layers=layers)
+
+
+FP32_REFUSING = "bf16_only_test_attention"  # an attention with flash-attn's dtype contract (fp16/bf16 only)
+attention_dtypes = []
+
+
+def _bf16_only_attention(module, query, key, value, attention_mask, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    device = query.device.type
+    if query.dtype == torch.float32 and torch.is_autocast_enabled(device):  # as transformers' flash_attention_forward
+        query, key, value = (x.to(torch.get_autocast_dtype(device)) for x in (query, key, value))
+    attention_dtypes.append(query.dtype)
+    if query.dtype == torch.float32:
+        raise RuntimeError("FlashAttention only supports fp16 and bf16 data type")
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def test_the_compared_policy_pass_computes_as_the_training_forward():
+    # ratio_full_vocab's "policy as trained" pass ran inside the mode's IEEE fp32 / sdpa block: its matmuls were IEEE
+    # and its attention sdpa where the training forward runs TF32 and its flash kernel; now the run's own settings
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    from grpo_ratio.old_pass import forward
+    from grpo_ratio.testing import tiny_config
+
+    AttentionInterface.register(FP32_REFUSING, _bf16_only_attention)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen2"), attn_implementation=FP32_REFUSING)
+    ids, mask = _batch()
+    saved = torch.backends.fp32_precision, torch.backends.cuda.matmul.fp32_precision
+    torch.backends.fp32_precision = "tf32"  # as transformers' `tf32=True` leaves it
+    layers, heads, project = [], [], forward.HeadProjection.logits
+    hook = model.model.layers[0].register_forward_pre_hook(
+        lambda *a: layers.append(torch.backends.cuda.matmul.fp32_precision))
+
+    def spy(self, x):
+        heads.append(torch.backends.cuda.matmul.fp32_precision)
+        return project(self, x)
+
+    forward.HeadProjection.logits = spy
+    attention_dtypes.clear()
+    try:
+        result = OldLogprobScorer(model, "fp32_clone").score(ids, mask, T, batch_size=2, compare_policy=True)
+    finally:
+        hook.remove()
+        forward.HeadProjection.logits = project
+        torch.backends.fp32_precision, torch.backends.cuda.matmul.fp32_precision = saved
+    assert layers == ["ieee", "tf32"] * 2  # per chunk: the mode's fp32 pass, then the policy's as it trains
+    assert set(heads) == {"ieee", "tf32"}  # both projections, computed lazily, each under its own settings
+    assert attention_dtypes == [torch.bfloat16] * 2 * 2  # the compared pass (2 layers x 2 chunks) on the run's kernel
+    assert model.config._attn_implementation == FP32_REFUSING
+    assert all(torch.isfinite(t).all() for t in result.full_vocab)

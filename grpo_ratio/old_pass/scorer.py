@@ -48,6 +48,7 @@ from .adapters import has_adapters
 from .copies import COPY_STORAGES, ModuleCopy, PerLayerCast, check_per_layer_cast
 from .forward import (
     HeadInput,
+    RunSettings,
     capture_head,
     check_layer_indices,
     completion_logprobs_from_logits,  # noqa: F401 (re-exported: the full-logits reference of the tests)
@@ -187,6 +188,7 @@ class OldLogprobScorer:
         self._copies: dict[tuple[int, torch.dtype], ModuleCopy] = {}  # (id(source module), dtype) -> copy
         self.route_hooks = route_hooks
         self._chunk_start = 0  # first row of the chunk being scored (the fp16 fallback's rows are the chunk's)
+        self._run_settings = RunSettings(None, [])  # the run's own matmul/attention settings, inside `score`
 
     # -- contexts --------------------------------------------------------------------------------------------------
 
@@ -358,7 +360,11 @@ class OldLogprobScorer:
         logps, n_fallback, logits = self._chunk_full(input_ids, attention_mask, logits_to_keep, temperature, version)
         full = None
         if compare_policy:  # both (b, T, V) distributions, `chunk_tokens` tokens at a time: neither is built whole
-            policy = self._head_as_trained(input_ids, attention_mask, logits_to_keep).logits()  # (b, T, V) HeadLogits
+            # the policy as it trains: the run's matmul precision (TF32 if set) and attention kernel, not the IEEE
+            # fp32 / sdpa this mode's pass runs under, for its forward and its head projection (computed lazily)
+            with self._run_settings.as_run():
+                policy = self._head_as_trained(input_ids, attention_mask, logits_to_keep).logits()  # (b, T, V)
+            policy = HeadLogits(policy.hidden, self._run_settings.wrap(policy.project), policy.shape[2], policy.params)
             full = full_vocab_divergence(policy, logits, temperature=temperature)
         if kept is None:
             return logps, n_fallback, None, full
@@ -423,7 +429,9 @@ class OldLogprobScorer:
                 renormalised over them (truncation correction) and the sets used.
             penalty: with `kept`, the sampler's repetition penalty over the same rows (`grpo_ratio.corrections.processors`),
                 re-applied before temperature and the kept set.
-            compare_policy: also run the policy's own forward on each chunk (training autocast) and return the exact
+            compare_policy: also run the policy's own forward on each chunk (training autocast, the run's own matmul
+                precision and attention kernel, as the training forward computes; eval mode: no dropout) and return the
+                exact
                 full-vocabulary divergences between the two distributions (`ScoreResult.full_vocab`; one more
                 forward per chunk).
         Returns:
@@ -434,7 +442,8 @@ class OldLogprobScorer:
         chunks, kept_chunks, full_chunks, fallback = [], [], [], 0
         sharding = contextlib.nullcontext() if self.sharded is None else self.sharded.scoring()
         deterministic = eval_mode(self.model) if not self.spec.trl_pass else contextlib.nullcontext()  # bf16: TRL's pass
-        with deterministic, sharding, ieee_fp32(not self.spec.trl_pass, None if self.spec.trl_layout else self.model):
+        with deterministic, sharding, ieee_fp32(not self.spec.trl_pass, None if self.spec.trl_layout else self.model
+                                                ) as self._run_settings:
             for start in range(0, input_ids.size(0), batch_size):
                 sl = slice(start, start + batch_size)
                 self._chunk_start = start
