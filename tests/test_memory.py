@@ -316,3 +316,7 @@ def test_tree_attention_reads_the_boundaries_once_per_forward(monkeypatch):
     cu_k[-1] += 1
     tree_attention.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 16, 24, causal=True)
     assert reads == [4, 4, 4]
+    with torch.inference_mode():  # tensors without a version counter: read at every call, the same values
+        cu_q, cu_k = cu_q.clone(), cu_k.clone()
+    assert torch.equal(tree_attention.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 16, 24, causal=True), first)
+    assert reads == [4, 4, 4, 4, 4]

@@ -33,14 +33,18 @@ _BOUNDS: dict[int, tuple[weakref.ref, int, list[int]]] = {}
 def _host_bounds(cu_seqlens: torch.Tensor) -> list[int]:
     """`cu_seqlens.tolist()`, read from the device once per tensor (and per in-place change of it): the layers of one
     forward pass the same boundary tensors, so a forward costs one host read, not one per layer."""
+    try:
+        version = cu_seqlens._version
+    except RuntimeError:  # an inference-mode tensor keeps no version counter: read it every time
+        return cu_seqlens.tolist()
     key = id(cu_seqlens)
-    ref, version, bounds = _BOUNDS.get(key, (None, -1, None))
-    if ref is not None and ref() is cu_seqlens and version == cu_seqlens._version:
+    ref, seen_version, bounds = _BOUNDS.get(key, (None, -1, None))
+    if ref is not None and ref() is cu_seqlens and seen_version == version:
         return bounds
     for stale in [k for k, (r, _, _) in _BOUNDS.items() if r() is None]:
         del _BOUNDS[stale]
     bounds = cu_seqlens.tolist()
-    _BOUNDS[key] = (weakref.ref(cu_seqlens), cu_seqlens._version, bounds)
+    _BOUNDS[key] = (weakref.ref(cu_seqlens), version, bounds)
     return bounds
 
 
