@@ -38,6 +38,7 @@ from .diagnostics.staleness import StalenessStats
 from .diagnostics.trains_nothing_callback import trains_nothing_callback
 from .modes import MODES, SAMPLER_MODE, SCORING_MODES, TRL_MODE
 from .old_pass.copies import WeightsVersion, WeightsVersionCallback
+from .old_pass.forward import eval_mode
 from .old_pass.scorer import OldLogprobScorer
 from .problems import collect
 
@@ -263,6 +264,7 @@ class RatioAsyncGRPOTrainer(AsyncGRPOTrainer):
         if self.rollout_queue is not None:  # rank 0 holds the queue
             self.rollout_queue = VersionTaggingQueue(self.rollout_queue)
         self._syncs_seen = 0  # weight syncs, counted on every rank (TRL counts `model_version` on rank 0 only)
+        self._untagged_terms = None  # decoupled_loglinear: loss terms without a policy version since the last log
 
     # -- versions: the staleness of every loss term -----------------------------------------------------------------
 
@@ -322,6 +324,8 @@ class RatioAsyncGRPOTrainer(AsyncGRPOTrainer):
             outputs, seconds = call.outputs, call.seconds
             new = outputs.log_probs.flatten()[inputs["token_index"][selected]]  # (M,)
             prox = loglinear_proximal(behaviour, new, terms_staleness)
+            untagged = (terms_staleness < 0).sum()  # on the device: refused at log time (`log`), no sync here
+            self._untagged_terms = untagged if self._untagged_terms is None else self._untagged_terms + untagged
         segment_id = inputs["segment_id"][selected]  # (M,)
         weights, _ = proximal_weights(prox, behaviour, segment_id, self.is_correction)  # (M,)
         old, adv = decoupled_inputs(inputs["old_log_probs"], inputs["advantages"], selected, prox, weights)
@@ -346,18 +350,20 @@ class RatioAsyncGRPOTrainer(AsyncGRPOTrainer):
     @torch.no_grad()
     def _proximal_logprobs(self, model, kwargs: dict, positions: torch.Tensor
                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(M,) fp32 proximal log-probs of the trained tokens: the training forward's own call without gradient
-        (`old_logprob_mode="bf16"`: bitwise the training forward's values), or the scoring mode's pass; and, with
-        `truncation_correction="lift_sampler"`, the (M,) log kept mass of each token under the proximal logits (else
-        None)."""
+        """(M,) fp32 proximal log-probs of the trained tokens: the training forward's own call without gradient, in
+        eval mode as every scoring mode's pass (`old_logprob_mode="bf16"`: no dropout, no activation checkpointing;
+        bitwise the training forward's values when the model has no active dropout, whose masks no second pass could
+        reproduce), or the scoring mode's pass; and, with `truncation_correction="lift_sampler"`, the (M,) log kept
+        mass of each token under the proximal logits (else None)."""
         self.proximal_forwards += 1
         targets = kwargs["shift_labels"].flatten()[positions]  # (M,)
         scored = dict(temperature=self.temperature, version=self.weights_version.value)
         if self._proximal is None:
-            prox = model(**kwargs).log_probs.flatten()[positions].float()
-            if self._kept_mass is None:
-                return prox, None
-            return prox, self._kept_mass.score_packed(kwargs, positions, targets, kept=self.sampling, **scored)[1]
+            with eval_mode(model):
+                prox = model(**kwargs).log_probs.flatten()[positions].float()
+                if self._kept_mass is None:
+                    return prox, None
+                return prox, self._kept_mass.score_packed(kwargs, positions, targets, kept=self.sampling, **scored)[1]
         if self._kept_mass is None:
             return self._proximal.score_packed(kwargs, positions, targets, **scored), None
         return self._proximal.score_packed(kwargs, positions, targets, kept=self.sampling, **scored)
@@ -368,7 +374,24 @@ class RatioAsyncGRPOTrainer(AsyncGRPOTrainer):
         if self.staleness_stats is not None:
             self.staleness_stats.update(staleness, new, behaviour, prox, advantages, weights)
 
+    def _check_untagged_terms(self) -> None:
+        """Refuse loss terms that carried no policy version (`loglinear_alpha` gave them alpha 0 on an accelerator):
+        the count, summed over processes, read once per log (every process raises alike).
+
+        Raises:
+            ValueError: some term had no staleness.
+        """
+        count, self._untagged_terms = self._untagged_terms, None
+        if count is None:
+            return
+        if self.accelerator.num_processes > 1:
+            count = self.accelerator.reduce(count.to(self.accelerator.device), reduction="sum")
+        if int(count):
+            raise ValueError(f"async_objective='decoupled_loglinear': {int(count)} loss terms had no staleness (no "
+                             "policy version from the rollout queue); every consumed sample must carry its version")
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        self._check_untagged_terms()
         if self.staleness_stats is not None and self.model.training:
             logs = {**logs, **self.staleness_stats.flush(self.accelerator)}
         super().log(logs, start_time)

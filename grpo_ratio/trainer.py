@@ -60,7 +60,7 @@ from .models import trainer_model_source
 from .modes import FP32_CLONE, FP32_HEAD
 from .old_pass.copies import WeightsVersion, WeightsVersionCallback
 from .old_pass.fused_head import capture_norm_inputs, fused_head_fallback, fused_old_logps, say_fused_head
-from .old_pass.kept_head import capture_last_hidden, kept_set_logps_of_chunks
+from .old_pass.kept_head import KeptSetChunks, capture_last_hidden
 from .old_pass.scorer import OldLogprobScorer, check_text_only
 from .old_pass.sharding.engines import engine_of, sharded_policy
 from .old_pass.sharding.fsdp2 import fp32_logprob_output
@@ -533,13 +533,18 @@ class RatioHooks:
             return *super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, *args, **kwargs), None
         unwrapped = self.accelerator.unwrap_model(model)
-        with capture_last_hidden(unwrapped) as hidden:
+        # one forward chunk of TRL's at a time, each projected K cells at a time: never the batch's (B, T, V) logits;
+        # without grad (the old pass) each chunk as its forward returns it, so one chunk's hidden states are alive at a
+        # time (under grad autograd keeps them for backward anyway)
+        chunks = KeptSetChunks(unwrapped, input_ids, attention_mask, logits_to_keep, kept, self.temperature,
+                               trl_field(self.args, "cast_lm_head_to_fp32"), self.accelerator.autocast,
+                               self._penalty(input_ids, attention_mask))
+        with capture_last_hidden(unwrapped, None if torch.is_grad_enabled() else chunks.add) as hidden:
             logps, entropies, aux = super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, *args, **kwargs)
-        # one forward chunk of TRL's at a time, each projected K cells at a time: never the batch's (B, T, V) logits
-        on_kept = kept_set_logps_of_chunks(
-            unwrapped, hidden, input_ids, attention_mask, logits_to_keep, kept, self.temperature,
-            trl_field(self.args, "cast_lm_head_to_fp32"), self.accelerator.autocast, self._penalty(input_ids, attention_mask))
+        for h in hidden:
+            chunks.add(h)
+        on_kept = chunks.result()
         on_kept.log_mass = (logps - on_kept.logps).detach()  # (B, T) log M = log p_full(g) - log p_S(g)
         return self.plan.corrected_logps(logps, on_kept.logps), entropies, aux, on_kept
 

@@ -488,3 +488,87 @@ def test_report_warns_when_a_bucket_trained_nothing():
                staleness_key(2, "num_tokens"): 10, staleness_key(2, "clip_flip_rate"): 0.25}
     assert "At staleness 1, 33.0% of tokens" in render_staleness([coupled], {"async_objective": "coupled"})
     assert "At staleness" not in render_staleness([coupled], {"async_objective": "decoupled"})
+
+
+@pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16])
+def test_fp16_clone_fallback_attends_in_fp32_off_the_fa3_kernel(storage):
+    """Async fp16_clone on a packed row whose fp16 pass overflows (token 5's embedding x1e8): the fp32 re-run attends
+    through the torch tree kernel in fp32, never through TRL's flash-attn3 kernel (a dtype-strict stand-in with its
+    signature refuses fp32 as the kernel does), and gives the fp32 model's unpacked log-probs to 1e-5."""
+    from trl.experimental.async_grpo.packing import TREE_ATTENTION, register_tree_attention
+
+    from grpo_ratio.old_pass.scorer import OldLogprobScorer
+    from grpo_ratio.testing.async_cpu import dtype_strict_tree_kernel
+
+    register_tree_attention()
+    model = tiny_model("qwen2", seed=0, dtype=storage)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[5].mul_(1e8)  # overflows fp16; RMSNorm keeps fp32 finite
+    model.config._attn_implementation = TREE_ATTENTION
+    reference = tiny_model("qwen2", seed=0, dtype=storage).float()  # the policy's values in fp32, unpacked
+    reference.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    completions = [[20, 21, 5, 23, 1], [20, 30, 31, 1]]
+    batch = packed_batch([sample(c, 0.0, 1.0, group_id=0, model=reference) for c in completions])
+    selected = batch["attention_mask"].bool()
+    kwargs = dict(input_ids=batch["input_ids"][selected][None], position_ids=batch["position_ids"][selected][None],
+                  **{k: batch[k][batch[k] >= 0] for k in ("tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k")})
+    kwargs["tree_max_seqlen_q"], kwargs["tree_max_seqlen_k"] = batch["tree_max_seqlens"][0].tolist()
+    trained = batch["token_index"] >= 0
+    positions = batch["token_index"][trained]  # (M,)
+    targets = batch["input_ids"][selected].roll(-1)[positions]  # (M,) the token each position predicts
+    with dtype_strict_tree_kernel() as kernel_dtypes:
+        logps = OldLogprobScorer(model, "fp16_clone").score_packed(kwargs, positions, targets)
+    assert kernel_dtypes and set(kernel_dtypes) == {torch.float16}  # the fp16 pass only; the fp32 re-run bypassed it
+    torch.testing.assert_close(logps, batch["old_log_probs"][trained], atol=1e-5, rtol=0)
+
+
+def test_staleness_stats_leave_out_unknown_terms_whatever_their_values():
+    # unknown terms (untagged, or past the last bucket) add nothing, even NaN or inf weights (no boolean-mask selection
+    # any more: they are zeroed in place, so a NaN must not leak into the sums)
+    from grpo_ratio.diagnostics.staleness import StalenessStats
+
+    stats = StalenessStats(3, (0.9, 1.1), 0.2, 0.2, decoupled=True)
+    nan, inf = float("nan"), float("inf")
+    new = torch.tensor([0.0, nan, 0.5, 0.0, 0.0])
+    stats.update(torch.tensor([0, -1, 1, 5, 1]), new, torch.zeros(5), torch.zeros(5), torch.ones(5),
+                 torch.tensor([1.0, nan, 2.0, inf, 4.0]))
+    metrics = stats.flush()
+    assert metrics[staleness_key(0, "num_tokens")] == 1 and metrics[staleness_key(1, "num_tokens")] == 2
+    assert metrics[staleness_key(1, "is_weight_mean")] == 3.0
+    assert metrics[staleness_key(1, "new_behav_mean_abs_log_ratio")] == 0.25
+    assert metrics[staleness_key(1, "new_behav_oob_rate")] == 0.5  # exp(0.5) is out of [0.9, 1.1]
+    assert staleness_key(2, "num_tokens") not in metrics
+
+
+def test_untagged_terms_of_the_loglinear_objective_are_refused_at_log_time(model_dir, tmp_path):
+    # on an accelerator loglinear_alpha no longer asserts on the device (that left the CUDA context unusable): the
+    # trainer counts untagged terms there and refuses them when it logs, where the host reads anyway
+    trainer = make_trainer(model_dir, tmp_path, async_objective="decoupled_loglinear")
+    trainer._untagged_terms = torch.tensor(3)
+    with pytest.raises(ValueError, match="3 loss terms had no staleness"):
+        trainer.log({"loss": 0.0})
+    assert trainer._untagged_terms is None
+    trainer._untagged_terms = torch.tensor(0)
+    trainer.log({"loss": 0.0})  # none: nothing said
+
+
+def test_the_bf16_proximal_pass_runs_in_eval_mode_like_the_precision_modes(model_dir, tmp_path):
+    # was: `model(**kwargs)` in train mode (dropout on, activation checkpointing not disabled) where every scoring
+    # mode's pass runs in eval mode; the values stay bitwise the training forward's (no dropout in this model)
+    trainer = make_trainer(model_dir, tmp_path, async_objective="decoupled")
+    batch = packed_batch(samples_of(), staleness=[0, 0, 0, 0])
+    selected = batch["token_index"] >= 0
+    trainer.model.train()
+    seen = []
+    layer = trainer.model.model.layers[0]
+    handle = layer.register_forward_pre_hook(lambda module, args: seen.append(module.training))
+    try:
+        with async_grpo_on_cpu():
+            call = trainer._forward_call(trainer.model, batch)
+            prox, _ = trainer._proximal_logprobs(trainer.model, call.kwargs, batch["token_index"][selected])
+            own = trainer.model(**call.kwargs).log_probs.flatten()[batch["token_index"][selected]].float()
+    finally:
+        handle.remove()
+    assert seen == [False, True]  # the proximal pass in eval mode, the training forward in train mode
+    assert trainer.model.training and layer.training
+    assert torch.equal(prox, own.detach())

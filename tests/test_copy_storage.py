@@ -158,3 +158,65 @@ def test_the_trainer_runs_per_layer_with_peft(tmp_path):
     trainer.train()
     assert trainer.state.log_history[0]["ratio/new_old/mean_abs_log_ratio"] > 0  # fp16 old vs bf16 new: measured
     assert trainer.scorer.copies() == [] and trainer.scorer.per_layer_cast(torch.float16).num_casts > 0
+
+
+def _overflowing(model, token=5):
+    """`model` with token `token`'s input embedding x1e8 (fp16 overflows; RMSNorm keeps fp32 finite) and a (4, 12)
+    batch holding `token` in rows 0 and 2 only."""
+    with torch.no_grad():
+        model.get_input_embeddings().weight[token].mul_(1e8)
+    ids = torch.randint(token + 1, 300, (4, 12), generator=torch.Generator().manual_seed(0))
+    ids[0, 9], ids[2, 10] = token, token
+    return model, ids, torch.ones_like(ids)
+
+
+def _copies_built(monkeypatch) -> list:
+    """The dtype of every `ModuleCopy` built from now on, in order."""
+    from grpo_ratio.old_pass import copies
+
+    built, init = [], copies.ModuleCopy.__init__
+
+    def spy(self, source, dtype, whole_model=False):
+        built.append((dtype, whole_model))
+        init(self, source, dtype, whole_model)
+
+    monkeypatch.setattr(copies.ModuleCopy, "__init__", spy)
+    return built
+
+
+def test_the_fp16_fallback_keeps_the_fp16_copy_and_builds_no_fp32_one(monkeypatch):
+    # bf16-stored weights, fp16_clone, rows 0 and 2 overflow, one row per chunk: the fallback's fp32 re-run once
+    # replaced the resident fp16 copy by a new fp32 whole-model copy and the next chunk rebuilt the fp16 one (fp16,
+    # fp32, fp16, fp32, fp16: 5 whole copies for 4 chunks); now the fp16 copy is built once and the fallback rows run
+    # on a per-layer fp32 cast (the resident fp32 copy's numbers bitwise)
+    model, ids, mask = _overflowing(tiny_model("qwen2", dtype=torch.bfloat16))
+    built = _copies_built(monkeypatch)
+    scorer = OldLogprobScorer(model, "fp16_clone")
+    result = scorer.score(ids, mask, T, batch_size=1)
+    assert result.fallback_rows == 2 and torch.isfinite(result.logps).all()
+    assert built == [(torch.float16, True)]
+    assert scorer.extra_bytes() == sum(p.numel() for p in model.parameters()) * 2  # the fp16 copy only
+    fp32 = OldLogprobScorer(model, "fp32_clone").score(ids, mask, T, batch_size=1).logps  # a resident fp32 copy
+    assert torch.equal(result.logps[[0, 2]], fp32[[0, 2]])
+    del built[:]
+    scorer.score(ids, mask, T, batch_size=1, version=1)  # after a step: the same copy, refreshed
+    assert built == [] and scorer.copies()[0].num_refreshes == 2
+
+
+def test_the_fp16_fallback_with_peft_builds_no_fp32_copy_either(monkeypatch):
+    # PEFT adapters: the per-layer fp32 cast merges each adapted layer as it runs (PEFT's own merge), so the fallback
+    # keeps no resident fp32 copy beside the fp16 one (it once built one, and before that swapped the two chunk after
+    # chunk); its rows equal a resident fp32_clone copy's (merged whole) bitwise
+    import peft
+
+    model = peft.get_peft_model(tiny_model("qwen2", dtype=torch.bfloat16),
+                                peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    model, ids, mask = _overflowing(model)
+    built = _copies_built(monkeypatch)
+    scorer = OldLogprobScorer(model, "fp16_clone")
+    result = scorer.score(ids, mask, T, batch_size=1)
+    assert result.fallback_rows == 2 and torch.isfinite(result.logps).all()
+    assert built == [(torch.float16, True)]
+    assert [c.num_refreshes for c in scorer.copies()] == [1]
+    fp32 = OldLogprobScorer(model, "fp32_clone").score(ids, mask, T, batch_size=1).logps
+    assert torch.equal(result.logps[[0, 2]], fp32[[0, 2]])

@@ -298,3 +298,36 @@ def test_recomputed_kept_sets_are_built_on_the_logits_device():
         sets, added = recompute_kept_sets(logits, tokens, SamplingSettings(top_k=5), chunk_cells=7)  # 4 chunks
     assert to_host.count == 0
     assert sets == expected and not added.any()  # the top-5 sets, every sampled token inside its set
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the asynchronous trainer's per-micro-batch paths
+
+
+def test_staleness_stats_update_without_a_host_sync():
+    # was: `bucket[known]`, `columns[known]`: a data-dependent size, one host sync per micro-batch
+    from grpo_ratio.diagnostics.staleness import StalenessStats
+
+    with fake_cuda():
+        stats = StalenessStats(3, (0.9, 1.1), 0.2, 0.2, decoupled=True)
+        m = 6
+        stats.update(torch.tensor([0, -1, 1, 2, 5, 0], device=CUDA), torch.zeros(m, device=CUDA),
+                     torch.zeros(m, device=CUDA), torch.zeros(m, device=CUDA), torch.ones(m, device=CUDA),
+                     torch.ones(m, device=CUDA))
+        assert stats.sums.device == CUDA
+
+
+def test_loglinear_alpha_on_an_accelerator_neither_syncs_nor_asserts(monkeypatch):
+    # was: `torch._assert_async` on an untagged term: a device-side assert leaves the CUDA context unusable
+    from grpo_ratio.corrections.decoupled import loglinear_alpha
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a device-side assertion")
+
+    monkeypatch.setattr(torch, "_assert_async", refuse)
+    with fake_cuda():
+        alpha = loglinear_alpha(torch.tensor([0, 1, -1], device=CUDA))
+        assert alpha.device == CUDA and alpha.shape == (3,)
+    # on the CPU the host check costs nothing: a clean error there
+    with pytest.raises(ValueError, match="no staleness"):
+        loglinear_alpha(torch.tensor([0, 1, -1]))

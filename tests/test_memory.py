@@ -225,3 +225,98 @@ def test_trl_pass_kept_sets_chunk_by_chunk_equal_the_whole_batch():
     recomputed = kept_set_logps_of_chunks(model, list(hidden.split([1, 3])), ids, mask, T,
                                           SamplingSettings(top_k=20), *args)  # the sets recomputed chunk by chunk
     assert torch.equal(recomputed.kept.sizes, kept.sizes) and torch.equal(recomputed.kept.ids, kept.ids)
+
+
+def _rectangle_attention(q, k, v, cu_q, cu_k, scale=None, causal=True, window_size=(-1, -1), softcap=0.0):
+    """The tree kernel as it was: per segment the whole (H, Lq, Lk) fp32 score rectangle (the reference here)."""
+    scale = q.size(-1) ** -0.5 if scale is None else scale
+    groups, out = q.size(1) // k.size(1), torch.empty_like(q)
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    for (q0, q1), (k0, k1) in zip(zip(bq[:-1], bq[1:]), zip(bk[:-1], bk[1:])):
+        qs = q[q0:q1].transpose(0, 1).float()  # (H, Lq, d)
+        ks, vs = (x[k0:k1].transpose(0, 1).float().repeat_interleave(groups, dim=0) for x in (k, v))  # (H, Lk, d)
+        scores = (qs @ ks.transpose(1, 2)) * scale  # (H, Lq, Lk)
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        lq, lk = q1 - q0, k1 - k0
+        i, j = torch.arange(lq)[:, None] + (lk - lq), torch.arange(lk)[None, :]
+        allowed = torch.ones(lq, lk, dtype=torch.bool)
+        left, right = window_size
+        if causal:
+            allowed &= j <= i
+        elif right >= 0:
+            allowed &= j <= i + right
+        if left >= 0:
+            allowed &= j >= i - left
+        out[q0:q1] = (scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ vs).transpose(0, 1).to(q.dtype)
+    return out
+
+
+def _tree_segments(P: int, T: int, heads=4, kv_heads=2, d=16):
+    """q (P + 2T, H, d) and the gathered k, v of a prompt segment (P queries over P keys) and two completions (T
+    queries over the prompt and their own T keys each), with their (4,) int32 boundaries, as TRL's tree lays them."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(P + 2 * T, heads, d, generator=g)
+    k, v = (torch.randn(P + 2 * T, kv_heads, d, generator=g) for _ in range(2))
+    path = torch.cat([torch.arange(P), torch.arange(P), torch.arange(P, P + T), torch.arange(P),
+                      torch.arange(P + T, P + 2 * T)])  # each segment's root-to-segment keys
+    cu_q = torch.tensor([0, P, P + T, P + 2 * T], dtype=torch.int32)
+    cu_k = torch.tensor([0, P, 2 * P + T, 3 * P + 2 * T], dtype=torch.int32)
+    return q, k[path], v[path], cu_q, cu_k
+
+
+@pytest.fixture
+def one_thread():
+    """Intra-op threads off for the block: the tiles are many small matmuls, which a shared machine's thread
+    contention slows ten-fold (the values do not depend on it)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("kwargs", [dict(causal=True), dict(causal=False, window_size=(7, 3)),
+                                    dict(causal=True, window_size=(20, 0), softcap=5.0)])
+def test_tree_attention_tiles_its_queries(monkeypatch, one_thread, kwargs):
+    # the fp32 tree kernel of the async proximal passes held a segment's whole (H, Lq, Lk) fp32 rectangle (two or three
+    # alive: 7.9 GiB each at 28 heads, P = 1,024, T = 8,192); now (H, tile, Lk) tiles of SCORE_TILE_BYTES, same values
+    from live_bytes import LiveBytes
+
+    from grpo_ratio.old_pass import tree_attention
+
+    monkeypatch.setattr(tree_attention, "SCORE_TILE_BYTES", 2**20)
+    P = 64
+    for T in (512, 2048):
+        q, k, v, cu_q, cu_k = _tree_segments(P, T)
+        with LiveBytes() as live:
+            out = tree_attention.flash_attn_varlen_func(q, k, v, cu_q, cu_k, T, P + T, **kwargs)
+        torch.testing.assert_close(out, _rectangle_attention(q, k, v, cu_q, cu_k, **kwargs), atol=1e-5, rtol=0)
+        # the output (q's size) plus a few tiles, whatever T (2.5 MB at T = 2,048, where the rectangles took 200 MB)
+        assert live.peak <= q.nbytes + 4 * tree_attention.SCORE_TILE_BYTES
+    assert live.peak < 4 * T * (P + T) * 4  # one (H, T, P + T) fp32 rectangle of a completion segment: 69 MB
+
+
+def test_tree_attention_reads_the_boundaries_once_per_forward(monkeypatch):
+    # every layer of a forward gets the same boundary tensors: one host read of each, not one per layer
+    from grpo_ratio.old_pass import tree_attention
+
+    q, k, v, cu_q, cu_k = _tree_segments(8, 16)
+    reads, tolist = [], torch.Tensor.tolist
+
+    def counted(self):
+        reads.append(self.numel())
+        return tolist(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counted)
+    first = tree_attention.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 16, 24, causal=True)
+    for _ in range(3):  # the other layers
+        assert torch.equal(tree_attention.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 16, 24, causal=True), first)
+    assert reads == [4, 4]
+    cu_k[-1] -= 1  # changed in place: read again
+    cu_k[-1] += 1
+    tree_attention.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 16, 24, causal=True)
+    assert reads == [4, 4, 4]
+    with torch.inference_mode():  # tensors without a version counter: read at every call, the same values
+        cu_q, cu_k = cu_q.clone(), cu_k.clone()
+    assert torch.equal(tree_attention.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 16, 24, causal=True), first)
+    assert reads == [4, 4, 4, 4, 4]

@@ -376,3 +376,27 @@ def test_attached_copies_and_row_subsets_follow_the_session():
     hooks.attach(layer_copy, layer=0)
     with pytest.raises(ValueError, match="differ"):
         hooks.attach(tiny_model("granitemoe", num_hidden_layers=3))
+
+
+def test_deep_copied_layers_carry_one_router_hook_and_report_their_own_routes():
+    # guided_fp32 on bf16 weights deep-copies decoder layers to fp32; the copy once kept the policy's RouteHooks hook
+    # and got a second, which recorded the replayed routes as the router's own (ratio/route/* showed full agreement)
+    from grpo_ratio.old_pass.scorer import OldLogprobScorer
+
+    model = tiny_model("qwen3_moe").to(torch.bfloat16)
+    hooks = RouteHooks(model)
+    layer = hooks.layout.moe_layers[0]
+    scorer = OldLogprobScorer(model, "guided_fp32", layers=[layer], route_hooks=hooks)
+    ids = _ids(rows=3, seq=7)
+    mask = torch.ones_like(ids)
+    with hooks.recording() as recorded:
+        scorer.score(ids, mask, 3)
+    copy_router = next(m for m in scorer._copies[id(model.model.layers[layer]), torch.float32].module.modules()
+                       if type(m).__name__ == hooks.layout.family.router_class)
+    assert len(copy_router._forward_hooks) == 1 and len(hooks.layout.routers[layer]._forward_hooks) == 1
+    foreign = _foreign(recorded.native(), hooks.layout.num_experts)
+    with hooks.replaying(foreign) as replayed:
+        scorer.score(ids, mask, 3)
+    assert torch.equal(replayed.used()[:, :, layer], foreign[:, :, layer])
+    # the first MoE layer's input does not depend on the routes: its own choice is the one recorded without replay
+    assert torch.equal(replayed.native()[:, :, layer], recorded.native()[:, :, layer])

@@ -105,6 +105,40 @@ def test_fp16_overflow_falls_back_to_fp32():
     assert (logps - ref).abs().max() <= 1e-5
 
 
+def _one_token_overflows(dtype=torch.float32, token=5):
+    """A tiny Qwen2 whose input embedding of `token` overflows fp16 (x1e8; RMSNorm keeps fp32 finite), and a batch
+    (4, 12) with `token` in rows 0 and 2 only: an fp16 pass overflows on those rows and no other."""
+    model = tiny_model("qwen2", dtype=dtype)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[token].mul_(1e8)
+    ids = torch.randint(token + 1, 300, (4, 12), generator=torch.Generator().manual_seed(0))  # (B, P+T)
+    ids[0, 9], ids[2, 10] = token, token
+    return model, ids, torch.ones_like(ids)
+
+
+def test_fp16_fallback_rows_meet_the_kept_sets_and_the_full_vocabulary():
+    # fp16_clone with a truncation correction (kept sets recomputed from the pass's logits) or ratio_full_vocab
+    # (compare_policy): the overflowing rows' fp32 logits sit beside the other rows' fp16 ones in one HeadLogits, whose
+    # cells once raised "Index put requires the source and destination dtypes match"
+    from grpo_ratio.corrections.kept_sets import SamplingSettings
+
+    model, ids, mask = _one_token_overflows()
+    settings = SamplingSettings(top_k=20)
+    fp16 = OldLogprobScorer(model, "fp16_clone").score(ids, mask, T, kept=settings, compare_policy=True)
+    assert fp16.fallback_rows == 2
+    fp32 = OldLogprobScorer(model, "fp32_clone").score(ids, mask, T, kept=settings, compare_policy=True)
+    alone = OldLogprobScorer(model, "fp16_clone").score(ids[[1, 3]], mask[[1, 3]], T, kept=settings,
+                                                        compare_policy=True)
+    assert alone.fallback_rows == 0
+    # the fallback rows are the fp32 pass's, the others the fp16 pass's, on the kept sets and the full vocabulary
+    torch.testing.assert_close(fp16.on_kept.logps[[0, 2]], fp32.on_kept.logps[[0, 2]], atol=1e-5, rtol=0)
+    torch.testing.assert_close(fp16.on_kept.logps[[1, 3]], alone.on_kept.logps, atol=1e-6, rtol=0)
+    for mixed, whole, rows in zip(fp16.full_vocab, fp32.full_vocab, alone.full_vocab, strict=True):
+        torch.testing.assert_close(mixed[[0, 2]], whole[[0, 2]], atol=1e-6, rtol=1e-4)
+        torch.testing.assert_close(mixed[[1, 3]], rows, atol=1e-6, rtol=1e-4)
+    assert torch.isfinite(fp16.on_kept.log_mass).all() and (fp16.on_kept.log_mass <= 1e-6).all()
+
+
 @pytest.mark.parametrize("mode,layers,match", [
     ("fp64", None, "allowed: bf16, fp32_clone, fp16_clone, fp32_head, guided_fp32"),
     ("guided_fp32", None, "needs guided_fp32_layers"),
@@ -114,3 +148,56 @@ def test_fp16_overflow_falls_back_to_fp32():
 def test_bad_scorer_arguments(mode, layers, match):
     with pytest.raises(ValueError, match=match):
         OldLogprobScorer(tiny_model("qwen2"), mode, layers=layers)
+
+
+FP32_REFUSING = "bf16_only_test_attention"  # an attention with flash-attn's dtype contract (fp16/bf16 only)
+attention_dtypes = []
+
+
+def _bf16_only_attention(module, query, key, value, attention_mask, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    device = query.device.type
+    if query.dtype == torch.float32 and torch.is_autocast_enabled(device):  # as transformers' flash_attention_forward
+        query, key, value = (x.to(torch.get_autocast_dtype(device)) for x in (query, key, value))
+    attention_dtypes.append(query.dtype)
+    if query.dtype == torch.float32:
+        raise RuntimeError("FlashAttention only supports fp16 and bf16 data type")
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def test_the_compared_policy_pass_computes_as_the_training_forward():
+    # ratio_full_vocab's "policy as trained" pass ran inside the mode's IEEE fp32 / sdpa block: its matmuls were IEEE
+    # and its attention sdpa where the training forward runs TF32 and its flash kernel; now the run's own settings
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    from grpo_ratio.old_pass import forward
+    from grpo_ratio.testing import tiny_config
+
+    AttentionInterface.register(FP32_REFUSING, _bf16_only_attention)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen2"), attn_implementation=FP32_REFUSING)
+    ids, mask = _batch()
+    saved = torch.backends.fp32_precision, torch.backends.cuda.matmul.fp32_precision
+    torch.backends.fp32_precision = "tf32"  # as transformers' `tf32=True` leaves it
+    layers, heads, project = [], [], forward.HeadProjection.logits
+    hook = model.model.layers[0].register_forward_pre_hook(
+        lambda *a: layers.append(torch.backends.cuda.matmul.fp32_precision))
+
+    def spy(self, x):
+        heads.append(torch.backends.cuda.matmul.fp32_precision)
+        return project(self, x)
+
+    forward.HeadProjection.logits = spy
+    attention_dtypes.clear()
+    try:
+        result = OldLogprobScorer(model, "fp32_clone").score(ids, mask, T, batch_size=2, compare_policy=True)
+    finally:
+        hook.remove()
+        forward.HeadProjection.logits = project
+        torch.backends.fp32_precision, torch.backends.cuda.matmul.fp32_precision = saved
+    assert layers == ["ieee", "tf32"] * 2  # per chunk: the mode's fp32 pass, then the policy's as it trains
+    assert set(heads) == {"ieee", "tf32"}  # both projections, computed lazily, each under its own settings
+    assert attention_dtypes == [torch.bfloat16] * 2 * 2  # the compared pass (2 layers x 2 chunks) on the run's kernel
+    assert model.config._attn_implementation == FP32_REFUSING
+    assert all(torch.isfinite(t).all() for t in result.full_vocab)

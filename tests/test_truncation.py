@@ -54,6 +54,45 @@ def test_renormalized_old_logprobs_equal_a_brute_force_over_the_kept_sets(tmp_pa
     assert (out["old_per_token_logps"][valid] <= 0).all() and (out["old_per_token_logps"] > full)[valid].all()
 
 
+def test_trls_old_pass_keeps_one_chunks_hidden_states_at_a_time(tmp_path, monkeypatch):
+    # the kept-set path on TRL's own old pass kept every forward chunk's (rows, P+T, H) last hidden state until TRL's
+    # call returned (the whole generation batch's: 7.4 GiB at 64 x 8.7k x 3,584 fp32); now each chunk is done as its
+    # forward returns it, and the values are those of the whole batch at once
+    import weakref
+
+    from grpo_ratio.old_pass import kept_head
+
+    trainer = tiny_trainer(tmp_path, "bf16", bf16=False, top_p=0.8, num_iterations=2, truncation_correction="renormalize",
+                           per_device_train_batch_size=2, gradient_accumulation_steps=4)  # 8 rows, chunks of 2
+    alive, held, chunk_bytes, project = {}, [], [], kept_head.kept_set_logps_from_hidden
+
+    def spy(model, hidden, *args, **kwargs):
+        storage = hidden.untyped_storage()  # the decoder output this chunk's slice views
+        if torch.is_grad_enabled():  # the training forward: autograd keeps its hidden states for backward anyway
+            return project(model, hidden, *args, **kwargs)
+        held.append(sum(alive.values()))  # bytes of earlier chunks' hidden states still alive now
+        chunk_bytes.append(storage.nbytes())
+        key = id(storage)
+        alive[key] = storage.nbytes()
+        weakref.finalize(storage, alive.pop, key)
+        return project(model, hidden, *args, **kwargs)
+
+    monkeypatch.setattr(kept_head, "kept_set_logps_from_hidden", spy)
+    batch = next(iter(trainer.get_train_dataloader()))
+    trainer.model.train()
+    out = trainer._generate_and_score_completions(batch)
+    assert len(chunk_bytes) == 4 and held == [0, 0, 0, 0]  # before: 0, 1, 2, 3 chunks' hidden states held
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)  # (B, P+T)
+    mask = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
+    T = out["completion_ids"].size(1)
+    with torch.no_grad():
+        logits = tiny_model("qwen2")(input_ids=ids, attention_mask=mask, logits_to_keep=T + 1).logits  # same weights
+    valid = out["completion_mask"].bool()
+    kept = trainer._generations["train"].kept.resize_steps(T)
+    expected = kept_set_logprobs(logits[:, :-1], out["completion_ids"], kept, mask=valid)  # (B, T) all rows at once
+    assert (out["old_per_token_logps"] - expected)[valid].abs().max() <= 1e-5
+
+
 def test_lift_sampler_adds_the_log_kept_mass(tmp_path):
     trainer = tiny_trainer(tmp_path, "fp32_clone", bf16=False, top_k=5, truncation_correction="lift_sampler")
     recordings = []

@@ -39,16 +39,18 @@ def loglinear_alpha(staleness: torch.Tensor) -> torch.Tensor:
     Returns:
         (M,) fp32 in [0, 1).
     Raises:
-        ValueError: a negative staleness (an untagged term) on CPU; on an accelerator a device-side assertion (a
-            `RuntimeError` at the next synchronisation).
+        ValueError: a negative staleness (an untagged term) on CPU. On an accelerator no host read per micro-batch:
+            such a term gets alpha 0 (its proximal log-prob is the behaviour's: the coupled ratio) and the caller
+            refuses it where it reads the host anyway (`RatioAsyncGRPOTrainer` counts the terms on the device and
+            raises at log time); a device-side assertion here would leave the CUDA context unusable.
     """
     k = staleness.float()
-    message = "loglinear_alpha: a term has no staleness (negative k); every consumed sample must carry its version"
     if k.device.type == "cpu":  # a host check costs nothing here
         if bool((k < 0).any()):
-            raise ValueError(message)
-    else:  # on an accelerator, checked on the device: no host sync per micro-batch (raises at the next sync)
-        torch._assert_async((k >= 0).all(), message)
+            raise ValueError("loglinear_alpha: a term has no staleness (negative k); every consumed sample must carry "
+                             "its version")
+    else:
+        k = k.clamp(min=0.0)
     return k / (k + 1.0)
 
 

@@ -115,7 +115,7 @@ class HeadLogits:
                  self._other.cells(local[moved] * T + cells[moved] % T)]  # (K1, V), (K2, V)
         out = torch.empty(cells.numel(), self.shape[2], dtype=torch.promote_types(parts[0].dtype, parts[1].dtype),
                           device=parts[0].device)  # (K, V)
-        out[own], out[moved] = parts
+        out[own], out[moved] = (part.to(out.dtype) for part in parts)  # an fp16 pass's rows beside fp32 fallback rows
         return out
 
     def with_rows(self, rows: torch.Tensor, other: HeadLogits) -> HeadLogits:

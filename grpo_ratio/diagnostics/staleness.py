@@ -74,7 +74,8 @@ class StalenessStats:
         ], dim=1).double()  # (M, F)
         bucket = staleness.clamp(0, self.num_buckets - 1).long()  # (M,)
         part = torch.zeros(self.num_buckets, len(_COLUMNS), dtype=torch.float64, device=columns.device)
-        part.index_add_(0, bucket[known], columns[known])
+        # unknown terms add zeros (where, not a boolean-mask selection: its data-dependent size syncs the host)
+        part.index_add_(0, bucket, torch.where(known[:, None], columns, 0.0))
         self.sums = part if self.sums is None else self.sums.to(part.device) + part
 
     def flush(self, accelerator=None) -> dict[str, float]:

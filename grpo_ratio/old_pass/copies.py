@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import copy as _copy
 import time
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -77,10 +78,13 @@ def _saved_module(wrapper: nn.Module) -> nn.Module:
     return wrapper.original_module if wrapper.disable_adapters or adapter is None else wrapper.modules_to_save[adapter]
 
 
-def merged_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The module's weights as plain tensors with its active PEFT adapters merged by PEFT itself (what
-    `merge_and_unload()` would give, in fp32 for merged layers), without touching the module. For a non-PEFT module
-    this is `module.state_dict()` (tensors shared, not copied).
+def merged_state_parts(module: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
+    """The module's weights with its active PEFT adapters merged by PEFT itself (what `merge_and_unload()` would give,
+    in fp32 for merged layers), without touching the module, one part at a time: each tuner layer's merged tensors
+    (made when the part is asked for), each `modules_to_save` wrapper's active copy, then every other tensor of the
+    base model. A consumer that copies a part and drops it before asking for the next (`ModuleCopy.refresh_weights`)
+    holds one layer's fp32 merge at a time, not every adapted weight's (7B, all-linear LoRA: ~26 GB at once). For a
+    non-PEFT module, one part: `module.state_dict()` (tensors shared, not copied).
 
     Keys are those of the base model (PEFT's `base_model.model.` prefix, `.base_layer` and the `modules_to_save`
     wrappers removed): a `modules_to_save` module (e.g. a trained `lm_head`) contributes its active adapter's copy.
@@ -90,22 +94,31 @@ def merged_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """
     base = base_model(module)
     if base is module:
-        return module.state_dict()
+        yield module.state_dict()
+        return
     tuners, saved = _adapter_layers(base)
-    state = {}
     for name, layer in tuners.items():
         try:
-            merged = _merged_layer_state(layer)
+            yield {f"{name}.{k}": v for k, v in _merged_layer_state(layer).items()}  # no reference kept here
         except (ValueError, NotImplementedError, TypeError) as err:
             raise ValueError(f"copy refresh: PEFT cannot merge the adapter of {name!r} ({type(layer).__name__}): "
                              f"{err}") from err
-        state.update({f"{name}.{k}": v for k, v in merged.items()})
     for name, wrapper in saved.items():
-        state.update({f"{name}.{k}": v.detach() for k, v in _saved_module(wrapper).state_dict().items()})
+        yield {f"{name}.{k}": v.detach() for k, v in _saved_module(wrapper).state_dict().items()}
     wrapped = tuple(f"{n}." for n in (*tuners, *saved))
-    for key, value in base.state_dict().items():
-        if not key.startswith(wrapped):
-            state[key] = value
+    yield {key: value for key, value in base.state_dict().items() if not key.startswith(wrapped)}
+
+
+def merged_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """`merged_state_parts(module)` in one dict: every merged layer held at once (tests and small models; a copy's
+    refresh streams the parts instead).
+
+    Raises:
+        ValueError: as `merged_state_parts`.
+    """
+    state = {}
+    for part in merged_state_parts(module):
+        state.update(part)
     return state
 
 
@@ -133,11 +146,22 @@ class WeightsVersion:
         self.value += 1
 
 
+# the hook dicts of `nn.Module` that run around a forward or a backward (`copy.deepcopy` copies them)
+_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+               "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
+
+
 def _strip_instance_patches(module: nn.Module) -> None:
-    # accelerate (autocast wrapper) and TRL (fused head) patch `forward` on the instance; a copy must not inherit them
+    """Make a deep copy a plain module: accelerate (autocast wrapper) and TRL (fused head) patch `forward` on the
+    instance, and the policy's forward/backward hooks (a `RouteHooks` router hook, ...) are copied along by
+    `copy.deepcopy`; a copy inherits neither (whoever runs the copy attaches what it needs: `RouteHooks.attach`)."""
     for m in module.modules():
         m.__dict__.pop("forward", None)
         m.__dict__.pop("_original_forward", None)
+        for name in _HOOK_DICTS:
+            hooks = m.__dict__.get(name)
+            if hooks:
+                hooks.clear()  # the copy's own dict (a handle of the policy's hook removes from the policy's)
 
 
 def empty_model_like(model: nn.Module) -> nn.Module:
@@ -254,14 +278,23 @@ class ModuleCopy(VersionedCopy):
         self.module = module.requires_grad_(False).eval()
 
     def refresh_weights(self) -> None:
-        """Copy the source's current weights (PEFT adapters merged) into the copy, cast to `self.dtype` by `copy_`."""
-        state = merged_state_dict(self.source)
+        """Copy the source's current weights (PEFT adapters merged) into the copy, cast to `self.dtype` by `copy_`,
+        one merged layer at a time (`merged_state_parts`: the transient is one layer's fp32 merge, not all of them).
+
+        Raises:
+            RuntimeError: a tensor of the copy has no counterpart in the policy (architecture changed?).
+        """
         own = self.module.state_dict()
-        missing = [k for k in own if k not in state]
+        done = set()
+        for part in merged_state_parts(self.source):
+            for key, value in part.items():
+                if key in own:
+                    own[key].copy_(value)
+                    done.add(key)
+            part = value = None  # drop this layer's merge before the next is made
+        missing = [k for k in own if k not in done]
         if missing:
             raise RuntimeError(f"copy refresh: the policy has no tensor for {missing[:5]} (architecture changed?)")
-        for key, dst in own.items():
-            dst.copy_(state[key])
 
     def num_bytes(self) -> int:
         """Bytes held by the copy's parameters and buffers (what the copy costs in memory)."""

@@ -569,9 +569,11 @@ def ieee_fp32(enabled: bool = True, attention_of: nn.Module | None = None):
     Args:
         enabled: False: a no-op (TRL's own pass computes as the run trains).
         attention_of: see above; None leaves the attention as it is.
+    Yields:
+        `RunSettings`: `as_run()` gives the run's own settings back for a part of the block.
     """
     if not enabled:
-        yield
+        yield RunSettings(None, [])
         return
     precisions = _matmul_precisions()
     switched = _attention_settings(base_model(attention_of).config) if (
@@ -580,8 +582,41 @@ def ieee_fp32(enabled: bool = True, attention_of: nn.Module | None = None):
     if switched:
         switched[0][0]._attn_implementation = "sdpa"  # the setter reaches the sub-configs
     try:
-        yield
+        yield RunSettings(precisions, switched)
     finally:
         for config, name in switched:
             config._attn_implementation_internal = name
         _set_matmul_precisions(precisions)
+
+
+class RunSettings:
+    """What `ieee_fp32` yields: the run's own matmul precisions and attention, to compute a piece of a scoring pass as
+    the training forward does (`score(compare_policy=True)`'s "policy as trained" pass) inside the IEEE block."""
+
+    def __init__(self, precisions, switched: list):
+        self.precisions, self.switched = precisions, switched
+
+    @contextlib.contextmanager
+    def as_run(self):
+        """Within the block the run's own settings (TF32 if the run set it, its attention kernel); IEEE fp32 after."""
+        if self.precisions is None:  # `ieee_fp32(enabled=False)`: the run's settings throughout
+            yield
+            return
+        inside = _matmul_precisions()
+        _set_matmul_precisions(self.precisions)
+        for config, name in self.switched:
+            config._attn_implementation_internal = name
+        try:
+            yield
+        finally:
+            if self.switched:
+                self.switched[0][0]._attn_implementation = "sdpa"
+            _set_matmul_precisions(inside)
+
+    def wrap(self, fn: Callable) -> Callable:
+        """`fn` run under `as_run()` whenever it is called (a `HeadLogits` projection computed lazily)."""
+        def run(*args, **kwargs):
+            with self.as_run():
+                return fn(*args, **kwargs)
+
+        return run

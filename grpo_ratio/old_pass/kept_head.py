@@ -35,13 +35,20 @@ from .forward import patched_forward
 
 
 @contextlib.contextmanager
-def capture_last_hidden(model: nn.Module):
-    """Collect the decoder's last hidden state (b, P+T, H) of every forward within the block (one per chunk)."""
+def capture_last_hidden(model: nn.Module, on_chunk=None):
+    """Collect the decoder's last hidden state (b, P+T, H) of every forward within the block (one per chunk); with
+    `on_chunk`, hand each to `on_chunk(hidden)` as the decoder returns it instead (outside autocast, as after the
+    forward), keeping none: one chunk's hidden states alive at a time (`KeptSetChunks.add`, in no-grad passes)."""
     base = base_model(model)
     captured: list[torch.Tensor] = []
 
     def hook(module, args, output):
-        captured.append(output[0] if isinstance(output, tuple) else output.last_hidden_state)
+        hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
+        if on_chunk is None:
+            captured.append(hidden)
+            return
+        with torch.autocast(hidden.device.type, enabled=False):  # what the code after the forward runs under
+            on_chunk(hidden)
 
     handle = base.get_decoder().register_forward_hook(hook)
     try:
@@ -132,37 +139,71 @@ def is_zero3_partitioned(module: nn.Module) -> bool:
     return any(hasattr(p, "ds_id") for p in module.parameters())
 
 
-def kept_set_logps_of_chunks(model: nn.Module, hidden: list[torch.Tensor], input_ids: torch.Tensor,
-                             attention_mask: torch.Tensor, logits_to_keep: int, kept: KeptSets | SamplingSettings,
-                             temperature: float, fp32_head: bool, autocast_ctx,
-                             penalty: RepetitionPenalty | None = None) -> KeptLogprobs:
+class KeptSetChunks:
     """`kept_set_logps_from_hidden` over the forward chunks of one TRL call, one chunk at a time (as TRL's forward ran
     them), concatenated along rows: no tensor spans the whole generation batch's (B, T, H) hidden states, let alone
-    its (B, T, V) logits.
+    its (B, T, V) logits. `add` each chunk's (rows, P+T, H) last hidden state in row order, as it comes
+    (`capture_last_hidden(model, on_chunk=chunks.add)`: then no chunk's hidden state outlives its forward), then
+    `result()`.
 
     Args:
         model: the causal LM (unwrapped).
-        hidden: what `capture_last_hidden` collected: per forward chunk, in row order, (rows, P+T, H).
         input_ids, attention_mask: (B, P+T) of the call; `logits_to_keep`: T.
         kept: (B, T) kept sets, or the sampler's `SamplingSettings` (recomputed per chunk).
         temperature, fp32_head, autocast_ctx: as `kept_set_logps_from_hidden`.
         penalty: the sampler's repetition penalty over the B rows, or None.
+    """
+
+    def __init__(self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+                 kept: KeptSets | SamplingSettings, temperature: float, fp32_head: bool, autocast_ctx,
+                 penalty: RepetitionPenalty | None = None):
+        self.model, self.kept, self.penalty, self.T = model, kept, penalty, logits_to_keep
+        self.num_rows = input_ids.size(0)
+        self.tokens, self.mask = input_ids[:, -logits_to_keep:], attention_mask[:, -logits_to_keep:].bool()  # (B, T)
+        self.settings = (temperature, fp32_head, autocast_ctx)
+        self.parts: list[KeptLogprobs] = []
+        self.start = 0
+
+    def add(self, hidden: torch.Tensor) -> None:
+        """The kept-set log-probs of the next chunk's rows from its last hidden state (rows, P+T, H).
+
+        Raises:
+            ValueError: as `kept_set_logps_from_hidden`.
+        """
+        rows = slice(self.start, self.start + hidden.size(0))
+        self.start = rows.stop
+        T, (temperature, fp32_head, autocast_ctx) = self.T, self.settings
+        kept = self.kept if not isinstance(self.kept, KeptSets) else self.kept.select_rows(range(rows.start, rows.stop))
+        self.parts.append(kept_set_logps_from_hidden(
+            self.model, hidden[:, -T - 1:-1], self.tokens[rows], kept, temperature, fp32_head, autocast_ctx,
+            self.mask[rows], None if self.penalty is None else self.penalty.rows(rows)))  # the positions predicting T
+
+    def result(self) -> KeptLogprobs:
+        """`KeptLogprobs` (B, T) of the chunks added (`log_mass` unset).
+
+        Raises:
+            RuntimeError: the chunks do not add up to the call's B rows.
+        """
+        if self.start != self.num_rows:
+            raise RuntimeError(f"grpo_ratio: the forward's chunks cover {self.start} rows, the call has {self.num_rows}")
+        return concat_kept_logprobs(self.parts)
+
+
+def kept_set_logps_of_chunks(model: nn.Module, hidden: list[torch.Tensor], input_ids: torch.Tensor,
+                             attention_mask: torch.Tensor, logits_to_keep: int, kept: KeptSets | SamplingSettings,
+                             temperature: float, fp32_head: bool, autocast_ctx,
+                             penalty: RepetitionPenalty | None = None) -> KeptLogprobs:
+    """`KeptSetChunks` over hidden states already collected (`capture_last_hidden` without `on_chunk`: per forward
+    chunk, in row order, (rows, P+T, H)). Arguments as `KeptSetChunks`.
+
     Returns:
         `KeptLogprobs` (B, T) (`log_mass` unset).
     Raises:
         RuntimeError: the chunks do not add up to the call's B rows.
         ValueError: as `kept_set_logps_from_hidden`.
     """
-    T = logits_to_keep
-    tokens, mask = input_ids[:, -T:], attention_mask[:, -T:].bool()  # (B, T)
-    parts, start = [], 0
-    for h in hidden:  # (rows, P+T, H)
-        rows = slice(start, start + h.size(0))
-        start = rows.stop
-        rows_kept = kept if not isinstance(kept, KeptSets) else kept.select_rows(range(rows.start, rows.stop))
-        parts.append(kept_set_logps_from_hidden(
-            model, h[:, -T - 1:-1], tokens[rows], rows_kept, temperature, fp32_head, autocast_ctx, mask[rows],
-            None if penalty is None else penalty.rows(rows)))  # h[:, -T-1:-1]: the positions predicting the T tokens
-    if start != input_ids.size(0):
-        raise RuntimeError(f"grpo_ratio: the forward's chunks cover {start} rows, the call has {input_ids.size(0)}")
-    return concat_kept_logprobs(parts)
+    chunks = KeptSetChunks(model, input_ids, attention_mask, logits_to_keep, kept, temperature, fp32_head,
+                           autocast_ctx, penalty)
+    for h in hidden:
+        chunks.add(h)
+    return chunks.result()

@@ -47,6 +47,7 @@ from ..modes import MODES, PRECISION_MODES
 from .copies import COPY_STORAGES, ModuleCopy, PerLayerCast
 from .forward import (
     HeadInput,
+    RunSettings,
     capture_head,
     check_layer_indices,
     completion_logprobs_from_logits,  # noqa: F401 (re-exported: the full-logits reference of the tests)
@@ -148,7 +149,9 @@ class OldLogprobScorer:
     Copies are built lazily, only when the policy's weights are not already in the dtype a mode needs:
     `fp32_clone` on fp32 weights and `fp32_head`/`guided_fp32` on fp32 weights use no copy at all (they run the
     policy's own weights outside autocast); on bf16 weights they copy only the modules they upcast (or, for
-    `fp32_clone`, the whole model). `fp16_clone` uses an fp16 copy unless the weights are fp16.
+    `fp32_clone`, the whole model). `fp16_clone` uses an fp16 copy unless the weights are fp16; its fp32 re-run of
+    overflowing rows uses the policy's own weights when they are fp32, else per-layer fp32 casts (`PerLayerCast`:
+    no fp32 copy is kept), or, with PEFT adapters, a resident fp32 copy kept beside the fp16 one (one copy per dtype).
 
     Raises:
         ValueError: unknown mode, guided_fp32 without layers, layers with another mode, a layer index out of range,
@@ -179,9 +182,10 @@ class OldLogprobScorer:
         if spec.runs_fp32_modules:
             self._anatomy = model_anatomy(model)
             self.layers = layers
-        self._copies: dict[int, ModuleCopy] = {}  # id(source module) -> copy
+        self._copies: dict[tuple[int, torch.dtype], ModuleCopy] = {}  # (id(source module), dtype) -> copy
         self.route_hooks = route_hooks
         self._chunk_start = 0  # first row of the chunk being scored (the fp16 fallback's rows are the chunk's)
+        self._run_settings = RunSettings(None, [])  # the run's own matmul/attention settings, inside `score`
 
     # -- contexts --------------------------------------------------------------------------------------------------
 
@@ -200,8 +204,8 @@ class OldLogprobScorer:
         return self._per_layer[dtype]
 
     def _copy_of(self, module: nn.Module, dtype: torch.dtype, version: int, whole_model: bool = False) -> nn.Module:
-        key = id(module)
-        if key not in self._copies or self._copies[key].dtype != dtype:
+        key = (id(module), dtype)  # one copy per dtype: a copy of another dtype never replaces it
+        if key not in self._copies:
             self._copies[key] = ModuleCopy(module, dtype, whole_model=whole_model)
         copy = self._copies[key].get(version)
         self._attach_routes(copy, None if whole_model else module)
@@ -247,16 +251,19 @@ class OldLogprobScorer:
 
     # -- one chunk per mode ------------------------------------------------------------------------------------------
 
-    def _head_full(self, dtype: torch.dtype, run: Callable[[nn.Module], HeadInput], version) -> HeadInput:
+    def _head_full(self, dtype: torch.dtype, run: Callable[[nn.Module], HeadInput], version,
+                   fallback: bool = False) -> HeadInput:
         """Whole forward in `dtype` outside autocast: the policy itself when its weights are already `dtype`. `run`
-        runs one forward of the module it is given up to the LM head (`_forward`, `packed_head_input`)."""
+        runs one forward of the module it is given up to the LM head (`_forward`, `packed_head_input`). `fallback`:
+        the fp16 fallback's fp32 re-run of a few rows, which keeps no whole-model copy (a per-layer cast of the policy,
+        PEFT adapters merged layer by layer: bitwise the resident copy's numbers)."""
         if self.sharded is not None:
             with self.sharded.whole_model(dtype, version) as model, self._no_autocast():
                 self._attach_routes(model, None)
                 return run(model)
         if self.weight_dtype == dtype:
             model, casts = self.model, contextlib.nullcontext(self.model)
-        elif self.copy_storage == "per_layer":
+        elif self.copy_storage == "per_layer" or fallback:
             model, casts = self.model, self.per_layer_cast(dtype).active()
         else:
             model, casts = self._copy_of(self.model, dtype, version, True), contextlib.nullcontext()
@@ -355,7 +362,11 @@ class OldLogprobScorer:
         logps, n_fallback, logits = self._chunk_full(input_ids, attention_mask, logits_to_keep, temperature, version)
         full = None
         if compare_policy:  # both (b, T, V) distributions, `chunk_tokens` tokens at a time: neither is built whole
-            policy = self._head_as_trained(input_ids, attention_mask, logits_to_keep).logits()  # (b, T, V) HeadLogits
+            # the policy as it trains: the run's matmul precision (TF32 if set) and attention kernel, not the IEEE
+            # fp32 / sdpa this mode's pass runs under, for its forward and its head projection (computed lazily)
+            with self._run_settings.as_run():
+                policy = self._head_as_trained(input_ids, attention_mask, logits_to_keep).logits()  # (b, T, V)
+            policy = HeadLogits(policy.hidden, self._run_settings.wrap(policy.project), policy.shape[2], policy.params)
             full = full_vocab_divergence(policy, logits, temperature=temperature)
         if kept is None:
             return logps, n_fallback, None, full
@@ -386,7 +397,7 @@ class OldLogprobScorer:
         rows = bad.nonzero().squeeze(1) if n_bad else torch.zeros(1, dtype=torch.long, device=bad.device)
         with self._route_rows(rows):  # a replay session serves these rows their own routes
             head32 = self._head_full(torch.float32, lambda model: self._forward(
-                model, input_ids[rows], attention_mask[rows], logits_to_keep), version)
+                model, input_ids[rows], attention_mask[rows], logits_to_keep), version, fallback=True)
         if n_bad:
             logps[rows] = head32.logprobs(completion_ids[rows], temperature)
             logits = logits.with_rows(rows, head32.logits())  # the kept sets and divergences read these rows' too
@@ -420,7 +431,9 @@ class OldLogprobScorer:
                 renormalised over them (truncation correction) and the sets used.
             penalty: with `kept`, the sampler's repetition penalty over the same rows (`grpo_ratio.corrections.processors`),
                 re-applied before temperature and the kept set.
-            compare_policy: also run the policy's own forward on each chunk (training autocast) and return the exact
+            compare_policy: also run the policy's own forward on each chunk (training autocast, the run's own matmul
+                precision and attention kernel, as the training forward computes; eval mode: no dropout) and return the
+                exact
                 full-vocabulary divergences between the two distributions (`ScoreResult.full_vocab`; one more
                 forward per chunk).
         Returns:
@@ -431,7 +444,8 @@ class OldLogprobScorer:
         chunks, kept_chunks, full_chunks, fallback = [], [], [], 0
         sharding = contextlib.nullcontext() if self.sharded is None else self.sharded.scoring()
         deterministic = eval_mode(self.model) if not self.spec.trl_pass else contextlib.nullcontext()  # bf16: TRL's pass
-        with deterministic, sharding, ieee_fp32(not self.spec.trl_pass, None if self.spec.trl_layout else self.model):
+        with deterministic, sharding, ieee_fp32(not self.spec.trl_pass, None if self.spec.trl_layout else self.model
+                                                ) as self._run_settings:
             for start in range(0, input_ids.size(0), batch_size):
                 sl = slice(start, start + batch_size)
                 self._chunk_start = start
@@ -494,7 +508,9 @@ class OldLogprobScorer:
             logps = head.projection.logprobs(head.hidden[0, positions], targets, temperature)  # (M,)
             # fp16 overflow must never reach the ratio (one host read, fp16 only)
             if self.spec.overflows and not bool(torch.isfinite(logps).all()):
-                head = self._head_full(torch.float32, run, version)
+                # the fp32 re-run attends in fp32 too: TRL's flash-attn3 kernel refuses fp32 q/k/v
+                with contextlib.nullcontext() if fp32_attention else fp32_tree_attention():
+                    head = self._head_full(torch.float32, run, version, fallback=True)
                 logps = head.projection.logprobs(head.hidden[0, positions], targets, temperature)
             if kept is None:
                 return logps

@@ -126,9 +126,9 @@ def replica_scorer(model, weights: dict, mode: str, compute_dtype: torch.dtype, 
     scorer = OldLogprobScorer(low, mode, layers=layers, policy_autocast=policy_autocast)
     hi, lo = model_anatomy(fp32), model_anatomy(low)
     for i in list(scorer.layers):  # fp32 modules copied from the fp32 weights, not from their bf16 casts
-        scorer._copies[id(lo.layers[i])] = ModuleCopy(hi.layers[i], torch.float32)
-    scorer._copies[id(lo.norm)] = ModuleCopy(hi.norm, torch.float32)
-    scorer._copies[id(lo.head)] = ModuleCopy(hi.head, torch.float32)
+        scorer._copies[id(lo.layers[i]), torch.float32] = ModuleCopy(hi.layers[i], torch.float32)
+    scorer._copies[id(lo.norm), torch.float32] = ModuleCopy(hi.norm, torch.float32)
+    scorer._copies[id(lo.head), torch.float32] = ModuleCopy(hi.head, torch.float32)
     return scorer
 
 
