@@ -314,7 +314,7 @@ class RatioAsyncGRPOTrainer(AsyncGRPOTrainer):
             new = outputs.log_probs.flatten()[inputs["token_index"][selected]]  # (M,)
             prox = loglinear_proximal(behaviour, new, terms_staleness)
         segment_id = inputs["segment_id"][selected]  # (M,)
-        weights, _ = proximal_weights(prox, behaviour, segment_id, self.is_correction)  # (M,)
+        weights, _ = proximal_weights(prox, behaviour, segment_id, self.is_correction, advantages)  # (M,)
         old, adv = decoupled_inputs(inputs["old_log_probs"], inputs["advantages"], selected, prox, weights)
         rewritten = {**inputs, "old_log_probs": old, "advantages": adv}
         runner = model if outputs is None else _Replay(outputs)

@@ -30,6 +30,7 @@ from .corrections.decoupled import OBJECTIVES
 from .corrections.is_correction import PRESETS, resolve_correction
 from .corrections.kept_sets import SamplingSettings
 from .corrections.processors import MASKS, MODELLED, NO_EFFECT, PROCESSORS, VLLM_PROCESSORS, Processor
+from .corrections.trust_region import TRUST_REGIONS
 from .diagnostics.gate import training_checks
 from .machine import cpu_has_native_bf16
 from .modes import (
@@ -110,6 +111,7 @@ def check_config(args) -> None:
         raise ValueError(f"clip_flip_every must be an integer >= 0 (0 = never), got {args.clip_flip_every!r}")
     _check_truncation(args)
     _check_is_correction(args)  # before _check_sampler_mode, which may turn TRL's vLLM correction off
+    _check_trust_region(args)
     _check_sampler_mode(args)
     _check_routing_replay(args)
     _check_gate(args)
@@ -312,6 +314,39 @@ def _check_is_correction(args) -> None:
     if trl_field(args, "loss_type") == "vespo" and spec.sequence_level:
         raise ValueError(f"{name} is sequence-level ({spec}); loss_type='vespo' needs a token-level weight, as "
                          f"TRL requires token_* modes for VESPO")
+
+
+def _check_trust_region(args) -> None:
+    """`trust_region` (+ `trust_region_low` / `_high`): DPPO's mask on the policy loss
+    (`grpo_ratio.corrections.trust_region`).
+
+    Raises:
+        ValueError: an unknown value (the allowed ones named); a bound without `trust_region`, or <= 0; on RLOO (its
+            ratio is per sequence); with `loss_type="vespo"` (TRL applies no per-token factor there) or
+            `importance_sampling_level="sequence"` (DPPO's mask is per token).
+    """
+    kind = getattr(args, "trust_region", None)
+    bounds = {f: getattr(args, f, None) for f in ("trust_region_low", "trust_region_high")}
+    if kind is None:
+        given = [f for f, v in bounds.items() if v is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} only {'applies' if len(given) == 1 else 'apply'} with trust_region "
+                             f"set (one of {', '.join(TRUST_REGIONS)})")
+        return
+    if kind not in TRUST_REGIONS:
+        raise ValueError(f"trust_region={kind!r} is not allowed; allowed: {', '.join(TRUST_REGIONS)} (or unset)")
+    for name, value in bounds.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+            raise ValueError(f"{name} must be a number > 0, got {value!r}")
+    if is_rloo(args):
+        raise ValueError(f"trust_region={kind!r} masks per token, but RLOO's ratio and clip are per sequence; on RLOO "
+                         f"use a sequence-level is_correction rejection (docs/rloo.md)")
+    if trl_field(args, "loss_type") == "vespo":
+        raise ValueError(f"trust_region={kind!r} reaches TRL's loss as a per-token factor, which loss_type='vespo' "
+                         f"does not apply; use loss_type='cispo' (verl's DPPO loss) or a clipped loss type")
+    if trl_field(args, "importance_sampling_level") == "sequence":
+        raise ValueError(f"trust_region={kind!r} is a per-token mask, but importance_sampling_level='sequence'; use "
+                         f"'token'")
 
 
 def _check_gate(args) -> None:

@@ -33,6 +33,7 @@ _NEW_OLD = {
     "kl_k1": ("`actor/ppo_kl` (every inner step); slime `train/ppo_kl`", _, _, _),
     "kl_k2": (_, _, _, _),
     "kl_k3": (_, _, _, _),
+    "kl_k3_clamped": (_, _, _, _),
     "chi2_token": (_, _, _, _),
     "log_ppl_diff": (_, _, _, _),
     "log_ppl_abs_diff": (_, _, _, _),
@@ -57,6 +58,7 @@ _OLD_SAMPLER = {
     "kl_k1": (f"`{RC}kl`", _, _, _),
     "kl_k2": (f"`{RC}rollout_rs_token_k2_mean` (with that rule on)", _, _, _),
     "kl_k3": (f"`{RC}k3_kl`", _, "`mismatch_kl/all`", "`gen_kl_error`"),
+    "kl_k3_clamped": (_, _, _, _),  # miles `train_rollout_kl` (PR #1067; the ratio taken q/p): see docs/metrics.md
     "chi2_token": (f"`{RC}chi2_token`", _, _, _),
     "log_ppl_diff": (f"`{RC}log_ppl_diff`", _, _, _),
     "log_ppl_abs_diff": (f"`{RC}log_ppl_abs_diff`", _, _, _),
@@ -90,6 +92,8 @@ _SINGLE = {
     keys.FULL_KL: (_, _, _, _),  # no peer logs a full-vocabulary divergence (SkyRL#2201 asks for one)
     keys.FULL_REVERSE_KL: (_, _, _, _),
     keys.FULL_TV: (_, _, _, _),
+    keys.TRUST_REGION_MASKED_FRAC: ("`actor/pg_clipfrac` (dppo_tv / dppo_kl: the masked share)", _,
+                                    "`is_masked` (its DPPO mask, against the sampler)", _),
 }
 
 

@@ -78,6 +78,7 @@ MISMATCH_STATS = {
     "kl_k1": "k1 estimate of KL(q||p), mean over valid tokens of -log r",
     "kl_k2": "k2 estimate, mean of (log r)^2 / 2",
     "kl_k3": "k3 estimate of KL(q||p), mean of r - 1 - log r",
+    "kl_k3_clamped": "outlier-robust k3: mean of min(r - 1 - log r, 10), each token's k3 clamped (miles)",
     "chi2_token": "token chi-square, mean of r^2 minus 1",
     "log_ppl_diff": "log PPL_p - log PPL_q per sequence, averaged over sequences",
     "log_ppl_abs_diff": "the same, absolute value per sequence",
@@ -115,6 +116,7 @@ IS_WEIGHT_RAW_P99 = f"{PREFIX}/is_weight_raw/p99"
 FULL_KL = f"{NEW_OLD.prefix}/full_kl"
 FULL_REVERSE_KL = f"{NEW_OLD.prefix}/full_reverse_kl"
 FULL_TV = f"{NEW_OLD.prefix}/full_tv"
+TRUST_REGION_MASKED_FRAC = f"{PREFIX}/trust_region_masked_frac"
 
 _IS_LOSS = "is_correction, or lift_sampler with vLLM's IS correction"
 _IS_ANY = "an IS weight in the loss (vLLM's correction, or is_correction)"
@@ -152,6 +154,8 @@ SINGLE_KEYS = {
     FULL_REVERSE_KL: KeyInfo("ratio_full_vocab with a scoring mode", "exact KL(policy||old), mean over valid tokens"),
     FULL_TV: KeyInfo("ratio_full_vocab with a scoring mode", "exact total variation between the two, mean over valid "
                      "tokens"),
+    TRUST_REGION_MASKED_FRAC: KeyInfo("trust_region set (GRPO)", "share of valid tokens DPPO's divergence mask took "
+                                      "out of the policy loss, over every micro-batch of the update"),
 }
 
 # the mismatch units of NEW_OLD and OLD_SAMPLER, present with their family

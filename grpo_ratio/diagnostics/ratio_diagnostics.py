@@ -180,7 +180,8 @@ class RatioDiagnostics:
         self.old_sampler.update(raw, has_sampler)
         self.old_sampler_units.update(raw, mask)  # NaN sampler log-probs are left out there too
         if "importance_sampling_ratio" in inputs:  # the weight as the loss got it, from the same log-probs (rows whole)
-            weights = importance_weights(old - sampler, mask, self.is_correction)
+            weights = importance_weights(old - sampler, mask, self.is_correction, sampler_logps=sampler,
+                                         advantages=inputs["advantages"])
             stats = ISWeightStats.of(self.is_correction).update(weights)
             self.is_stats = stats if self.is_stats is None else self.is_stats.merge(stats)
 
