@@ -107,6 +107,11 @@ def check_config(args) -> None:
     for name in ("record_sampler_logprobs", "sampler_logprobs_in_loss", "ratio_diagnostics", "ratio_full_vocab"):
         if not isinstance(getattr(args, name), bool):
             raise ValueError(f"{name} must be True or False, got {getattr(args, name)!r}")
+    if not isinstance(getattr(args, "ratio_by_position", False), bool):
+        raise ValueError(f"ratio_by_position must be True or False, got {args.ratio_by_position!r}")
+    if getattr(args, "ratio_by_position", False) and not args.ratio_diagnostics:
+        raise ValueError("ratio_by_position=True adds to the ratio diagnostics, but ratio_diagnostics=False; set "
+                         "ratio_diagnostics=True or unset ratio_by_position")
     if isinstance(args.clip_flip_every, bool) or not isinstance(args.clip_flip_every, int) or args.clip_flip_every < 0:
         raise ValueError(f"clip_flip_every must be an integer >= 0 (0 = never), got {args.clip_flip_every!r}")
     _check_truncation(args)

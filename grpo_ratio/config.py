@@ -111,6 +111,9 @@ class RatioFields:
     clip_flip_every (`int`, *optional*, defaults to `1`):
         Compute `ratio/clip_flip_rate` on every N-th optimizer update (0 = never: the metric is absent). It needs the
         policy's own log-probs, which at the first inner step are the training forward's: no extra pass.
+    ratio_by_position (`bool`, *optional*, defaults to `False`):
+        Also log the gap by completion position and each sequence's log-ratio split into bias and noise
+        (`ratio/by_position/*`, docs/metrics.md).
     ratio_full_vocab (`bool`, *optional*, defaults to `False`):
         With a scoring mode (`fp32_clone`, `fp16_clone`, `fp32_head`, `guided_fp32`): also log the exact
         full-vocabulary KL and total variation between the mode's old distribution and the policy's own at its
@@ -299,6 +302,14 @@ class RatioFields:
         metadata={"help": "With a scoring mode (not bf16 or sampler): log ratio/new_old/full_kl, full_reverse_kl and "
                   "full_tv, the exact full-vocabulary divergences between the mode's old distribution and the "
                   "policy's own at training precision (one more policy forward per old pass)."},
+    )
+    ratio_by_position: bool = field(
+        default=False,
+        metadata={"help": "Also log, for new/old and old/sampler, the gap per completion-position bucket (1, 2, 4, 8, "
+                  "... : positions P to 2P-1; tokens, mean |log r|, k3) and each sequence's log-ratio sum split into "
+                  "its per-token mean (bias, which adds up with length) and its spread (noise, which grows as the "
+                  "square root), as ratio/by_position/* (docs/metrics.md). Needs ratio_diagnostics. Off: no key, no "
+                  "cost; on: a few sums per micro-batch on the device, one read per optimizer update."},
     )
     ratio_attribution: str | None = field(
         default=None,

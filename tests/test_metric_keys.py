@@ -55,9 +55,11 @@ def test_the_table_and_the_docs_list_the_same_keys():
     documented, families = _documented()
     assert set(keys.TABLE) - documented == set()
     assert documented - set(keys.TABLE) == set()
-    assert families == {f.prefix for f in keys.FAMILIES} | {keys.ROUTE_PREFIX, keys.ATTRIBUTION_PREFIX}
+    assert families == {f.prefix for f in keys.FAMILIES} | {keys.ROUTE_PREFIX, keys.ATTRIBUTION_PREFIX,
+                        keys.BY_POSITION_PREFIX}
     assert len(keys.TABLE) == (3 * len(keys.FAMILY_STATS) + 2 * len(keys.MISMATCH_STATS) + len(keys.SINGLE_KEYS)
-                               + len(keys.ROUTE_KEYS) + len(keys.ATTRIBUTION_KEYS)) == 71 + 17
+                               + len(keys.ROUTE_KEYS) + len(keys.ATTRIBUTION_KEYS)
+                               + len(keys.BY_POSITION_SEQ_KEYS)) == 71 + 17 + 12
 
 
 def test_route_keys_of_an_moe_run_are_in_the_table_and_the_docs(tmp_path):

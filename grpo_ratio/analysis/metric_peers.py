@@ -121,6 +121,8 @@ PEERS: dict[str, tuple[str, str, str, str]] = {
     # no peer splits the mismatch into causes per step (the batch-logprob-gap report and Hugging Face's write-up do
     # it offline)
     **{key: (_, _, _, _) for key in keys.ATTRIBUTION_KEYS},
+    # no peer logs the gap by position or a bias/noise split (tunix PR #2129 is a work in progress, with no key yet)
+    **{key: (_, _, _, _) for key in keys.BY_POSITION_SEQ_KEYS},
 }
 
 
