@@ -299,3 +299,20 @@ def test_sequence_rules_on_the_new_metrics_train_rloo(tmp_path, monkeypatch):
         # the directional rule drops exactly the rows whose advantage is negative (sum log r < 0): A < 0
         rejected = expected.squeeze(1) == 0
         assert rejected.tolist() == (inputs["advantages"] < 0).tolist() and rejected.any()
+
+
+def test_the_async_proximal_weight_takes_the_new_rules():
+    # RatioAsyncGRPOTrainer's behaviour -> proximal weight on packed terms: the Bernoulli and directional rules see
+    # the behaviour log-probs and each term's advantage, laid out per sample as importance_weights sees rows
+    from grpo_ratio.corrections.decoupled import proximal_weights
+
+    segment = torch.tensor([0, 0, 0, 0, 1, 1, 1])  # two samples, 4 and 3 terms
+    prox = torch.cat([LOG_P[0], LOG_P[1, :3]])  # (7,)
+    behaviour = torch.cat([LOG_Q[0], LOG_Q[1, :3]])
+    adv = torch.cat([A_TOKEN[0], A_TOKEN[1, :3]])
+    for name in ("dppo_tv_mask", "dppo_kl_mask", "kpop"):
+        weights, result = proximal_weights(prox, behaviour, segment, preset(name), adv)
+        rows = importance_weights(LOG_RATIO[:, :4], MASK[:, :4], preset(name), LOG_Q[:, :4], A_TOKEN[:, :4])
+        torch.testing.assert_close(weights, rows.weights[MASK[:, :4]], rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="advantage-conditioned"):
+        proximal_weights(prox, behaviour, segment, preset("dppo_tv_mask"))
