@@ -51,7 +51,7 @@ RUN_FIELDS = ("old_logprob_mode", "guided_fp32_layers", "truncation_correction",
               "num_iterations", "disable_dropout", "mask_truncated_completions", "max_completion_length",
               "ratio_diagnostics", "learning_rate", "max_steps", "per_device_train_batch_size", "num_generations",
               "routing_replay", "ratio_attribution", "is_correction", "async_objective", "max_staleness",
-              "trl_trainer")
+              "trl_trainer", "trust_region", "ratio_by_position")
 
 
 def run_config(args) -> dict:
