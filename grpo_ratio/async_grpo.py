@@ -327,7 +327,7 @@ class RatioAsyncGRPOTrainer(AsyncGRPOTrainer):
             untagged = (terms_staleness < 0).sum()  # on the device: refused at log time (`log`), no sync here
             self._untagged_terms = untagged if self._untagged_terms is None else self._untagged_terms + untagged
         segment_id = inputs["segment_id"][selected]  # (M,)
-        weights, _ = proximal_weights(prox, behaviour, segment_id, self.is_correction)  # (M,)
+        weights, _ = proximal_weights(prox, behaviour, segment_id, self.is_correction, advantages)  # (M,)
         old, adv = decoupled_inputs(inputs["old_log_probs"], inputs["advantages"], selected, prox, weights)
         rewritten = {**inputs, "old_log_probs": old, "advantages": adv}
         runner = model if outputs is None else _Replay(outputs)

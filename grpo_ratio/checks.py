@@ -33,6 +33,7 @@ from .corrections.decoupled import OBJECTIVES
 from .corrections.is_correction import PRESETS, resolve_correction
 from .corrections.kept_sets import SamplingSettings
 from .corrections.processors import MASKS, MODELLED, NO_EFFECT, PROCESSORS, VLLM_PROCESSORS, Processor
+from .corrections.trust_region import TRUST_REGIONS
 from .diagnostics.gate import training_checks
 from .machine import cpu_has_native_bf16
 from .modes import (
@@ -136,7 +137,7 @@ def check_config(args) -> None:
         _check_choices, _check_sampling_fields, _check_vllm_engine, _check_copy_storage, _resolve_guided_layers,
         _check_band, _check_switches, _check_truncation,
         _check_is_correction,  # before _check_sampler_mode, which may turn TRL's vLLM correction off
-        _check_sampler_mode, _check_routing_replay, _check_gate, _check_attribution, _check_sampler_logprobs))
+        _check_trust_region, _check_sampler_mode, _check_routing_replay, _check_gate, _check_attribution, _check_sampler_logprobs))
 
 
 def _not_allowed(name: str, value, allowed) -> str:
@@ -177,7 +178,11 @@ def _check_switches(args) -> None:
     """The new booleans, `clip_flip_every`, and `ratio_full_vocab` against the mode. Raises Problems."""
     problems = [f"{name} must be True or False, got {getattr(args, name)!r}"
                 for name in ("record_sampler_logprobs", "sampler_logprobs_in_loss", "ratio_diagnostics",
-                             "ratio_full_vocab") if not isinstance(getattr(args, name), bool)]
+                             "ratio_full_vocab", "ratio_by_position")
+                if not isinstance(getattr(args, name, False), bool)]
+    if getattr(args, "ratio_by_position", False) is True and args.ratio_diagnostics is False:
+        problems.append("ratio_by_position=True adds to the ratio diagnostics, but ratio_diagnostics=False; set "
+                        "ratio_diagnostics=True or unset ratio_by_position")
     if isinstance(args.clip_flip_every, bool) or not isinstance(args.clip_flip_every, int) or args.clip_flip_every < 0:
         problems.append(f"clip_flip_every must be an integer >= 0 (0 = never), got {args.clip_flip_every!r}")
     if args.ratio_full_vocab is True and args.old_logprob_mode not in SCORER_MODES:
@@ -428,6 +433,39 @@ def _check_is_correction(args) -> None:
     if trl_field(args, "loss_type") == "vespo" and spec.sequence_level:
         raise ValueError(f"{name} is sequence-level ({spec}); loss_type='vespo' needs a token-level weight, as "
                          f"TRL requires token_* modes for VESPO")
+
+
+def _check_trust_region(args) -> None:
+    """`trust_region` (+ `trust_region_low` / `_high`): DPPO's mask on the policy loss
+    (`grpo_ratio.corrections.trust_region`).
+
+    Raises:
+        ValueError: an unknown value (the allowed ones named); a bound without `trust_region`, or <= 0; on RLOO (its
+            ratio is per sequence); with `loss_type="vespo"` (TRL applies no per-token factor there) or
+            `importance_sampling_level="sequence"` (DPPO's mask is per token).
+    """
+    kind = getattr(args, "trust_region", None)
+    bounds = {f: getattr(args, f, None) for f in ("trust_region_low", "trust_region_high")}
+    if kind is None:
+        given = [f for f, v in bounds.items() if v is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} only {'applies' if len(given) == 1 else 'apply'} with trust_region "
+                             f"set (one of {', '.join(TRUST_REGIONS)})")
+        return
+    if kind not in TRUST_REGIONS:
+        raise ValueError(f"trust_region={kind!r} is not allowed; allowed: {', '.join(TRUST_REGIONS)} (or unset)")
+    for name, value in bounds.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+            raise ValueError(f"{name} must be a number > 0, got {value!r}")
+    if is_rloo(args):
+        raise ValueError(f"trust_region={kind!r} masks per token, but RLOO's ratio and clip are per sequence; on RLOO "
+                         f"use a sequence-level is_correction rejection (docs/rloo.md)")
+    if trl_field(args, "loss_type") == "vespo":
+        raise ValueError(f"trust_region={kind!r} reaches TRL's loss as a per-token factor, which loss_type='vespo' "
+                         f"does not apply; use loss_type='cispo' (verl's DPPO loss) or a clipped loss type")
+    if trl_field(args, "importance_sampling_level") == "sequence":
+        raise ValueError(f"trust_region={kind!r} is a per-token mask, but importance_sampling_level='sequence'; use "
+                         f"'token'")
 
 
 def _check_gate(args) -> None:

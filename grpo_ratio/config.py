@@ -21,6 +21,7 @@ from .checks import (  # noqa: F401
     check_trl_fields,
 )
 from .corrections.is_correction import ACTIONS, LEVELS, PRESETS, REJECTION_METRICS
+from .corrections.trust_region import TRUST_REGIONS
 from .diagnostics.gate import GATE_ACTIONS
 from .modes import COPY_MODES, PRECISION_MODES, SAMPLER_MODE, SCORER_MODES, SCORING_MODES, TRL_MODE  # noqa: F401
 from .old_pass.copies import COPY_STORAGES
@@ -163,6 +164,9 @@ class RatioFields(KnownFields):
         `"custom"` only: comma-separated rejection rules, `"seq_mean_k3<=0.01, 0.999<=seq_mean_ratio<=1.002"`.
     is_correction_veto (`float`, *optional*):
         `"custom"` only: reject a sequence holding a token with ratio below it (0 < veto < 1).
+    trust_region / trust_region_low / trust_region_high (*optional*):
+        DPPO's divergence mask on the policy loss (`"dppo_tv"`, `"dppo_kl"`) and its bounds
+        (`grpo_ratio.corrections.trust_region`, docs/corrections.md). Unset: TRL's loss, bit for bit.
 
     > Parameters that control the ratio diagnostics
 
@@ -173,6 +177,9 @@ class RatioFields(KnownFields):
     clip_flip_every (`int`, *optional*, defaults to `1`):
         Compute `ratio/clip_flip_rate` on every N-th optimizer update (0 = never: the metric is absent). It needs the
         policy's own log-probs, which at the first inner step are the training forward's: no extra pass.
+    ratio_by_position (`bool`, *optional*, defaults to `False`):
+        Also log the gap by completion position and each sequence's log-ratio split into bias and noise
+        (`ratio/by_position/*`, docs/metrics.md).
     ratio_full_vocab (`bool`, *optional*, defaults to `False`):
         With a scoring mode (`fp32_clone`, `fp16_clone`, `fp32_head`, `guided_fp32`): also log the exact
         full-vocabulary KL and total variation between the mode's old distribution and the policy's own at its
@@ -341,11 +348,39 @@ class RatioFields(KnownFields):
         metadata={"help": "is_correction='custom': reject every sequence holding a token whose ratio is below this "
                   "(0 < veto < 1; verl's token veto, slime rs_veto_threshold)."},
     )
+    trust_region: str | None = field(
+        default=None,
+        metadata={"help": "DPPO's trust region on the divergence (arXiv 2602.04879; verl dppo_tv / dppo_kl): each "
+                  "token's policy-loss term is masked once p - p_old ('dppo_tv') or the Bernoulli KL(p_old||p) "
+                  "('dppo_kl') leaves trust_region_low/high on the side its advantage pushes (p_old: the old "
+                  "log-probs). With loss_type='cispo' this is verl's DPPO loss (epsilon_high its ratio cap); with "
+                  "the clipped loss types the mask applies on top of TRL's clip. GRPO only; not with "
+                  "loss_type='vespo' or importance_sampling_level='sequence'. Unset: TRL's loss, bit for bit.",
+                  "choices": list(TRUST_REGIONS)},
+    )
+    trust_region_low: float | None = field(
+        default=None,
+        metadata={"help": "trust_region: the bound for tokens with A <= 0 (> 0); unset: 0.15 for dppo_tv, 0.05 for "
+                  "dppo_kl (verl's DPPO examples)."},
+    )
+    trust_region_high: float | None = field(
+        default=None,
+        metadata={"help": "trust_region: the bound for tokens with A > 0 (> 0); unset: 0.15 for dppo_tv, 0.05 for "
+                  "dppo_kl (verl's DPPO examples)."},
+    )
     ratio_full_vocab: bool = field(
         default=False,
         metadata={"help": "With a scoring mode (not bf16 or sampler): log ratio/new_old/full_kl, full_reverse_kl and "
                   "full_tv, the exact full-vocabulary divergences between the mode's old distribution and the "
                   "policy's own at training precision (one more policy forward per old pass)."},
+    )
+    ratio_by_position: bool = field(
+        default=False,
+        metadata={"help": "Also log, for new/old and old/sampler, the gap per completion-position bucket (1, 2, 4, 8, "
+                  "... : positions P to 2P-1; tokens, mean |log r|, k3) and each sequence's log-ratio sum split into "
+                  "its per-token mean (bias, which adds up with length) and its spread (noise, which grows as the "
+                  "square root), as ratio/by_position/* (docs/metrics.md). Needs ratio_diagnostics. Off: no key, no "
+                  "cost; on: a few sums per micro-batch on the device, one read per optimizer update."},
     )
     ratio_attribution: str | None = field(
         default=None,

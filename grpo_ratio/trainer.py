@@ -49,9 +49,11 @@ from .config import RatioGRPOConfig
 from .corrections.is_correction import importance_weights
 from .corrections.kept_logprobs import lift_sampler_logprobs
 from .corrections.processors import RepetitionPenalty
+from .corrections.trust_region import trust_region_mask
 from .diagnostics.attribution import AttributionReference, row_positions, sample_rows
 from .diagnostics.console import quiet_console
 from .diagnostics.gate_callback import RatioGateCallback
+from .diagnostics.metric_keys import TRUST_REGION_MASKED_FRAC
 from .diagnostics.ratio_diagnostics import FULL_VOCAB_KEYS, RatioDiagnostics
 from .diagnostics.ratios import importance_sampling_weights
 from .diagnostics.run_record_callback import RunRecordCallback
@@ -149,6 +151,7 @@ class RatioHooks:
         self._generations: dict[str, GenerationRecord] = {}
         self._micro_batch: MicroBatchRecord | None = None
         self._warned_unrecorded = False  # one warning for generate calls the recorder did not see
+        self._trust_region_counts = None  # trust_region: (masked, valid) tokens of this update, on the device
 
     # ------------------------------------------------------------------------------------------------------------
     # setup checks
@@ -405,7 +408,8 @@ class RatioHooks:
         key = sampler_logps_key(output)
         mask = output["completion_mask"].bool()  # (B, T)
         mask = mask if "tool_mask" not in output else mask & output["tool_mask"].bool()
-        weights = importance_weights(output["old_per_token_logps"] - output[key], mask, self.plan.is_correction)
+        weights = importance_weights(output["old_per_token_logps"] - output[key], mask, self.plan.is_correction,
+                                     sampler_logps=output[key], advantages=output["advantages"])
         output["importance_sampling_ratio"] = weights.weights  # (B, T), or (B, 1) when sequence-level
         self._log_is_weights(generation.mode, weights.weights, mask)  # TRL's sampling/importance_sampling_ratio/*
 
@@ -473,6 +477,8 @@ class RatioHooks:
             generation.old_logps = logps
         if micro_batch is not None:
             self._keep_training_forward(micro_batch, logps, on_kept, generation)
+        if micro_batch is not None and self.args.trust_region is not None:  # read by TRL after this call returns
+            self._trust_region(micro_batch.inputs, logps)
         return logps, entropies, aux
 
     def _routes(self, generation, micro_batch, attention_mask, logits_to_keep: int, old_pass: bool):
@@ -582,17 +588,55 @@ class RatioHooks:
     # one loss micro-batch: diagnostics at the first inner step
 
     def _compute_loss(self, model, inputs):
+        trust = self.args.trust_region is not None
+        if trust:  # the mask joins this micro-batch's own dict, never TRL's buffered batch (reused across iterations)
+            inputs = dict(inputs)
+            had_weight, weight = "importance_sampling_ratio" in inputs, inputs.get("importance_sampling_ratio")
         micro_batch = self._micro_batch = MicroBatchRecord(inputs=inputs)
         try:
-            # is_correction on `generate`: TRL's own multiplication applies our weight (grpo_ratio._compat)
-            weighs = self.plan.weights_is and "importance_sampling_ratio" in inputs
+            # is_correction on `generate`, or trust_region: TRL's own multiplication applies our factor
+            # (grpo_ratio._compat); a weight already in the batch is one TRL applies (vLLM's) or ours (is_correction)
+            weighs = (self.plan.weights_is and "importance_sampling_ratio" in inputs) or trust
             with self._is_weight_gate(inputs) if weighs else contextlib.nullcontext():
                 loss = super()._compute_loss(model, inputs)
         finally:
             self._micro_batch = None
+            if trust:  # the diagnostics read the batch's IS weight, not the mask
+                if had_weight:
+                    inputs["importance_sampling_ratio"] = weight
+                else:
+                    inputs.pop("importance_sampling_ratio", None)
+        if trust and self.model.training:
+            self._flush_trust_region()
         if self.diagnostics is not None and self.model.training:
             self._update_diagnostics(micro_batch)
         return loss
+
+    def _trust_region(self, inputs: dict, logps: torch.Tensor) -> None:
+        """`trust_region`: DPPO's mask of this micro-batch's tokens (`corrections.trust_region`), from the training
+        forward's log-probs (B, T) against the batch's old log-probs (the forward's own where TRL kept none: the
+        on-policy default, where the mask keeps every token), put into the per-token factor TRL's `_compute_loss`
+        multiplies its loss by (times any IS weight already there); the masked share is counted on the device."""
+        old = inputs.get("old_per_token_logps")
+        old = logps.detach() if old is None else old
+        keep = trust_region_mask(logps, old, inputs["advantages"], self.args.trust_region,
+                                 self.args.trust_region_low, self.args.trust_region_high)  # (B, T) fp32
+        weight = inputs.get("importance_sampling_ratio")  # (B, T) or (B, 1)
+        inputs["importance_sampling_ratio"] = keep if weight is None else weight * keep
+        if self.model.training:
+            valid = inputs["completion_mask"].bool()  # (B, T)
+            valid = valid if "tool_mask" not in inputs else valid & inputs["tool_mask"].bool()
+            counts = torch.stack([(valid & (keep == 0)).sum(), valid.sum()]).double()  # (2,)
+            self._trust_region_counts = counts if self._trust_region_counts is None else self._trust_region_counts + counts
+
+    def _flush_trust_region(self) -> None:
+        """At the last micro-step of an update: `ratio/trust_region_masked_frac` (one read per optimizer step)."""
+        if (self._step + 1) % self.current_gradient_accumulation_steps != 0 or self._trust_region_counts is None:
+            return
+        masked, total = self.accelerator.reduce(self._trust_region_counts, "sum").tolist()
+        self._trust_region_counts = None
+        if total > 0:
+            self._metrics["train"][TRUST_REGION_MASKED_FRAC].append(masked / total)
 
     def _update_diagnostics(self, micro_batch: MicroBatchRecord) -> None:
         if self._first_inner_step() and micro_batch.train_logps is not None:

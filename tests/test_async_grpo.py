@@ -572,3 +572,19 @@ def test_the_bf16_proximal_pass_runs_in_eval_mode_like_the_precision_modes(model
     assert seen == [False, True]  # the proximal pass in eval mode, the training forward in train mode
     assert trainer.model.training and layer.training
     assert torch.equal(prox, own.detach())
+
+
+@pytest.mark.parametrize("name", ["dppo_tv_mask", "kpop"])
+def test_the_divergence_presets_train_the_decoupled_objective(model_dir, tmp_path, name):
+    """The Bernoulli-divergence presets (issue 43: prime-rl's directional binary-TV mask, AReaL's KPop) on the
+    behaviour -> proximal weight: two steps through the real queue, loss finite, the weight is the preset's."""
+    samples = samples_of(shift=-0.2)
+    trainer = make_trainer(model_dir, tmp_path, samples=samples, staleness=(0, 1, 2, 1), max_steps=2,
+                           async_objective="decoupled", is_correction=name)
+    assert trainer.is_correction == preset(name)
+    with async_grpo_on_cpu():
+        trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2 and all(math.isfinite(h["loss"]) for h in logs)
+    weights = [h[k] for h in logs for k in h if k.endswith("/is_weight_mean")]
+    assert weights and all(0.0 <= w < 10 for w in weights)

@@ -132,7 +132,8 @@ def test_sequence_level_correction_keeps_trls_b1_shape_and_rejects_whole_rows():
 def test_all_masked_batch_is_finite():
     empty = torch.zeros(2, 3, dtype=torch.bool)
     for name in PRESETS:
-        got = importance_weights(torch.full((2, 3), 50.0), empty, preset(name))
+        got = importance_weights(torch.full((2, 3), 50.0), empty, preset(name), torch.full((2, 3), -1.0),
+                                 torch.ones(2))
         assert torch.isfinite(got.weights).all() and (got.weights == 1).all(), name
         assert not (got.truncated | got.masked | got.rejected).any()
 
@@ -140,7 +141,8 @@ def test_all_masked_batch_is_finite():
 def test_presets_are_valid_and_sourced():
     for name, entry in PRESETS.items():
         assert entry.source and isinstance(entry.correction, ISCorrection), name
-        got = importance_weights(LOG_RATIO, MASK, entry.correction)
+        got = importance_weights(LOG_RATIO, MASK, entry.correction, torch.full_like(LOG_RATIO, -1.0),
+                                 torch.ones(LOG_RATIO.size(0)))
         assert torch.isfinite(got.weights).all(), name
     # verl decoupled_geo_rs: reject rows whose mean k1 leaves [log 0.999, log 1.001]; row 2's mean log r is 0.0049
     rejected = importance_weights(LOG_RATIO, MASK, preset("geo_rs")).rejected

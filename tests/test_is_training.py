@@ -70,7 +70,7 @@ def test_each_setting_trains_on_generate_and_the_loss_uses_its_weight(tmp_path, 
         mask = inputs["completion_mask"].bool()
         # direct computation from the batch's own log-probs: old (TRL-chunked old pass) minus the recorded sampler's
         expected = importance_weights(inputs["old_per_token_logps"] - inputs["sampler_per_token_logps"], mask,
-                                      correction).weights
+                                      correction, inputs["sampler_per_token_logps"], inputs["advantages"]).weights
         got = inputs["importance_sampling_ratio"]
         assert got.shape == ((4, 1) if correction.sequence_level else (4, 8))
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)

@@ -55,9 +55,11 @@ def test_the_table_and_the_docs_list_the_same_keys():
     documented, families = _documented()
     assert set(keys.TABLE) - documented == set()
     assert documented - set(keys.TABLE) == set()
-    assert families == {f.prefix for f in keys.FAMILIES} | {keys.ROUTE_PREFIX, keys.ATTRIBUTION_PREFIX}
+    assert families == {f.prefix for f in keys.FAMILIES} | {keys.ROUTE_PREFIX, keys.ATTRIBUTION_PREFIX,
+                        keys.BY_POSITION_PREFIX}
     assert len(keys.TABLE) == (3 * len(keys.FAMILY_STATS) + 2 * len(keys.MISMATCH_STATS) + len(keys.SINGLE_KEYS)
-                               + len(keys.ROUTE_KEYS) + len(keys.ATTRIBUTION_KEYS)) == 69 + 20
+                               + len(keys.ROUTE_KEYS) + len(keys.ATTRIBUTION_KEYS)
+                               + len(keys.BY_POSITION_SEQ_KEYS)) == 72 + 20 + 12
 
 
 def test_route_keys_of_an_moe_run_are_in_the_table_and_the_docs(tmp_path):
@@ -79,3 +81,20 @@ def test_every_key_has_its_row_of_peer_keys():
 
     assert set(PEERS) == set(keys.TABLE)
     assert all(len(row) == 4 and all(cell for cell in row) for row in PEERS.values())
+
+
+def test_trl_pr_5243_names_are_the_nearest_trl_keys():
+    # TRL PR #5243 (open): sampling/raw_importance_sampling_ratio/{min,mean,max} (before truncation) and
+    # sampling/frac_modified_importance_sampling_ratio; the TRL column (index 1) names them where they are nearest
+    from grpo_ratio.analysis.metric_peers import PEERS, render
+
+    raw = "sampling/raw_importance_sampling_ratio"
+    expected = {keys.OLD_SAMPLER.mean: f"{raw}/mean", keys.OLD_SAMPLER.p1: f"{raw}/min",
+                keys.OLD_SAMPLER.p99: f"{raw}/max", keys.IS_WEIGHT_RAW_P1: f"{raw}/min",
+                keys.IS_WEIGHT_RAW_P99: f"{raw}/max",
+                keys.IS_TRUNCATED_TOKEN_FRAC: "sampling/frac_modified_importance_sampling_ratio",
+                keys.IS_MASKED_TOKEN_FRAC: "sampling/frac_modified_importance_sampling_ratio"}
+    for key, name in expected.items():
+        assert f"`{name}`" in PEERS[key][1] and "PR #5243" in PEERS[key][1], key
+    assert render().count("PR #5243") == len(expected)
+    assert "sampling/frac_modified_importance_sampling_ratio" in METRICS_MD.read_text()  # the rendered docs table

@@ -35,6 +35,7 @@ def test_mismatch_stats_equal_direct_formulas():
         "p_q/kl_k1": _mean([-x for x in tokens]),
         "p_q/kl_k2": _mean([x * x / 2 for x in tokens]),
         "p_q/kl_k3": _mean([math.exp(x) - 1 - x for x in tokens]),
+        "p_q/kl_k3_clamped": _mean([min(math.exp(x) - 1 - x, 10.0) for x in tokens]),
         "p_q/chi2_token": _mean([math.exp(2 * x) for x in tokens]) - 1,
         # per sequence: log PPL_p - log PPL_q = -mean_t x, then averaged over the 3 sequences (verl's definition)
         "p_q/log_ppl_diff": _mean([-_mean(row) for row in ROWS]),
@@ -54,6 +55,26 @@ def test_mismatch_stats_are_split_invariant_and_clamped():
     # one token with log r = 500 is clamped to 20 (verl's SAFETY_BOUND): chi2 is e^40 - 1, finite
     huge = MismatchStats().update(torch.tensor([[500.0]]), torch.ones(1, 1)).as_metrics("x")
     assert huge["x/chi2_token"] == pytest.approx(math.exp(40) - 1, rel=1e-9) and math.isfinite(huge["x/kl_k3"])
+
+
+def test_clamped_k3_is_miles_outlier_robust_kl():
+    # miles PR #1067's table (train_rollout_kl = k3 clamped per token to [-10, 10], slime/miles `low_var_kl`):
+    # identical log-probs 0; a uniform gap of 0.5 about 0.107 (its log-ratio taken q/p: x = -0.5 here); 5 of 1,000
+    # tokens with |gap| = 50: 5 x 10 / 1000 = 0.05 (the unclamped k3 of those tokens is about 49 or e^50)
+    def clamped(x):
+        return MismatchStats().update(x.reshape(1, -1), torch.ones(1, x.numel())).as_metrics("m")["m/kl_k3_clamped"]
+
+    assert clamped(torch.zeros(1000)) == 0.0
+    assert clamped(torch.full((1000,), -0.5)) == pytest.approx(math.exp(-0.5) - 0.5, abs=1e-9)  # 0.1065
+    assert round(clamped(torch.full((1000,), -0.5)), 3) == 0.107
+    for gap in (50.0, -50.0):
+        outliers = torch.zeros(1000)
+        outliers[:5] = gap
+        assert clamped(outliers) == pytest.approx(0.05, abs=1e-12)
+    # the unclamped k3 of the same tokens: dominated by the tail (x clamped to +-20 first: e^20 - 21 per token)
+    row = torch.zeros(1, 1000)
+    row[0, :5] = 50.0
+    assert MismatchStats().update(row, torch.ones(1, 1000)).as_metrics("m")["m/kl_k3"] > 1e5
 
 
 def test_is_weight_stats_equal_direct_formulas():

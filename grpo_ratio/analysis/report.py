@@ -239,6 +239,62 @@ def render_attribution(history: list[dict]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# the gap by completion position, bias or noise (`ratio_by_position`, docs/metrics.md)
+
+_BY_POSITION_NAMES = {"old_sampler": "old/sampler", "new_old": "new/old"}
+
+
+def render_by_position(history: list[dict]) -> str:
+    """Markdown: mean |log r| and k3 per completion-position bucket, token-weighted over the run, for old/sampler and
+    new/old; then, per family, whether each sequence's log-ratio is mostly bias (adds up with length) or noise
+    (averages out): `bias_share` and |bias| against the |bias| noise alone gives, sequence-weighted over the run.
+    "" when the run logged no `ratio/by_position/*` key."""
+    rows = [row for row in history if "train_runtime" not in row]
+    buckets: dict[tuple[int, str], list[list[float]]] = {}  # (P, family) -> [tokens, |x| sum, k3 sum]
+    for row in rows:
+        for key, n in row.items():
+            parts = key.split("/")
+            if len(parts) == 5 and key.startswith(keys.BY_POSITION_PREFIX + "/") and parts[2].isdigit() \
+                    and parts[4] == "num_tokens" and n:
+                acc = buckets.setdefault((int(parts[2]), parts[3]), [0.0, 0.0, 0.0])
+                acc[0] += n
+                acc[1] += n * row.get(keys.by_position_key(int(parts[2]), parts[3], "mean_abs_log_ratio"), 0.0)
+                acc[2] += n * row.get(keys.by_position_key(int(parts[2]), parts[3], "kl_k3"), 0.0)
+    if not buckets:
+        return ""
+    families = [f for f in keys.BY_POSITION_FAMILIES[::-1] if any(fam == f for _, fam in buckets)]
+    header = " | ".join(f"{_BY_POSITION_NAMES[f]} mean \\|log r\\| | {_BY_POSITION_NAMES[f]} k3" for f in families)
+    lines = ["The gap by completion position (`ratio_by_position`, docs/metrics.md), token-weighted over the run.", "",
+             f"| positions | tokens | {header} |", "|---" * (2 + 2 * len(families)) + "|"]
+    for label in sorted({p for p, _ in buckets}):
+        tokens = max(buckets.get((label, f), [0])[0] for f in families)
+        cells = []
+        for f in families:
+            n, abs_sum, k3_sum = buckets.get((label, f), [0.0, 0.0, 0.0])
+            cells += [_fmt(abs_sum / n), _fmt(k3_sum / n)] if n else ["", ""]
+        lines.append(f"| {label}-{2 * label - 1} | {int(tokens)} | " + " | ".join(cells) + " |")
+    notes = []
+    for f in families:
+        seqs = [(row.get(keys.by_position_seq_key(f, "num_seqs")), row) for row in rows]
+        seqs = [(c, row) for c, row in seqs if c]
+        if not seqs:
+            continue
+        total = sum(c for c, _ in seqs)
+
+        def mean(stat, seqs=seqs, total=total, f=f):
+            return sum(c * row[keys.by_position_seq_key(f, stat)] for c, row in seqs) / total
+
+        share, bias, floor = mean("bias_share"), mean("abs_bias"), mean("noise_of_mean")
+        kind = ("mostly bias: the sequence's log-ratio sum grows with its length, so a product (sequence) IS weight "
+                "drifts with length; a token-level or geometric-mean weight does not") if share >= 0.5 else (
+                "mostly noise: it averages out along a sequence, so length-normalised (geometric) statistics shrink "
+                "with length while products and sums spread as its square root")
+        notes.append(f"{_BY_POSITION_NAMES[f]}: bias_share {_fmt(share)}, |bias| {_fmt(bias)} nats/token against "
+                     f"{_fmt(floor)} from noise alone, over {int(total)} sequences: {kind}.")
+    return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # an asynchronous run, per staleness (RatioAsyncGRPOTrainer, docs/async.md)
 
 
@@ -698,6 +754,8 @@ def main(argv: list[str] | None = None) -> int:
             print(attribution)
         if staleness := render_staleness(history, config):
             print(staleness)
+        if by_position := render_by_position(history):
+            print(by_position)
     for p, s in summaries:
         print(render_comparison(s, comparison_series(p if p.is_dir() else p.parent)))
     return _gate(runs, checks, sys.stdout)

@@ -93,7 +93,8 @@ def terms_to_rows(values: torch.Tensor, segment_id: torch.Tensor, num_segments: 
 
 
 def proximal_weights(prox: torch.Tensor, behaviour: torch.Tensor, segment_id: torch.Tensor,
-                     correction: ISCorrection | None) -> tuple[torch.Tensor, ISWeights | None]:
+                     correction: ISCorrection | None,
+                     advantages: torch.Tensor | None = None) -> tuple[torch.Tensor, ISWeights | None]:
     """The behaviour -> proximal IS weight of every term of one packed row.
 
     Args:
@@ -102,6 +103,8 @@ def proximal_weights(prox: torch.Tensor, behaviour: torch.Tensor, segment_id: to
             over it).
         correction: the `ISCorrection` (`is_correction`); None: the raw token weight exp(prox - behaviour),
             unbounded (decoupled PPO as AReaL writes it without a cap).
+        advantages (`torch.Tensor` of shape (M,), *optional*): each term's advantage, for advantage-conditioned
+            rejection rules (`ISCorrection.needs_advantages`).
     Returns:
         (M,) fp32 weights >= 0 (detached) and the `ISWeights` of the (S, L) layout (None without a correction).
     """
@@ -114,7 +117,11 @@ def proximal_weights(prox: torch.Tensor, behaviour: torch.Tensor, segment_id: to
     num_segments, width = (int(v) for v in torch.stack([segment_id.max() + 1,
                                                         torch.bincount(segment_id).max()]).tolist())
     rows, mask, column = terms_to_rows(log_ratio, segment_id, num_segments, width)
-    result = importance_weights(rows, mask, correction)
+    behaviour_rows = terms_to_rows(behaviour.float(), segment_id, num_segments, width)[0] \
+        if correction.needs_sampler_logps else None  # (S, L): the Bernoulli divergences need q itself
+    advantage_rows = terms_to_rows(advantages.float(), segment_id, num_segments, width)[0] \
+        if advantages is not None and correction.needs_advantages else None  # (S, L)
+    result = importance_weights(rows, mask, correction, behaviour_rows, advantage_rows)
     weights = result.weights.expand(num_segments, width)  # (S, L): a sequence-level weight broadcast to its terms
     return weights[segment_id, column].float(), result
 

@@ -29,8 +29,27 @@ Rejection statistics, per token, with x_t = log_ratio_t (samples from q, KL(q||p
 `ratio` r_t (sequence aggregates in log space: sum -> the product, mean -> the geometric mean, max -> max r_t);
 `k1` = -x_t (unbiased for KL(q||p); verl's sign; AReaL's `kl_k1` is +x_t); `k2` = x_t^2 / 2; `k3` = r_t - 1 - x_t
 (Schulman, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html); `prob_error` = exp(|x_t|) (NeMo-RL
-`token_mult_prob_error`). Rules are named as verl's: `token_k1`, `seq_sum_k1`, `seq_mean_k3`, `seq_max_k2`, and
+`token_mult_prob_error`); `tv` = |r_t - 1| (open-instruct's D_tv, PR #1681: E_q|p/q - 1| = 2 TV(p, q) over the
+vocabulary). Rules are named as verl's: `token_k1`, `seq_sum_k1`, `seq_mean_k3`, `seq_max_k2`, and
 written with their bounds, `"seq_mean_k3<=0.01"`, `"0.999<=seq_mean_ratio<=1.002"` (`parse_rejections`).
+
+Divergences of the sampled token's Bernoulli (the token vs the rest of the vocabulary), which need the probabilities
+themselves, p = p_old(g_t) and q = q(g_t), not only their ratio (`PROB_METRICS`; `importance_weights` takes the
+sampler's log-probs for them), after DPPO (Qi et al., "Rethinking the Trust Region in LLM Reinforcement Learning",
+arXiv 2602.04879): `binary_tv` = p - q, signed (|p - q| is the Bernoulli TV; verl `dppo_tv` and prime-rl's default
+loss threshold p - q from above and below); `binary_kl` = KL(Bern(q) || Bern(p)) = q (log q - log p) + (1 - q)
+log((1 - q + 1e-8) / (1 - p + 1e-8)), verl `compute_policy_loss_dppo_kl` with the behaviour policy first;
+`binary_kl_max` = max(KL(Bern(p) || Bern(q)), KL(Bern(q) || Bern(p))) with p, q clamped to [1e-8, 1 - 1e-8], AReaL's
+KPop (`rejection_sampling.metric="binary_kl"`, `compute_binary_kl_divergence`, PR #1405).
+
+Advantage-conditioned rules (`RejectionRule.directional`, written with the suffix `@adv`: `"-0.2<=token_binary_tv<=
+0.2@adv"`) reject only where the unconditioned rule rejects and sign(x) * A > 0: where the trainer's old policy already
+leans, relative to the sampler, the way the advantage A pushes it (A > 0 and p > q, or A < 0 and p < q), so the
+update would widen the gap (open-instruct PR #1681: "advantage * sign(logprob - vllm_logprob) > 0"; DPPO masks only
+the bound on the advantage's side; TRL's `off_policy_mask_threshold`, DeepSeek-V3.2's OPSM, is the directional
+`seq_mean_k1<=delta@adv` against the current policy). A token rule uses each token's own x_t and A_t; a sequence rule
+the sequence's sum of x_t and its advantage, so it stays one decision per sequence. A = 0 is never rejected (its policy
+term is 0 either way).
 
 Conventions shared with TRL: a position outside `mask` or with a NaN log-ratio (no sampler log-prob) has weight
 exactly 1 and is never rejected; NaN log-ratios are left out of sequence sums and means (TRL's product treats them as
@@ -57,11 +76,15 @@ if TYPE_CHECKING:
 
 LEVELS = ("token", "sequence_product", "sequence_geometric", "none")
 ACTIONS = ("truncate", "mask")
-REJECTION_METRICS = ("ratio", "k1", "k2", "k3", "prob_error")
+REJECTION_METRICS = ("ratio", "k1", "k2", "k3", "prob_error", "tv", "binary_tv", "binary_kl", "binary_kl_max")
+PROB_METRICS = ("binary_tv", "binary_kl", "binary_kl_max")  # need p and q themselves: the sampler's log-probs
+DIRECTIONAL = "@adv"  # a rule's suffix: advantage-conditioned (module docstring)
 REJECTION_AGGS = ("sum", "mean", "max")
 TRL_MODES = {"token_truncate": ("token", "truncate"), "token_mask": ("token", "mask"),
              "sequence_truncate": ("sequence_product", "truncate"), "sequence_mask": ("sequence_product", "mask")}
-_NONNEGATIVE = ("k2", "k3", "prob_error")  # statistics >= 0 (prob_error >= 1): a lower bound would reject on-policy
+# statistics >= 0 (prob_error >= 1): a lower bound would reject on-policy
+_NONNEGATIVE = ("k2", "k3", "prob_error", "tv", "binary_kl", "binary_kl_max")
+BINARY_KL_EPS = 1e-8  # verl's and AReaL's epsilon in the binary KL
 
 
 def _check_pair(log_ratio: torch.Tensor, mask: torch.Tensor) -> None:
@@ -135,6 +158,7 @@ class RejectionRule:
         level (`str`): `"token"` (each token judged alone) or `"sequence"` (the aggregate decides for every token).
         agg (`str`): sequence aggregate, one of `REJECTION_AGGS`; `None` at token level.
         low, high (`float`, *optional*): kept when low <= statistic <= high (a `None` bound is no bound).
+        directional (`bool`): advantage-conditioned (module docstring): reject only where sign(x) * A > 0.
 
     Raises:
         ValueError: an unknown metric/level/agg, no bound, low >= high, a non-positive ratio bound, or a lower bound
@@ -146,6 +170,7 @@ class RejectionRule:
     agg: str | None = None
     low: float | None = None
     high: float | None = None
+    directional: bool = False
 
     def __post_init__(self):
         if self.metric not in REJECTION_METRICS:
@@ -170,7 +195,7 @@ class RejectionRule:
     def __str__(self) -> str:
         low = "" if self.low is None else f"{self.low:g}<="
         high = "" if self.high is None else f"<={self.high:g}"
-        return f"{low}{self.name}{high}"
+        return f"{low}{self.name}{high}{DIRECTIONAL if self.directional else ''}"
 
 
 _RULE = re.compile(r"^\s*(?:(?P<low>[-+.0-9][^<>=\s]*)\s*<=\s*)?(?P<name>[a-z0-9_]+)\s*(?:<=\s*(?P<high>[^<>=\s]+))?\s*$")
@@ -178,26 +203,29 @@ _NAME = re.compile(r"^(?:token_(?P<tmetric>[a-z0-9_]+)|seq_(?P<agg>sum|mean|max)
 
 
 def parse_rejection(text: str) -> RejectionRule:
-    """One rule from `"[LOW<=]NAME[<=HIGH]"`, NAME = `token_METRIC` or `seq_{sum,mean,max}_METRIC`.
+    """One rule from `"[LOW<=]NAME[<=HIGH][@adv]"`, NAME = `token_METRIC` or `seq_{sum,mean,max}_METRIC`; the suffix
+    `@adv` makes it advantage-conditioned (`RejectionRule.directional`).
 
     Examples: `"seq_mean_k3<=0.01"` (verl `decoupled_k3_rs`), `"0.999<=seq_mean_ratio<=1.002"` (NeMo-RL
-    `seq-mask-tis`), `"-0.1<=token_k1<=0.1"`.
+    `seq-mask-tis`), `"-0.1<=token_k1<=0.1"`, `"-0.2<=token_binary_tv<=0.2@adv"` (prime-rl's DPPO mask).
 
     Raises:
         ValueError: the text does not have that form, or the rule is invalid (`RejectionRule`).
     """
-    match = _RULE.match(text)
+    stripped = text.strip()
+    directional = stripped.endswith(DIRECTIONAL)
+    match = _RULE.match(stripped[: -len(DIRECTIONAL)] if directional else stripped)
     name = _NAME.match(match["name"]) if match else None
     if name is None:
-        raise ValueError(f"rejection rule {text!r}: expected [LOW<=]NAME[<=HIGH] with NAME token_METRIC or "
+        raise ValueError(f"rejection rule {text!r}: expected [LOW<=]NAME[<=HIGH][@adv] with NAME token_METRIC or "
                          f"seq_{{sum,mean,max}}_METRIC, METRIC one of {', '.join(REJECTION_METRICS)}")
     try:
         low, high = (None if match[k] is None else float(match[k]) for k in ("low", "high"))
     except ValueError:
         raise ValueError(f"rejection rule {text!r}: a bound is not a number") from None
     if name["tmetric"]:
-        return RejectionRule(name["tmetric"], "token", None, low, high)
-    return RejectionRule(name["smetric"], "sequence", name["agg"], low, high)
+        return RejectionRule(name["tmetric"], "token", None, low, high, directional)
+    return RejectionRule(name["smetric"], "sequence", name["agg"], low, high, directional)
 
 
 def parse_rejections(text: str | None) -> tuple[RejectionRule, ...]:
@@ -250,6 +278,16 @@ class ISCorrection:
         if problems:
             raise Problems(problems)
         return cls(level, action, clip_min, clip_max)
+
+    @property
+    def needs_sampler_logps(self) -> bool:
+        """A rule thresholds a Bernoulli divergence (`PROB_METRICS`): `importance_weights` needs `sampler_logps`."""
+        return any(r.metric in PROB_METRICS for r in self.rejections)
+
+    @property
+    def needs_advantages(self) -> bool:
+        """A rule is advantage-conditioned: `importance_weights` needs `advantages`."""
+        return any(r.directional for r in self.rejections)
 
     @property
     def sequence_level(self) -> bool:
@@ -329,9 +367,45 @@ def apply_bounds(weights: torch.Tensor, low: float | None, high: float | None, a
     return weights.masked_fill(affected, 0.0), affected
 
 
-def token_statistic(x: torch.Tensor, metric: str) -> torch.Tensor:
+def binary_tv(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """p - q of the sampled token, signed (its absolute value is the TV distance of the two Bernoullis), any shape,
+    from log-probs. verl `compute_policy_loss_dppo_tv` and prime-rl's default loss threshold it from both sides."""
+    import torch  # here, not at the top (module docstring)
+
+    return torch.exp(log_q) * torch.expm1(log_p - log_q)  # p - q without cancellation near p = q
+
+
+def binary_kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """KL(Bern(q) || Bern(p)) = q (log q - log p) + (1 - q) log((1 - q + 1e-8) / (1 - p + 1e-8)), any shape, from
+    log-probs: verl `compute_policy_loss_dppo_kl`'s `binary_kl` with q the anchor (its old policy; here the sampler)."""
+    import torch  # here, not at the top (module docstring)
+
+    p, q = torch.exp(log_p), torch.exp(log_q)
+    return q * (log_q - log_p) + (1 - q) * torch.log((1.0 - q + BINARY_KL_EPS) / (1.0 - p + BINARY_KL_EPS))
+
+
+def binary_kl_max(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """max(KL(Bern(p) || Bern(q)), KL(Bern(q) || Bern(p))), p and q clamped to [1e-8, 1 - 1e-8], any shape: AReaL's
+    KPop metric (`rejection_sampling.metric="binary_kl"`, `compute_binary_kl_divergence` taken both ways)."""
+    import torch  # here, not at the top (module docstring)
+
+    p = torch.clamp(torch.exp(log_p), BINARY_KL_EPS, 1.0 - BINARY_KL_EPS)
+    q = torch.clamp(torch.exp(log_q), BINARY_KL_EPS, 1.0 - BINARY_KL_EPS)
+
+    def kl(a, b):
+        return a * torch.log(a / b) + (1 - a) * torch.log((1 - a) / (1 - b))
+
+    return torch.maximum(kl(p, q), kl(q, p))
+
+
+def token_statistic(x: torch.Tensor, metric: str, log_q: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token rejection statistic (module docstring) from a cleaned log-ratio x (B, T); `ratio` stays in log space
-    (x itself): its aggregates are taken on logs and compared with log bounds."""
+    (x itself): its aggregates are taken on logs and compared with log bounds. `PROB_METRICS` also need the sampler's
+    cleaned log-probs `log_q` (B, T) (p = exp(log_q + x)).
+
+    Raises:
+        ValueError: an unknown metric, or a metric of `PROB_METRICS` without `log_q`.
+    """
     import torch  # here, not at the top (module docstring)
 
     if metric in ("ratio", "k1"):
@@ -342,20 +416,57 @@ def token_statistic(x: torch.Tensor, metric: str) -> torch.Tensor:
         return torch.expm1(x) - x  # r - 1 - log r, without cancellation near r = 1
     if metric == "prob_error":
         return torch.exp(x.abs())
+    if metric == "tv":
+        return torch.expm1(x).abs()  # |r - 1|
+    if metric in PROB_METRICS:
+        if log_q is None:
+            raise ValueError(f"rejection metric {metric!r} needs the sampler's log-probs (sampler_logps), not only "
+                             f"the log-ratio")
+        return {"binary_tv": binary_tv, "binary_kl": binary_kl, "binary_kl_max": binary_kl_max}[metric](log_q + x, log_q)
     raise ValueError(f"rejection metric {metric!r} is not allowed; allowed: {', '.join(REJECTION_METRICS)}")
 
 
-def rejected_by(log_ratio: torch.Tensor, mask: torch.Tensor, rule: RejectionRule) -> torch.Tensor:
+def _clean_sampler(sampler_logps: torch.Tensor | None, has: torch.Tensor) -> torch.Tensor | None:
+    """The sampler's log-probs in fp32 with 0 (q = 1, x = 0: no divergence) where no valid log-ratio is."""
+    import torch  # here, not at the top (module docstring)
+
+    if sampler_logps is None:
+        return None
+    if tuple(sampler_logps.shape) != tuple(has.shape):
+        raise ValueError(f"sampler_logps {tuple(sampler_logps.shape)} must have the log-ratio's shape {tuple(has.shape)}")
+    return torch.nan_to_num(torch.where(has, sampler_logps.float(), 0.0), nan=0.0, neginf=-1e4)
+
+
+def _advantages_like(advantages: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """Advantages (B,), (B, 1) or (B, T) as fp32 (B, T)."""
+    B, T = shape
+    a = advantages.float()
+    a = a.unsqueeze(1) if a.dim() == 1 else a
+    if a.dim() != 2 or a.size(0) != B or a.size(1) not in (1, T):
+        raise ValueError(f"advantages {tuple(advantages.shape)} must be (B,), (B, 1) or (B, T) with B={B}, T={T}")
+    return a.expand(B, T)
+
+
+def rejected_by(log_ratio: torch.Tensor, mask: torch.Tensor, rule: RejectionRule,
+                sampler_logps: torch.Tensor | None = None, advantages: torch.Tensor | None = None) -> torch.Tensor:
     """Valid tokens a rule rejects, (B, T) bool. Sequence rules aggregate over the tokens with a log-ratio; a
     sequence with none is never rejected.
 
+    Args:
+        log_ratio (`torch.Tensor` of shape (B, T)): logp_old - logp_sampler (NaN: no sampler log-prob).
+        mask (`torch.Tensor` of shape (B, T), bool or 0/1): valid tokens.
+        rule (`RejectionRule`): what to test.
+        sampler_logps (`torch.Tensor` of shape (B, T), *optional*): the sampler's log-probs, for `PROB_METRICS`.
+        advantages (`torch.Tensor` of shape (B,), (B, 1) or (B, T), *optional*): for a directional rule.
+
     Raises:
-        ValueError: shapes differ or are not 2-D.
+        ValueError: shapes differ or are not 2-D; a `PROB_METRICS` rule without `sampler_logps`, a directional rule
+            without `advantages`.
     """
     import torch  # here, not at the top (module docstring)
 
     x, has = clean_log_ratio(log_ratio, mask)
-    stat = token_statistic(x, rule.metric)  # (B, T)
+    stat = token_statistic(x, rule.metric, _clean_sampler(sampler_logps, has))  # (B, T)
     if rule.level == "sequence":
         if rule.agg == "max":
             stat = stat.masked_fill(~has, -math.inf).amax(dim=-1, keepdim=True)  # (B, 1)
@@ -370,6 +481,15 @@ def rejected_by(log_ratio: torch.Tensor, mask: torch.Tensor, rule: RejectionRule
         out |= stat < low
     if high is not None:
         out |= stat > high
+    if rule.directional:
+        if advantages is None:
+            raise ValueError(f"rejection rule {rule} is advantage-conditioned: it needs the advantages")
+        a = _advantages_like(advantages, tuple(x.shape))  # (B, T)
+        if rule.level == "sequence":  # one decision per sequence: its summed log-ratio and its advantage
+            direction, a = x.sum(dim=-1, keepdim=True), a[:, :1]  # (B, 1), (B, 1): A is per sequence
+        else:
+            direction = x  # (B, T)
+        out = out & (torch.sign(direction) * torch.sign(a) > 0)
     return out.expand_as(has) & has  # (B, T)
 
 
@@ -381,7 +501,9 @@ def vetoed(log_ratio: torch.Tensor, mask: torch.Tensor, veto: float) -> torch.Te
     return catastrophic.any(dim=-1, keepdim=True) & has  # (B, T)
 
 
-def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, correction: ISCorrection) -> ISWeights:
+def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, correction: ISCorrection,
+                       sampler_logps: torch.Tensor | None = None,
+                       advantages: torch.Tensor | None = None) -> ISWeights:
     """The IS weights of `correction` for one batch, with what the bounds and the rejection did.
 
     Args:
@@ -389,13 +511,17 @@ def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, correction: 
             gave no log-prob (TRL pads them so).
         mask (`torch.Tensor` of shape (B, T), bool or 0/1): valid tokens (TRL: completion_mask x tool_mask).
         correction (`ISCorrection`): what to compute.
+        sampler_logps (`torch.Tensor` of shape (B, T), *optional*): logp_sampler itself, needed when a rule
+            thresholds a Bernoulli divergence (`ISCorrection.needs_sampler_logps`).
+        advantages (`torch.Tensor` of shape (B,), (B, 1) or (B, T), *optional*): needed by advantage-conditioned
+            rules (`ISCorrection.needs_advantages`).
 
     Returns:
         `ISWeights`. For TRL's four modes (`ISCorrection.from_trl`) the weights equal TRL 1.16's
         `importance_sampling_ratio` (tested against `grpo_ratio.diagnostics.ratios.importance_sampling_weights`).
 
     Raises:
-        ValueError: shapes differ or are not 2-D.
+        ValueError: shapes differ or are not 2-D; `sampler_logps` or `advantages` missing where a rule needs them.
     """
     import torch  # here, not at the top (module docstring)
 
@@ -416,7 +542,7 @@ def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, correction: 
         affected = affected & raw_mask
     rejected = torch.zeros_like(has)  # (B, T)
     for rule in correction.rejections:
-        rejected |= rejected_by(log_ratio, mask, rule)
+        rejected |= rejected_by(log_ratio, mask, rule, sampler_logps, advantages)
     if correction.veto is not None:
         rejected |= vetoed(log_ratio, mask, correction.veto)
     if not correction.sequence_level:
@@ -474,6 +600,19 @@ PRESETS: dict[str, Preset] = {
         ISCorrection("none", rejections=parse_rejections("seq_mean_prob_error<=1.5")),
         "NeMo-RL grpo.seq_logprob_error_threshold=1.5 (its docstring's example; the default is off): sequences "
         "whose mean exp(abs(log r)) exceeds 1.5 are masked"),
+    "kpop": Preset(
+        ISCorrection("token", "mask", None, None, parse_rejections("token_binary_kl_max<=2.0")),
+        "AReaL KPop (PR #1405): rejection_sampling level=token, action=mask, metric=binary_kl (the Bernoulli KL "
+        "both ways, the larger), upper 2.0 (its docs), on the raw token weight (AReaL's behave_imp_weight)"),
+    "dppo_tv_mask": Preset(
+        ISCorrection("token", "mask", None, None, parse_rejections("-0.2<=token_binary_tv<=0.2@adv")),
+        "prime-rl's default loss (default_loss_fn; DPPO-Binary-TV, arXiv 2602.04879): raw token ratio, tokens "
+        "with p - q > 0.2 and A > 0 or p - q < -0.2 and A < 0 dropped (dppo_mask_high / dppo_mask_low 0.2)"),
+    "dppo_kl_mask": Preset(
+        ISCorrection("token", "mask", None, None, parse_rejections("token_binary_kl<=0.05@adv")),
+        "verl dppo_kl against the rollout (bypass mode; core_algos.py compute_policy_loss_dppo_kl, DPPO-Binary-KL "
+        "arXiv 2602.04879): raw token ratio, tokens with KL(Bern(q)||Bern(p)) > 0.05 dropped where p > q and A > 0 "
+        "or p < q and A < 0 (examples/dppo_trainer: clip_ratio 0.05 for dppo_kl, clip_ratio_c 10000)"),
 }
 
 

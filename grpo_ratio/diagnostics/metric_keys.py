@@ -78,6 +78,7 @@ MISMATCH_STATS = {
     "kl_k1": "k1 estimate of KL(q||p), mean over valid tokens of -log r",
     "kl_k2": "k2 estimate, mean of (log r)^2 / 2",
     "kl_k3": "k3 estimate of KL(q||p), mean of r - 1 - log r",
+    "kl_k3_clamped": "outlier-robust k3: mean of min(r - 1 - log r, 10), each token's k3 clamped (miles)",
     "chi2_token": "token chi-square, mean of r^2 minus 1",
     "log_ppl_diff": "log PPL_p - log PPL_q per sequence, averaged over sequences",
     "log_ppl_abs_diff": "the same, absolute value per sequence",
@@ -116,6 +117,7 @@ IS_WEIGHT_RAW_P99 = f"{PREFIX}/is_weight_raw/p99"
 FULL_KL = f"{NEW_OLD.prefix}/full_kl"
 FULL_REVERSE_KL = f"{NEW_OLD.prefix}/full_reverse_kl"
 FULL_TV = f"{NEW_OLD.prefix}/full_tv"
+TRUST_REGION_MASKED_FRAC = f"{PREFIX}/trust_region_masked_frac"
 
 _IS_LOSS = "is_correction, or lift_sampler with vLLM's IS correction"
 _IS_ANY = "an IS weight in the loss (vLLM's correction, or is_correction)"
@@ -155,6 +157,8 @@ SINGLE_KEYS = {
     FULL_REVERSE_KL: KeyInfo("ratio_full_vocab with a scoring mode", "exact KL(policy||old), mean over valid tokens"),
     FULL_TV: KeyInfo("ratio_full_vocab with a scoring mode", "exact total variation between the two, mean over valid "
                      "tokens"),
+    TRUST_REGION_MASKED_FRAC: KeyInfo("trust_region set (GRPO)", "share of valid tokens DPPO's divergence mask took "
+                                      "out of the policy loss, over every micro-batch of the update"),
 }
 
 # the mismatch units of NEW_OLD and OLD_SAMPLER, present with their family
@@ -266,16 +270,66 @@ def staleness_key(k: int, stat: str) -> str:
 STALENESS_ROWS = {f"{STALENESS_PREFIX}/<k>/{stat}": KeyInfo(present, meaning)
                   for stat, (present, meaning) in STALENESS_STATS.items()}
 
-# every key the diagnostics can emit (the per-layer route keys: `known`)
+# the gap by completion position and the bias/noise split of each sequence's log-ratio sum (`ratio_by_position`,
+# grpo_ratio.diagnostics.by_position, docs/metrics.md): `ratio/by_position/<P>/<family>/<stat>` for the power-of-two
+# buckets P = 1, 2, 4, ... (positions P .. 2P - 1, 1-based) and `ratio/by_position/seq/<family>/<stat>`
+BY_POSITION_PREFIX = f"{PREFIX}/by_position"
+BY_POSITION_FAMILIES = ("new_old", "old_sampler")
+_BY_POSITION = "ratio_by_position on"
+_BY_POSITION_FAMILY = {"new_old": "new/old at the first inner step", "old_sampler": "old/sampler, raw"}
+BY_POSITION_STATS = {
+    "num_tokens": "valid tokens at completion positions P .. 2P - 1 (all processes)",
+    "mean_abs_log_ratio": "mean |log r| over them (nats)",
+    "kl_k3": "k3 estimate over them, mean of r - 1 - log r",
+}
+BY_POSITION_SEQ_STATS = {
+    "num_seqs": "sequences with at least 2 valid tokens (all processes)",
+    "bias": "mean over sequences of the per-token mean log r (nats): the bias",
+    "abs_bias": "mean over sequences of |per-token mean log r|",
+    "noise": "mean over sequences of the within-sequence std of log r (unbiased): the noise",
+    "noise_of_mean": "mean over sequences of std / sqrt(n): the |mean| noise alone would give",
+    "bias_share": "share of the squared log-ratio sums that is bias, sum (S^2 - n s^2) / sum S^2 (0: noise, 1: bias)",
+}
+
+
+def by_position_key(bucket: int, family: str, stat: str) -> str:
+    """`ratio/by_position/{bucket}/{family}/{stat}`. Raises KeyError for a bucket that is not a power of two, or a
+    family or stat not in the tables."""
+    if not (isinstance(bucket, int) and bucket >= 1 and bucket & (bucket - 1) == 0) or family not in \
+            BY_POSITION_FAMILIES or stat not in BY_POSITION_STATS:
+        raise KeyError(f"no by-position key {bucket!r}/{family!r}/{stat!r}; buckets 1, 2, 4, ..., families "
+                       f"{', '.join(BY_POSITION_FAMILIES)}, stats {', '.join(BY_POSITION_STATS)}")
+    return f"{BY_POSITION_PREFIX}/{bucket}/{family}/{stat}"
+
+
+def by_position_seq_key(family: str, stat: str) -> str:
+    """`ratio/by_position/seq/{family}/{stat}`. Raises KeyError for a family or stat not in the tables."""
+    if family not in BY_POSITION_FAMILIES or stat not in BY_POSITION_SEQ_STATS:
+        raise KeyError(f"no by-position sequence key {family!r}/{stat!r}")
+    return f"{BY_POSITION_PREFIX}/seq/{family}/{stat}"
+
+
+BY_POSITION_SEQ_KEYS = {by_position_seq_key(f, stat): KeyInfo(_BY_POSITION, f"{_BY_POSITION_FAMILY[f]}: {meaning}")
+                        for f in BY_POSITION_FAMILIES for stat, meaning in BY_POSITION_SEQ_STATS.items()}
+BY_POSITION_ROWS = {f"{BY_POSITION_PREFIX}/<P>/{f}/{stat}": KeyInfo(_BY_POSITION, f"{_BY_POSITION_FAMILY[f]}: "
+                                                                                  f"{meaning}")
+                    for f in BY_POSITION_FAMILIES for stat, meaning in BY_POSITION_STATS.items()}
+
+# every key the diagnostics can emit (the per-layer route keys, per-staleness and per-position keys: `known`)
 TABLE: dict[str, KeyInfo] = ({k: v for family in FAMILIES for k, v in family.keys().items()} | MISMATCH_KEYS
-                             | SINGLE_KEYS | ROUTE_KEYS | ATTRIBUTION_KEYS)
+                             | SINGLE_KEYS | ROUTE_KEYS | ATTRIBUTION_KEYS | BY_POSITION_SEQ_KEYS)
 
 
 def known(key: str) -> bool:
-    """Whether the diagnostics can emit `key`: a key of `TABLE`, a per-layer route key or a per-staleness key."""
+    """Whether the diagnostics can emit `key`: a key of `TABLE`, a per-layer route key, a per-staleness key or a
+    per-position key."""
     if key in TABLE:
         return True
     parts = key.split("/")
+    if len(parts) == 5 and parts[:2] == [PREFIX, "by_position"] and parts[2].isdigit():
+        bucket = int(parts[2])
+        return bucket >= 1 and bucket & (bucket - 1) == 0 and parts[3] in BY_POSITION_FAMILIES and \
+            parts[4] in BY_POSITION_STATS
     if len(parts) == 4 and parts[:2] == [PREFIX, "staleness"]:
         return parts[2].isdigit() and parts[3] in STALENESS_STATS
     return len(parts) == 4 and parts[:2] == [PREFIX, "route"] and parts[2] in ROUTE_PAIRS and _is_layer_stat(parts[3])
@@ -322,7 +376,8 @@ def logged_key(key: str) -> bool:
 def render() -> str:
     """The table as markdown (docs/metrics.md, "Every key")."""
     lines = ["| key | present when | meaning |", "| --- | --- | --- |"]
-    lines += [f"| `{key}` | {info.present} | {info.meaning} |" for key, info in (TABLE | ROUTE_LAYER_ROWS | STALENESS_ROWS).items()]
+    lines += [f"| `{key}` | {info.present} | {info.meaning} |" for key, info in (TABLE | ROUTE_LAYER_ROWS | STALENESS_ROWS
+                                                                              | BY_POSITION_ROWS).items()]
     return "\n".join(lines)
 
 

@@ -5,7 +5,9 @@ Three accumulators, each a `grpo_ratio.diagnostics.ratios.SumStats` (fp64 sums, 
 
 - `MismatchStats`: for a pair (p, q) with log_ratio x = logp_p - logp_q on tokens sampled from q (p = old, q =
   sampler; or p = new, q = old): the KL(q||p) estimates k1 = -x, k2 = x^2 / 2 and k3 = e^x - 1 - x (Schulman,
-  http://joschu.net/blog/kl-approx.html; verl `rollout_corr/kl`, `k3_kl`; prime-rl `mismatch_kl` is k3), verl's
+  http://joschu.net/blog/kl-approx.html; verl `rollout_corr/kl`, `k3_kl`; prime-rl `mismatch_kl` is k3), the
+  outlier-robust k3 with each token's k3 clamped to [-10, 10] (miles PR #1067 `train_rollout_kl`, which is slime's
+  and miles' `compute_approx_kl(kl_loss_type="low_var_kl")`: `torch.clamp(k3, min=-10, max=10)` per token), verl's
   log-PPL difference and PPL ratio, chi-square at token and sequence level (verl `chi2_token`, `chi2_seq`).
 - `ISWeightStats`: of one IS correction (`grpo_ratio.corrections.is_correction`): the effective sample size of the weights the
   loss uses (verl `rollout_is_eff_sample_size`), the quantiles of the raw weights before truncation (trl#5231), and
@@ -37,6 +39,7 @@ from .ratios import QUANTILES, SumStats, gather_finite_values, sorted_quantiles
 
 
 SAFETY_LOG = 20.0  # verl rollout_corr_helper.SAFETY_BOUND
+K3_CLAMP = 10.0  # miles/slime `low_var_kl`: each token's k3 clamped to [-10, 10] (miles PR #1067)
 
 
 def _zero() -> torch.Tensor:
@@ -62,7 +65,8 @@ class MismatchStats(SumStats):
     """
 
     _SUMS: ClassVar[tuple[str, ...]] = ("num_tokens", "sum_k1", "sum_k2", "sum_k3", "sum_r2", "num_seqs",
-                                        "sum_log_ppl_diff", "sum_abs_log_ppl_diff", "sum_ppl_ratio", "sum_seq_r2")
+                                        "sum_log_ppl_diff", "sum_abs_log_ppl_diff", "sum_ppl_ratio", "sum_seq_r2",
+                                        "sum_k3_clamped")
     num_tokens: torch.Tensor = field(default_factory=_zero)
     sum_k1: torch.Tensor = field(default_factory=_zero)
     sum_k2: torch.Tensor = field(default_factory=_zero)
@@ -73,6 +77,7 @@ class MismatchStats(SumStats):
     sum_abs_log_ppl_diff: torch.Tensor = field(default_factory=_zero)
     sum_ppl_ratio: torch.Tensor = field(default_factory=_zero)
     sum_seq_r2: torch.Tensor = field(default_factory=_zero)
+    sum_k3_clamped: torch.Tensor = field(default_factory=_zero)
 
     def update(self, log_ratio: torch.Tensor, mask: torch.Tensor) -> MismatchStats:
         """Add one micro-batch in place; returns `self`.
@@ -92,11 +97,12 @@ class MismatchStats(SumStats):
         log_ppl_diff = (-x.sum(dim=-1) / n_b.clamp(min=1))[seqs]  # (S,) log PPL_p - log PPL_q per sequence
         seq_sum = x.sum(dim=-1).clamp(-SAFETY_LOG, SAFETY_LOG)[seqs]  # (S,) log prod_t r_t
         self._add([has.sum(), -x.sum(), 0.5 * x.square().sum(), k3.sum(), r2.sum(), seqs.sum(), log_ppl_diff.sum(),
-                   log_ppl_diff.abs().sum(), torch.exp(log_ppl_diff).sum(), torch.exp(2 * seq_sum).sum()])
+                   log_ppl_diff.abs().sum(), torch.exp(log_ppl_diff).sum(), torch.exp(2 * seq_sum).sum(),
+                   k3.clamp(-K3_CLAMP, K3_CLAMP).sum()])
         return self
 
     def as_metrics(self, prefix: str) -> dict[str, float]:
-        """`{prefix}/kl_k1, kl_k2, kl_k3, chi2_token` (token means), `{prefix}/log_ppl_diff, log_ppl_abs_diff,
+        """`{prefix}/kl_k1, kl_k2, kl_k3, kl_k3_clamped, chi2_token` (token means), `{prefix}/log_ppl_diff, log_ppl_abs_diff,
         ppl_ratio, chi2_seq` (sequence means); `{}` without valid tokens. Formulas: docs/metrics.md."""
         n, s = self.num_tokens.item(), self.num_seqs.item()
         if n == 0:
@@ -105,6 +111,7 @@ class MismatchStats(SumStats):
             f"{prefix}/kl_k1": (self.sum_k1 / n).item(),
             f"{prefix}/kl_k2": (self.sum_k2 / n).item(),
             f"{prefix}/kl_k3": (self.sum_k3 / n).item(),
+            f"{prefix}/kl_k3_clamped": (self.sum_k3_clamped / n).item(),
             f"{prefix}/chi2_token": (self.sum_r2 / n).item() - 1.0,
             f"{prefix}/log_ppl_diff": (self.sum_log_ppl_diff / s).item(),
             f"{prefix}/log_ppl_abs_diff": (self.sum_abs_log_ppl_diff / s).item(),

@@ -25,6 +25,8 @@ generation, where new/old must be 1 (the batch-logprob-gap report: "it is the id
 - `ratio/attribution/*` (`ratio_attribution`): log new - log sampler of the sampled rows split into drift,
   train_precision, precision, routing, truncation and engine terms (`grpo_ratio.diagnostics.attribution`,
   docs/attribution.md).
+- `ratio/by_position/*` (`ratio_by_position`): new/old and old/sampler per completion-position bucket, and each
+  sequence's log-ratio split into bias and noise (`grpo_ratio.diagnostics.by_position`).
 - `ratio/importance_sampling_ratio/{min,mean,max}`: under `lift_sampler` with vLLM's IS correction, the IS weights
   the loss uses (TRL's `sampling/importance_sampling_ratio/*` is computed before the lift).
 
@@ -44,6 +46,7 @@ from ..corrections.is_correction import ISCorrection, importance_weights
 from ..modes import MODES
 from . import metric_keys as keys
 from .attribution import AttributionStats, attribution_terms
+from .by_position import PositionStats
 from .mismatch import FullVocabStats, ISWeightStats, MismatchStats
 from .ratios import MeanStats, RatioStats, clip_flips, valid_token_mask
 
@@ -97,6 +100,9 @@ class RatioDiagnostics:
         self.kept_mass = MeanStats()  # M_old on the kept sets, on the device of the log-probs
         self.kept_set_added = MeanStats()  # recomputed kept sets: share of sampled tokens added back
         self.attribution = AttributionStats()  # ratio_attribution: the six terms of log new - log sampler
+        # ratio_by_position: per-position buckets and the bias/noise split, on the device until flush
+        self.by_position = PositionStats(self.args.max_completion_length) \
+            if getattr(self.args, "ratio_by_position", False) else None
         self.flips = None
         self.is_stats = None
         self.touched = False
@@ -144,6 +150,8 @@ class RatioDiagnostics:
         new_old = train_logps - old  # (B, T)
         self.new_old.update(new_old, mask)
         self.new_old_units.update(new_old, mask)
+        if self.by_position is not None:
+            self.by_position.update("new_old", new_old, mask)
         if FULL_VOCAB_KEYS[0] in inputs:  # the scoring pass held both distributions (ratio_full_vocab)
             self.full_vocab.update(*(inputs[k] for k in FULL_VOCAB_KEYS), mask)
         # the generate recording (ours, kept out of TRL's loss by default), else what TRL holds (vLLM, rollout_func)
@@ -152,6 +160,8 @@ class RatioDiagnostics:
             self.old_sampler.update(old - sampler, mask & ~torch.isnan(sampler))
             self.old_sampler_units.update(old - sampler, mask)
             self._update_kept_mass(log_mass, mask & ~torch.isnan(sampler))
+            if self.by_position is not None:
+                self.by_position.update("old_sampler", old - sampler, mask & ~torch.isnan(sampler))
         elif sampler is not None:
             self._update_old_sampler(old, sampler, log_mass, mask, inputs)
         if micro_batch.attribution is not None and sampler is not None:
@@ -180,8 +190,11 @@ class RatioDiagnostics:
             self._update_kept_mass(log_mass, has_sampler)
         self.old_sampler.update(raw, has_sampler)
         self.old_sampler_units.update(raw, mask)  # NaN sampler log-probs are left out there too
+        if self.by_position is not None:
+            self.by_position.update("old_sampler", raw, has_sampler)
         if "importance_sampling_ratio" in inputs:  # the weight as the loss got it, from the same log-probs (rows whole)
-            weights = importance_weights(old - sampler, mask, self.is_correction)
+            weights = importance_weights(old - sampler, mask, self.is_correction, sampler_logps=sampler,
+                                         advantages=inputs["advantages"])
             stats = ISWeightStats.of(self.is_correction).update(weights)
             self.is_stats = stats if self.is_stats is None else self.is_stats.merge(stats)
 
@@ -236,6 +249,8 @@ class RatioDiagnostics:
             metrics.update(self.flips.all_reduce(acc).as_metrics(keys.PREFIX))
         if self.is_stats is not None:
             metrics.update(self.is_stats.all_reduce(acc).as_metrics(keys.PREFIX))
+        if self.by_position is not None:
+            metrics.update(self.by_position.flush(acc))
         self.num_updates += 1
         self._reset()
         return metrics

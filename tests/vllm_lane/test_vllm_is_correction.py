@@ -63,7 +63,7 @@ def test_colocate_trains_each_is_correction(overrides, tmp_path, tiny_llama_dir,
     for inputs in calls:
         mask = inputs["completion_mask"].bool()
         expected = importance_weights(inputs["old_per_token_logps"] - inputs["sampling_per_token_logps"], mask,
-                                      correction).weights
+                                      correction, inputs["sampling_per_token_logps"], inputs["advantages"]).weights
         torch.testing.assert_close(inputs["importance_sampling_ratio"], expected, rtol=0, atol=1e-6)
     rows = [r for r in trainer.state.log_history if "loss" in r]
     name = overrides["is_correction"]
