@@ -5,8 +5,10 @@ TRL's async trainer consumes rollouts a vLLM server sampled up to `max_staleness
 exp(logp_theta - logp_vLLM): policy lag, engine numerics and truncated sampling folded into one ratio. Here:
 
 - `"coupled"` (default): TRL's loss and metrics, bit for bit; the `ratio/staleness/<k>/*` diagnostics only observe.
-- `"decoupled"`: AReaL's decoupled PPO (arXiv 2505.24298): a proximal pass on the batch as it is consumed (any
-  `old_logprob_mode`), PPO clip on new/proximal, the behaviour -> proximal IS weight through `is_correction`.
+- `"decoupled"`: AReaL's decoupled PPO (arXiv 2505.24298): the proximal log-probs of the batch as it is consumed
+  (`old_logprob_mode="bf16"`: the training forward's own, detached, no second forward, as AReaL's
+  `prox_logp_method="reuse_train_logp"`; a precision mode: its no-grad pass), PPO clip on new/proximal, the
+  behaviour -> proximal IS weight through `is_correction`.
 - `"decoupled_loglinear"`: the same loss with A-3PO's proximal log-probs (arXiv 2512.06547), interpolated between
   behaviour and current by staleness: no proximal forward.
 
@@ -38,7 +40,6 @@ from .diagnostics.staleness import StalenessStats
 from .diagnostics.trains_nothing_callback import trains_nothing_callback
 from .modes import MODES, SAMPLER_MODE, SCORING_MODES, TRL_MODE
 from .old_pass.copies import WeightsVersion, WeightsVersionCallback
-from .old_pass.forward import eval_mode
 from .old_pass.scorer import OldLogprobScorer
 from .problems import collect
 
@@ -66,7 +67,7 @@ class RatioAsyncGRPOConfig(KnownFields, AsyncGRPOConfig):
         default="coupled",
         metadata={
             "help": "The loss of the asynchronous run: 'coupled' (TRL's: PPO clip on new/behaviour, bit for bit), "
-            "'decoupled' (AReaL's decoupled PPO: a proximal pass by old_logprob_mode on the batch as it is "
+            "'decoupled' (AReaL's decoupled PPO: proximal log-probs by old_logprob_mode on the batch as it is "
             "consumed, PPO clip on new/proximal, the behaviour->proximal IS weight through is_correction) or "
             "'decoupled_loglinear' (the same loss, proximal log-probs interpolated between behaviour and current "
             "by staleness, A-3PO: no extra forward). docs/async.md.",
@@ -75,9 +76,9 @@ class RatioAsyncGRPOConfig(KnownFields, AsyncGRPOConfig):
     )
     old_logprob_mode: str = _declared(
         "old_logprob_mode",
-        help="The proximal pass of async_objective='decoupled' (other objectives: leave at 'bf16'): 'bf16' (the "
-        "policy's own pass at its training precision, bitwise the training forward's), 'fp32_clone', 'fp16_clone', "
-        "'fp32_head' or 'guided_fp32' (as in RatioGRPOConfig). 'sampler' is refused: that is 'coupled'.",
+        help="The proximal log-probs of async_objective='decoupled' (other objectives: leave at 'bf16'): 'bf16' (the "
+        "training forward's own, detached: no extra forward), 'fp32_clone', 'fp16_clone', 'fp32_head' or "
+        "'guided_fp32' (a no-grad pass, as in RatioGRPOConfig). 'sampler' is refused: that is 'coupled'.",
         choices=[mode for mode in SCORING_MODES if mode != SAMPLER_MODE])
     guided_fp32_layers: str | None = _declared("guided_fp32_layers")
     copy_storage: str = _declared("copy_storage")
@@ -209,8 +210,9 @@ class RatioAsyncGRPOTrainer(AsyncGRPOTrainer):
     [`RatioAsyncGRPOConfig`].
 
     Attributes:
-        proximal_forwards (`int`): proximal passes run so far (one per micro-batch under `"decoupled"`, none
-            otherwise).
+        proximal_forwards (`int`): no-grad passes run for the proximal policy so far: one per micro-batch under
+            `"decoupled"` with a precision `old_logprob_mode` or with `lift_sampler` (the kept mass), none otherwise
+            (`"bf16"` reuses the training forward's log-probs).
 
     Raises:
         TypeError: `args` is a plain `AsyncGRPOConfig` (use `RatioAsyncGRPOConfig`).
@@ -314,18 +316,23 @@ class RatioAsyncGRPOTrainer(AsyncGRPOTrainer):
             new = seen[-1].log_probs.flatten()[inputs["token_index"][selected]]  # (M,)
             self._observe(terms_staleness, new, behaviour, behaviour, advantages, torch.ones_like(advantages))
             return loss
-        if self.args.async_objective == "decoupled":
+        if self.args.async_objective == "decoupled" and self._proximal is not None:  # a precision mode's pass
             call = self._forward_call(model, inputs)
             prox, log_mass = self._proximal_logprobs(model, call.kwargs, inputs["token_index"][selected])  # (M,) x 2
             behaviour = behaviour if log_mass is None else behaviour + log_mass  # lift_sampler: on the full support
             outputs, seconds = None, 0.0
-        else:  # decoupled_loglinear: the training forward first (the probe runs it), no proximal pass
+        else:  # the training forward first (the probe runs it), its outputs replayed below: one forward
             call = self._forward_call(model, inputs, run=model)
             outputs, seconds = call.outputs, call.seconds
             new = outputs.log_probs.flatten()[inputs["token_index"][selected]]  # (M,)
-            prox = loglinear_proximal(behaviour, new, terms_staleness)
-            untagged = (terms_staleness < 0).sum()  # on the device: refused at log time (`log`), no sync here
-            self._untagged_terms = untagged if self._untagged_terms is None else self._untagged_terms + untagged
+            if self.args.async_objective == "decoupled":  # bf16: the proximal policy is the training forward's
+                prox = new.detach().float()  # AReaL's prox_logp_method="reuse_train_logp" (PR #1453)
+                log_mass = self._kept_mass_of(call.kwargs, inputs["token_index"][selected])
+                behaviour = behaviour if log_mass is None else behaviour + log_mass
+            else:  # decoupled_loglinear
+                prox = loglinear_proximal(behaviour, new, terms_staleness)
+                untagged = (terms_staleness < 0).sum()  # on the device: refused at log time (`log`), no sync here
+                self._untagged_terms = untagged if self._untagged_terms is None else self._untagged_terms + untagged
         segment_id = inputs["segment_id"][selected]  # (M,)
         weights, _ = proximal_weights(prox, behaviour, segment_id, self.is_correction, advantages)  # (M,)
         old, adv = decoupled_inputs(inputs["old_log_probs"], inputs["advantages"], selected, prox, weights)
@@ -350,23 +357,28 @@ class RatioAsyncGRPOTrainer(AsyncGRPOTrainer):
     @torch.no_grad()
     def _proximal_logprobs(self, model, kwargs: dict, positions: torch.Tensor
                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(M,) fp32 proximal log-probs of the trained tokens: the training forward's own call without gradient, in
-        eval mode as every scoring mode's pass (`old_logprob_mode="bf16"`: no dropout, no activation checkpointing;
-        bitwise the training forward's values when the model has no active dropout, whose masks no second pass could
-        reproduce), or the scoring mode's pass; and, with `truncation_correction="lift_sampler"`, the (M,) log kept
-        mass of each token under the proximal logits (else None)."""
+        """(M,) fp32 proximal log-probs of the trained tokens by the precision mode's pass (`old_logprob_mode` other
+        than `"bf16"`; `"bf16"` reuses the training forward's, `compute_loss`), and, with
+        `truncation_correction="lift_sampler"`, the (M,) log kept mass of each token under the proximal logits (else
+        None)."""
         self.proximal_forwards += 1
         targets = kwargs["shift_labels"].flatten()[positions]  # (M,)
         scored = dict(temperature=self.temperature, version=self.weights_version.value)
-        if self._proximal is None:
-            with eval_mode(model):
-                prox = model(**kwargs).log_probs.flatten()[positions].float()
-                if self._kept_mass is None:
-                    return prox, None
-                return prox, self._kept_mass.score_packed(kwargs, positions, targets, kept=self.sampling, **scored)[1]
         if self._kept_mass is None:
             return self._proximal.score_packed(kwargs, positions, targets, **scored), None
         return self._proximal.score_packed(kwargs, positions, targets, kept=self.sampling, **scored)
+
+    @torch.no_grad()
+    def _kept_mass_of(self, kwargs: dict, positions: torch.Tensor) -> torch.Tensor | None:
+        """With `truncation_correction="lift_sampler"` and the bf16 proximal policy, the (M,) fp32 log kept mass of
+        each trained token under the policy's logits: one no-grad pass of the policy (TRL's fused head returns the
+        training forward's log-probs, not the logits the server's filter needs); None without the lift (no pass)."""
+        if self._kept_mass is None:
+            return None
+        self.proximal_forwards += 1
+        targets = kwargs["shift_labels"].flatten()[positions]  # (M,)
+        return self._kept_mass.score_packed(kwargs, positions, targets, kept=self.sampling,
+                                            temperature=self.temperature, version=self.weights_version.value)[1]
 
     # -- diagnostics ------------------------------------------------------------------------------------------------
 

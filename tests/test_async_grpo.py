@@ -35,6 +35,7 @@ from grpo_ratio.corrections.decoupled import (  # noqa: E402
 from grpo_ratio.corrections.is_correction import preset  # noqa: E402
 from grpo_ratio.corrections.kept_sets import SamplingSettings  # noqa: E402
 from grpo_ratio.diagnostics.metric_keys import known, staleness_key  # noqa: E402
+from grpo_ratio.old_pass.forward import eval_mode  # noqa: E402
 from grpo_ratio.testing import tiny_model, tiny_tokenizer  # noqa: E402
 from grpo_ratio.testing.async_cpu import async_grpo_on_cpu  # noqa: E402
 
@@ -259,7 +260,7 @@ def test_decoupled_at_staleness_0_ratio_is_exactly_one_and_the_weight_carries_th
     assert metrics[staleness_key(0, "prox_behav_oob_rate")] == 1.0
     assert metrics[staleness_key(0, "is_weight_mean")] == pytest.approx(math.exp(0.3), rel=1e-5)
     assert metrics[staleness_key(0, "is_ess")] == pytest.approx(1.0, abs=1e-6)
-    assert trainer.proximal_forwards == 1
+    assert trainer.proximal_forwards == 0  # the training forward's log-probs, reused
 
 
 def test_decoupled_clips_on_new_over_proximal_only(model_dir, tmp_path):
@@ -552,26 +553,56 @@ def test_untagged_terms_of_the_loglinear_objective_are_refused_at_log_time(model
     trainer.log({"loss": 0.0})  # none: nothing said
 
 
-def test_the_bf16_proximal_pass_runs_in_eval_mode_like_the_precision_modes(model_dir, tmp_path):
-    # was: `model(**kwargs)` in train mode (dropout on, activation checkpointing not disabled) where every scoring
-    # mode's pass runs in eval mode; the values stay bitwise the training forward's (no dropout in this model)
-    trainer = make_trainer(model_dir, tmp_path, async_objective="decoupled")
-    batch = packed_batch(samples_of(), staleness=[0, 0, 0, 0])
-    selected = batch["token_index"] >= 0
-    trainer.model.train()
-    seen = []
-    layer = trainer.model.model.layers[0]
-    handle = layer.register_forward_pre_hook(lambda module, args: seen.append(module.training))
+def _two_pass_loss_and_grads(trainer, batch):
+    """The decoupled bf16 loss as it was computed before the reuse (issue 43 item 4): TRL's forward arguments, a
+    no-grad proximal pass of the policy in eval mode, then TRL's `compute_loss` on the rewritten batch (its own
+    training forward). Returns the loss, the gradients and the number of forwards of the policy."""
+    inputs = {k: v for k, v in batch.items() if k != "policy_version"}
+    selected = inputs["token_index"] >= 0
+    positions, behaviour = inputs["token_index"][selected], inputs["old_log_probs"][selected]  # (M,) x 2
+    advantages, segment_id = inputs["advantages"][selected], inputs["segment_id"][selected]  # (M,) x 2
+    calls = []
+    handle = trainer.model.register_forward_hook(lambda *a: calls.append(1))
+    trainer.model.zero_grad()
     try:
         with async_grpo_on_cpu():
-            call = trainer._forward_call(trainer.model, batch)
-            prox, _ = trainer._proximal_logprobs(trainer.model, call.kwargs, batch["token_index"][selected])
-            own = trainer.model(**call.kwargs).log_probs.flatten()[batch["token_index"][selected]].float()
+            call = trainer._forward_call(trainer.model, inputs)
+            with torch.no_grad(), eval_mode(trainer.model):
+                prox = trainer.model(**call.kwargs).log_probs.flatten()[positions].float()  # (M,)
+            weights, _ = proximal_weights(prox, behaviour, segment_id, trainer.is_correction, advantages)
+            old, adv = decoupled_inputs(inputs["old_log_probs"], inputs["advantages"], selected, prox, weights)
+            loss = AsyncGRPOTrainer.compute_loss(trainer, trainer.model, {**inputs, "old_log_probs": old,
+                                                                         "advantages": adv})
+        loss.backward()
     finally:
         handle.remove()
-    assert seen == [False, True]  # the proximal pass in eval mode, the training forward in train mode
-    assert trainer.model.training and layer.training
-    assert torch.equal(prox, own.detach())
+    grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, len(calls)
+
+
+@pytest.mark.parametrize("is_correction", [None, "tis"])
+def test_decoupled_bf16_reuses_the_training_forward_bit_for_bit(model_dir, tmp_path, is_correction):
+    """Issue 43 item 4: `"decoupled"` with `old_logprob_mode="bf16"` takes the proximal log-probs from the training
+    forward, detached (AReaL's `prox_logp_method="reuse_train_logp"`): one forward of the policy per micro-batch where
+    the two-pass loss ran two, and the loss, gradients and TRL's metrics equal the two-pass ones bit for bit (a model
+    without active dropout)."""
+    trainer = make_trainer(model_dir, tmp_path, async_objective="decoupled", is_correction=is_correction)
+    batch = packed_batch(samples_of(shift=-0.3), staleness=[0, 1, 2, 1])
+    loss_2, grads_2, calls_2 = _two_pass_loss_and_grads(trainer, batch)
+    trl_keys = ["ratio", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"]
+    metrics_2 = [trainer._metrics["train"][k][-1] for k in trl_keys]
+    calls = []
+    handle = trainer.model.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        loss_1, grads_1 = _loss_and_grads(trainer, batch)
+    finally:
+        handle.remove()
+    assert calls_2 == 2 and len(calls) == 1 and trainer.proximal_forwards == 0
+    assert torch.equal(loss_1, loss_2)
+    assert grads_1.keys() == grads_2.keys() and all(torch.equal(grads_1[n], grads_2[n]) for n in grads_1)
+    assert [trainer._metrics["train"][k][-1] for k in trl_keys] == metrics_2
+    assert metrics_2[0] == 1.0 and metrics_2[-1] == 0.0  # new/proximal exactly 1, the clip never acts
+    assert grads_1 and any(g.abs().sum() > 0 for g in grads_1.values())
 
 
 @pytest.mark.parametrize("name", ["dppo_tv_mask", "kpop"])

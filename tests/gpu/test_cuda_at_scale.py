@@ -299,6 +299,8 @@ def test_async_decoupled_trains_two_steps(tmp_path, mode):
                                     is_correction="tis", use_cpu=not ON_CUDA, dtype="bfloat16")
         with async_grpo_on_cpu():
             trainer.train()
-    assert trainer.proximal_forwards > 0 and next(trainer.model.parameters()).device.type == DEVICE.type
+    # fp32_clone runs its pass; bf16 reuses the training forward's log-probs (no proximal pass)
+    assert (trainer.proximal_forwards > 0) == (mode != "bf16")
+    assert next(trainer.model.parameters()).device.type == DEVICE.type
     rows = [row for row in trainer.state.log_history if "loss" in row]
     assert len(rows) == 2 and all(row["loss"] == row["loss"] for row in rows)
