@@ -33,9 +33,11 @@ from .corrections.decoupled import OBJECTIVES, decoupled_inputs, loglinear_proxi
 from .corrections.kept_sets import SamplingSettings
 from .diagnostics.run_record_callback import RunRecordCallback
 from .diagnostics.staleness import StalenessStats
+from .models import trainer_model_source
 from .modes import MODES, SAMPLER_MODE, SCORING_MODES, TRL_MODE
 from .old_pass.copies import WeightsVersion, WeightsVersionCallback
 from .old_pass.scorer import OldLogprobScorer
+from .old_pass.tree_attention import torch_tree_attention_active
 
 
 def _declared(name: str, help: str | None = None, choices: list | None = None):
@@ -198,6 +200,21 @@ def _forward_outputs(model: torch.nn.Module):
         handle.remove()
 
 
+def check_async_device(args: AsyncGRPOConfig) -> None:
+    """Refuse a run on a CPU device outside the CPU path, in one line: TRL's async trainer attends with the flash-attn3
+    CUDA kernel and asks CUDA for the GPU's name when it is built (stock TRL: `AssertionError: Torch not compiled with
+    CUDA enabled`, or the kernel's error at the first step).
+
+    Raises:
+        RuntimeError: `use_cpu=True` or no CUDA device, and not inside
+            `grpo_ratio.testing.async_cpu.async_grpo_on_cpu()` (which runs TRL's tree attention on a torch kernel).
+    """
+    if (args.use_cpu or not torch.cuda.is_available()) and not torch_tree_attention_active():
+        raise RuntimeError("RatioAsyncGRPOTrainer needs a CUDA GPU (TRL's async trainer runs the flash-attn3 CUDA "
+                           "kernel); on a CPU build and train it inside `with grpo_ratio.testing.async_cpu."
+                           "async_grpo_on_cpu():` (trainers/async_grpo.py --cpu; docs/async.md)")
+
+
 class RatioAsyncGRPOTrainer(AsyncGRPOTrainer):
     """TRL's `AsyncGRPOTrainer` with `async_objective`, the behaviour -> proximal IS correction and the
     `ratio/staleness/<k>/*` diagnostics (module docstring, docs/async.md). Takes TRL's arguments; `args` must be a
@@ -207,8 +224,14 @@ class RatioAsyncGRPOTrainer(AsyncGRPOTrainer):
         proximal_forwards (`int`): proximal passes run so far (one per micro-batch under `"decoupled"`, none
             otherwise).
 
+    `model` given by name is resolved as `RatioGRPOTrainer` resolves it (`grpo_ratio.models.trainer_model_source`: a
+    local directory or an id the hub or its cache has goes to TRL unchanged; offline, SmolLM2-135M-Instruct's
+    converted GGUF directory).
+
     Raises:
         TypeError: `args` is a plain `AsyncGRPOConfig` (use `RatioAsyncGRPOConfig`).
+        RuntimeError: a CPU device outside `grpo_ratio.testing.async_cpu.async_grpo_on_cpu()` (`check_async_device`).
+        OSError: a model id that neither the hub, its cache nor the GGUF fallback provides.
     """
 
     def __init__(self, model, reward_funcs=None, args: RatioAsyncGRPOConfig | None = None, *pargs, **kwargs):
@@ -216,6 +239,9 @@ class RatioAsyncGRPOTrainer(AsyncGRPOTrainer):
             args = RatioAsyncGRPOConfig(f"{str(model).split('/')[-1]}-AsyncGRPO")
         if not isinstance(args, RatioAsyncGRPOConfig):
             raise TypeError(f"RatioAsyncGRPOTrainer needs args=RatioAsyncGRPOConfig(...), got {type(args).__name__}")
+        check_async_device(args)
+        if isinstance(model, str):  # resolved as the command line resolves it (offline: the converted SmolLM2)
+            model = trainer_model_source(model, (args.model_init_kwargs or {}).get("revision"))
         super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         self.weights_version = WeightsVersion()
         self.add_callback(WeightsVersionCallback(self.weights_version, self.accelerator))

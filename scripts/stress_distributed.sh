@@ -21,10 +21,12 @@ echo "load: 2 CPU-bound processes (pids $HOG1 $HOG2) on $(nproc) cores; $(uptime
 ok=0
 for i in $(seq 1 "$ROUNDS"); do
   start=$(date +%s)
-  out=$("$PY" -m pytest -q -p no:cacheprovider "${TARGETS[@]}" 2>&1 | tail -1)
+  base=$(mktemp -d)
+  out=$("$PY" -m pytest -q -p no:cacheprovider --basetemp "$base" "${TARGETS[@]}" 2>&1 | tail -1)
   rc=${PIPESTATUS[0]}
-  # no process of the round left: nothing running the harness scripts or their launchers
-  left=$(pgrep -f "two_process_train.py|sharded_(modes|routing|corrections).py|two_processes.py" | tr '\n' ' ')
+  # no process of the round left: nothing running a harness of this checkout or a script of this round's tmp dir
+  left=$(pgrep -f "$PWD/tests/|$base" | tr '\n' ' ')
+  rm -rf "$base"
   [ "$rc" -eq 0 ] && [ -z "$left" ] && ok=$((ok + 1))
   echo "round $i: rc=$rc $(( $(date +%s) - start )) s: $out; left behind: ${left:-none}"
 done

@@ -443,3 +443,40 @@ def test_report_warns_when_a_bucket_trained_nothing():
                staleness_key(2, "num_tokens"): 10, staleness_key(2, "clip_flip_rate"): 0.25}
     assert "At staleness 1, 33.0% of tokens" in render_staleness([coupled], {"async_objective": "coupled"})
     assert "At staleness" not in render_staleness([coupled], {"async_objective": "decoupled"})
+
+
+def test_a_cpu_outside_the_cpu_path_is_refused_in_one_line(model_dir, tmp_path):
+    # stock TRL: "AssertionError: Torch not compiled with CUDA enabled" from its MFU set-up, deep in __init__
+    args = RatioAsyncGRPOConfig(str(tmp_path / "o"), use_cpu=True, bf16=False, token_budget=0, report_to="none",
+                                vllm_server_base_url="http://127.0.0.1:1")
+    with pytest.raises(RuntimeError) as err:
+        RatioAsyncGRPOTrainer(model=model_dir, reward_funcs=[], args=args,
+                              train_dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": "x"}]] * 4}))
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("RatioAsyncGRPOTrainer needs a CUDA GPU")
+    assert "grpo_ratio.testing.async_cpu.async_grpo_on_cpu()" in message and "trainers/async_grpo.py --cpu" in message
+    with async_grpo_on_cpu():  # the CPU path: built (TRL's own code throughout)
+        from grpo_ratio.old_pass.tree_attention import torch_tree_attention_active
+
+        assert torch_tree_attention_active()
+    assert not torch_tree_attention_active()
+
+
+def test_a_model_id_is_resolved_as_the_other_trainers_resolve_it(model_dir, tmp_path, monkeypatch):
+    # the docs' snippet offline: the hub (and its cache) cannot give SmolLM2's id, the converted directory can (a tiny
+    # model stands in for it); stock TRL would fail in from_pretrained
+    import shutil
+
+    from grpo_ratio import models
+
+    cache = tmp_path / "cache"
+    shutil.copytree(model_dir, cache / models.DEFAULT_MODEL.split("/")[-1])
+    monkeypatch.setenv("GRPO_RATIO_CACHE", str(cache))
+
+    def no_hub(name, revision):
+        raise OSError("offline")
+
+    monkeypatch.setattr(models, "_from_hub", no_hub)
+    trainer = make_trainer(models.DEFAULT_MODEL, tmp_path)
+    assert trainer.model.config.name_or_path == str(cache / "SmolLM2-135M-Instruct")
+    assert trainer.args.output_dir == str(tmp_path / "RatioAsyncGRPOTrainer")
