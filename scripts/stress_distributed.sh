@@ -22,11 +22,12 @@ ok=0
 for i in $(seq 1 "$ROUNDS"); do
   start=$(date +%s)
   base=$(mktemp -d)
-  out=$("$PY" -m pytest -q -p no:cacheprovider --basetemp "$base" "${TARGETS[@]}" 2>&1 | tail -1)
-  rc=${PIPESTATUS[0]}
+  "$PY" -m pytest -q -p no:cacheprovider --basetemp "$base" "${TARGETS[@]}" > "$base.log" 2>&1
+  rc=$?
+  out=$(tail -1 "$base.log")
   # no process of the round left: nothing running a harness of this checkout or a script of this round's tmp dir
   left=$(pgrep -f "$PWD/tests/|$base" | tr '\n' ' ')
-  rm -rf "$base"
+  rm -rf "$base" "$base.log"
   [ "$rc" -eq 0 ] && [ -z "$left" ] && ok=$((ok + 1))
   echo "round $i: rc=$rc $(( $(date +%s) - start )) s: $out; left behind: ${left:-none}"
 done

@@ -138,6 +138,9 @@ def run_ranks(cmds: Sequence[Sequence[str]], timeout: float, envs: Sequence[dict
                     f"run_ranks: past {timeout} s; killed {len(killed)} process(es) of the launch: {killed}")
             left = kill_launch(launch_id)
             outputs = [(_read(out), _read(err)) for out, err in files]
+        except BaseException:  # an interrupt or an error here: the ranks in their own sessions die too
+            kill_launch(launch_id)
+            raise
         finally:
             for proc in procs:
                 if proc.poll() is None:
