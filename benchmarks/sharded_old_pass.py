@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -164,6 +163,7 @@ def worker(a) -> None:
 
 
 def launch(engine: str, precision: str, a, tmp: Path) -> list[dict]:
+    from grpo_ratio.testing.ranks import run_ranks
     from grpo_ratio.testing.sharded import cpu_launch_config
 
     recipe = ROOT / "recipes" / "accelerate_configs" / f"{engine}.yaml"
@@ -175,7 +175,7 @@ def launch(engine: str, precision: str, a, tmp: Path) -> list[dict]:
            str(a.repeats)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1",
            "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp)
+    (proc,) = run_ranks([cmd], timeout=3600, envs=[env], cwd=tmp)  # nothing left behind, even on a timeout
     if proc.returncode != 0:
         raise RuntimeError(f"{engine} {precision} failed:\n{proc.stderr[-4000:]}")
     return json.loads(out.read_text())
@@ -217,7 +217,10 @@ def main(argv=None):
         print(render(json.loads(Path(a.render).read_text())))
         return
     if a.worker:
+        from grpo_ratio.testing.ranks import end_rank
+
         worker(a)
+        end_rank()  # the trainer gone with worker(): the gloo group ends without a deadlock at exit
         return
     try:
         import deepspeed  # noqa: F401

@@ -38,9 +38,11 @@ from .diagnostics.console import quiet_console
 from .diagnostics.run_record_callback import RunRecordCallback
 from .diagnostics.staleness import StalenessStats
 from .diagnostics.trains_nothing_callback import trains_nothing_callback
+from .models import trainer_model_source
 from .modes import MODES, SAMPLER_MODE, SCORING_MODES, TRL_MODE
 from .old_pass.copies import WeightsVersion, WeightsVersionCallback
 from .old_pass.scorer import OldLogprobScorer
+from .old_pass.tree_attention import torch_tree_attention_active
 from .problems import collect
 
 
@@ -204,6 +206,21 @@ def _forward_outputs(model: torch.nn.Module):
         handle.remove()
 
 
+def check_async_device(args: AsyncGRPOConfig) -> None:
+    """Refuse a run on a CPU device outside the CPU path, in one line: TRL's async trainer attends with the flash-attn3
+    CUDA kernel and asks CUDA for the GPU's name when it is built (stock TRL: `AssertionError: Torch not compiled with
+    CUDA enabled`, or the kernel's error at the first step).
+
+    Raises:
+        RuntimeError: `use_cpu=True` or no CUDA device, and not inside
+            `grpo_ratio.testing.async_cpu.async_grpo_on_cpu()` (which runs TRL's tree attention on a torch kernel).
+    """
+    if (args.use_cpu or not torch.cuda.is_available()) and not torch_tree_attention_active():
+        raise RuntimeError("RatioAsyncGRPOTrainer needs a CUDA GPU (TRL's async trainer runs the flash-attn3 CUDA "
+                           "kernel); on a CPU build and train it inside `with grpo_ratio.testing.async_cpu."
+                           "async_grpo_on_cpu():` (trainers/async_grpo.py --cpu; docs/async.md)")
+
+
 class RatioAsyncGRPOTrainer(AsyncGRPOTrainer):
     """TRL's `AsyncGRPOTrainer` with `async_objective`, the behaviour -> proximal IS correction and the
     `ratio/staleness/<k>/*` diagnostics (module docstring, docs/async.md). Takes TRL's arguments; `args` must be a
@@ -214,10 +231,16 @@ class RatioAsyncGRPOTrainer(AsyncGRPOTrainer):
             `"decoupled"` with a precision `old_logprob_mode` or with `lift_sampler` (the kept mass), none otherwise
             (`"bf16"` reuses the training forward's log-probs).
 
+    `model` given by name is resolved as `RatioGRPOTrainer` resolves it (`grpo_ratio.models.trainer_model_source`: a
+    local directory or an id the hub or its cache has goes to TRL unchanged; offline, SmolLM2-135M-Instruct's
+    converted GGUF directory).
+
     Raises:
         TypeError: `args` is a plain `AsyncGRPOConfig` (use `RatioAsyncGRPOConfig`).
         ValueError: a decoupled objective or `lift_sampler` and the vLLM server does not run with `--logprobs-mode
             processed_logprobs` (`grpo_ratio.checks.check_async_server_logprobs`).
+        RuntimeError: a CPU device outside `grpo_ratio.testing.async_cpu.async_grpo_on_cpu()` (`check_async_device`).
+        OSError: a model id that neither the hub, its cache nor the GGUF fallback provides.
     """
 
     def __init__(self, model, reward_funcs=None, args: RatioAsyncGRPOConfig | None = None, *pargs, **kwargs):
@@ -225,6 +248,9 @@ class RatioAsyncGRPOTrainer(AsyncGRPOTrainer):
             args = RatioAsyncGRPOConfig(f"{str(model).split('/')[-1]}-AsyncGRPO")
         if not isinstance(args, RatioAsyncGRPOConfig):
             raise TypeError(f"RatioAsyncGRPOTrainer needs args=RatioAsyncGRPOConfig(...), got {type(args).__name__}")
+        check_async_device(args)
+        if isinstance(model, str):  # resolved as the command line resolves it (offline: the converted SmolLM2)
+            model = trainer_model_source(model, (args.model_init_kwargs or {}).get("revision"))
         super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         check_async_server_logprobs(self)  # the decoupled objectives and lift_sampler need processed log-probs
         self.weights_version = WeightsVersion()

@@ -7,7 +7,8 @@ A generated block in a markdown file looks like
     <!-- END generated -->
 
 `python scripts/update_docs.py` re-runs every command and rewrites its block; `--check` only reports stale blocks
-(exit 1), which tests/test_docs.py runs.
+(exit 1), which tests/test_docs.py runs. The command `show PATH` is no program: the block is the file PATH of the
+repository in a fenced code block (a runnable script a doc shows in full, e.g. trainers/async_grpo.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ BLOCK = re.compile(r"(<!-- BEGIN generated: (?P<cmd>.+?) -->\n)(?P<body>.*?)(<!-
 
 def render(cmd: str) -> str:
     argv = shlex.split(cmd)
+    if argv[0] == "show":
+        path = ROOT / argv[1]
+        language = {".py": "python", ".sh": "bash"}.get(path.suffix, "")
+        return f"```{language}\n{path.read_text().rstrip()}\n```\n"
     if argv[0] == "python":
         argv[0] = sys.executable
     # a render only reads committed files; without WANDB_MODE, transformers' import prints no W&B banner to stdout

@@ -21,6 +21,7 @@ from trainer_fixtures import tiny_grpo_args
 from grpo_ratio import RatioGRPOTrainer
 from grpo_ratio.diagnostics import metric_keys as keys
 from grpo_ratio.testing import letter_reward, tiny_prompts, tiny_tokenizer
+from grpo_ratio.testing.ranks import end_rank
 from grpo_ratio.testing.sharded import patch_accelerate_for_cpu_sharding, sharding_evidence
 
 
@@ -65,11 +66,8 @@ def main(out_path: str, engine: str, precision: str) -> None:
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)
-    # a clean shutdown of the gloo group: left to interpreter exit, its threads were once torn down mid-use
-    # ("terminate called without an active exception", rank 0 aborted after its result was written)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(*sys.argv[1:4])
+    end_rank()  # every trainer gone with main(): the gloo group ends without a deadlock (grpo_ratio/testing/ranks.py)

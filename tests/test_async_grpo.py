@@ -619,3 +619,40 @@ def test_the_divergence_presets_train_the_decoupled_objective(model_dir, tmp_pat
     assert len(logs) == 2 and all(math.isfinite(h["loss"]) for h in logs)
     weights = [h[k] for h in logs for k in h if k.endswith("/is_weight_mean")]
     assert weights and all(0.0 <= w < 10 for w in weights)
+
+
+def test_a_cpu_outside_the_cpu_path_is_refused_in_one_line(model_dir, tmp_path):
+    # stock TRL: "AssertionError: Torch not compiled with CUDA enabled" from its MFU set-up, deep in __init__
+    args = RatioAsyncGRPOConfig(str(tmp_path / "o"), use_cpu=True, bf16=False, token_budget=0, report_to="none",
+                                vllm_server_base_url="http://127.0.0.1:1")
+    with pytest.raises(RuntimeError) as err:
+        RatioAsyncGRPOTrainer(model=model_dir, reward_funcs=[], args=args,
+                              train_dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": "x"}]] * 4}))
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("RatioAsyncGRPOTrainer needs a CUDA GPU")
+    assert "grpo_ratio.testing.async_cpu.async_grpo_on_cpu()" in message and "trainers/async_grpo.py --cpu" in message
+    with async_grpo_on_cpu():  # the CPU path: built (TRL's own code throughout)
+        from grpo_ratio.old_pass.tree_attention import torch_tree_attention_active
+
+        assert torch_tree_attention_active()
+    assert not torch_tree_attention_active()
+
+
+def test_a_model_id_is_resolved_as_the_other_trainers_resolve_it(model_dir, tmp_path, monkeypatch):
+    # the docs' snippet offline: the hub (and its cache) cannot give SmolLM2's id, the converted directory can (a tiny
+    # model stands in for it); stock TRL would fail in from_pretrained
+    import shutil
+
+    from grpo_ratio import models
+
+    cache = tmp_path / "cache"
+    shutil.copytree(model_dir, cache / models.DEFAULT_MODEL.split("/")[-1])
+    monkeypatch.setenv("GRPO_RATIO_CACHE", str(cache))
+
+    def no_hub(name, revision):
+        raise OSError("offline")
+
+    monkeypatch.setattr(models, "_from_hub", no_hub)
+    trainer = make_trainer(models.DEFAULT_MODEL, tmp_path)
+    assert trainer.model.config.name_or_path == str(cache / "SmolLM2-135M-Instruct")
+    assert trainer.args.output_dir == str(tmp_path / "RatioAsyncGRPOTrainer")

@@ -7,7 +7,6 @@ Run: pytest tests/test_mismatch.py -q
 import math
 import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
@@ -16,6 +15,7 @@ from test_ratios import _free_port
 
 from grpo_ratio.corrections.is_correction import ISCorrection, importance_weights, parse_rejections
 from grpo_ratio.diagnostics.mismatch import FullVocabStats, ISWeightStats, MismatchStats, full_vocab_divergence
+from grpo_ratio.testing.ranks import run_ranks
 
 
 # log r = logp_p - logp_q per token; row 1 has a NaN (no sampler log-prob), rows are padded differently
@@ -221,6 +221,7 @@ def _metrics(stats):
 
 _TWO_PROCESS_SCRIPT = """
 from accelerate import Accelerator
+from grpo_ratio.testing.ranks import end_rank
 from test_mismatch import _metrics, _stats
 acc = Accelerator(cpu=True)
 assert acc.num_processes == 2
@@ -230,6 +231,7 @@ whole = _metrics(_stats(slice(0, 3)))
 got = _metrics(reduced)
 assert got.keys() == whole.keys() and all(abs(got[k] - whole[k]) < 1e-9 for k in got), (got, whole)
 print("TWO_PROCESS_OK")
+end_rank()
 """
 
 
@@ -240,14 +242,9 @@ def test_all_reduce_on_two_real_processes(tmp_path):
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2",
            "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(pathlib.Path(__file__).parent), env.get("PYTHONPATH", "")])
-    procs = [subprocess.Popen([sys.executable, str(script)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
-    try:
-        outputs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, (stdout, stderr) in zip(procs, outputs, strict=True):
-        assert p.returncode == 0 and "TWO_PROCESS_OK" in stdout, stderr[-3000:]
+    # each rank in a session of its own, killed with everything it started on a timeout; none may outlive the run
+    procs = run_ranks([[sys.executable, str(script)]] * 2, timeout=120,
+                      envs=[{**env, "RANK": str(rank), "LOCAL_RANK": str(rank)} for rank in (0, 1)])
+    for proc in procs:
+        assert proc.returncode == 0 and "TWO_PROCESS_OK" in proc.stdout, proc.stderr[-3000:]
     assert _metrics([s.all_reduce(None) for s in _stats(slice(0, 3))]) == _metrics(_stats(slice(0, 3)))

@@ -8,7 +8,6 @@ import math
 import os
 import pathlib
 import socket
-import subprocess
 import sys
 
 import pytest
@@ -17,6 +16,7 @@ import torch
 from grpo_ratio.corrections.is_correction import ISCorrection, importance_weights
 from grpo_ratio.diagnostics.mismatch import ISWeightStats
 from grpo_ratio.diagnostics.ratios import FlipStats, RatioStats, clip_flips, ppo_clip_active, valid_token_mask
+from grpo_ratio.testing.ranks import run_ranks
 
 
 def _log(values):
@@ -339,6 +339,7 @@ def test_all_reduce_sums_counts_and_gathers_values():
 
 _TWO_PROCESS_SCRIPT = """
 from accelerate import Accelerator
+from grpo_ratio.testing.ranks import end_rank
 from test_ratios import _all_stats, _metrics
 acc = Accelerator(cpu=True)
 assert acc.num_processes == 2
@@ -346,6 +347,7 @@ rows = slice(0, 2) if acc.process_index == 0 else slice(2, 6)  # unequal numbers
 reduced = [s.all_reduce(acc) for s in _all_stats(rows)]
 assert _metrics(reduced) == _metrics(_all_stats(slice(0, 6))), _metrics(reduced)
 print("TWO_PROCESS_OK")
+end_rank()
 """
 
 
@@ -363,21 +365,8 @@ def test_all_reduce_on_two_real_processes(tmp_path):
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2"}
     env["PYTHONPATH"] = os.pathsep.join([str(pathlib.Path(__file__).parent), env.get("PYTHONPATH", "")])  # test_ratios
     env["OMP_NUM_THREADS"] = "1"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script)],
-            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    try:
-        outputs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:  # never leave a worker behind (e.g. one blocked in a collective)
-            if p.poll() is None:
-                p.kill()
-    for p, (stdout, stderr) in zip(procs, outputs, strict=True):
-        assert p.returncode == 0 and "TWO_PROCESS_OK" in stdout, stderr[-3000:]
+    # each rank in a session of its own, killed with everything it started on a timeout; none may outlive the run
+    procs = run_ranks([[sys.executable, str(script)]] * 2, timeout=120,
+                      envs=[{**env, "RANK": str(rank), "LOCAL_RANK": str(rank)} for rank in (0, 1)])
+    for proc in procs:
+        assert proc.returncode == 0 and "TWO_PROCESS_OK" in proc.stdout, proc.stderr[-3000:]

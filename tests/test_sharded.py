@@ -12,12 +12,12 @@ another ZeRO stage) fails at the sharding evidence.
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from grpo_ratio.testing.ranks import run_ranks
 from grpo_ratio.testing.sharded import cpu_launch_config
 
 
@@ -36,7 +36,8 @@ def launch(tmp_path, engine: str, precision: str, script: str = "sharded_modes.p
            engine, precision, *extra]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1",
            "DS_ACCELERATOR": "cpu", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=tmp_path)
+    # raises past 900 s or when a process outlives the launch (killed either way, ranks in their own sessions too)
+    (proc,) = run_ranks([cmd], timeout=900, envs=[env], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return json.loads(out.read_text())
 

@@ -13,6 +13,7 @@ from trainer_fixtures import tiny_grpo_args
 
 from grpo_ratio import RatioGRPOTrainer
 from grpo_ratio.testing import letter_reward, tiny_model, tiny_prompts, tiny_tokenizer
+from grpo_ratio.testing.ranks import end_rank
 
 
 def main(out_dir: str, mode: str) -> None:
@@ -28,11 +29,10 @@ def main(out_dir: str, mode: str) -> None:
         with open(os.path.join(out_dir, "result.json"), "w") as f:
             json.dump({"world_size": trainer.accelerator.num_processes, "history": trainer.state.log_history,
                        "checksums": checksums, "fused_head": trainer.plan.fused_head}, f)
-    # a clean shutdown of the gloo group, as the sharded harnesses do (tests/sharded_modes.py): without it one run in
-    # a few aborted at exit ("terminate called without an active exception", SIGABRT) after training had passed
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    # the trainer (and its DDP model) is gone with main(): now the gloo group can end without a deadlock at exit
+    # (grpo_ratio/testing/ranks.py says why; with the group destroyed inside main() rank 0 hung under load)
+    end_rank()

@@ -105,6 +105,19 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     return out
 
 
+def _torch_kernel():
+    """What TRL's `packing._flash_attn()` returns inside `torch_tree_attention`: the torch kernel above."""
+    return types.SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_func)
+
+
+def torch_tree_attention_active() -> bool:
+    """Whether TRL's tree attention runs the torch kernel (inside `torch_tree_attention`) rather than the flash-attn3
+    CUDA kernel."""
+    from trl.experimental.async_grpo import packing
+
+    return packing._flash_attn is _torch_kernel
+
+
 @contextlib.contextmanager
 def torch_tree_attention():
     """Within the block, TRL's `tree_fa3` attention calls `flash_attn_varlen_func` above instead of the flash-attn3
@@ -113,7 +126,7 @@ def torch_tree_attention():
     from trl.experimental.async_grpo import packing
 
     original = packing._flash_attn
-    packing._flash_attn = lambda: types.SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_func)
+    packing._flash_attn = _torch_kernel
     try:
         yield
     finally:

@@ -42,7 +42,7 @@ def vllm_importable() -> bool:
 requires_vllm = pytest.mark.skipif(not vllm_importable(), reason="needs vLLM: run bash scripts/test_async.sh")
 
 TINY_VOCAB = 300  # the tiny tokenizer's vocabulary (grpo_ratio.testing.tiny_tokenizer)
-MAX_MODEL_LEN = 128  # a chat prompt of ~85 tokens plus 16 generated ones
+MAX_MODEL_LEN = 256  # the recipe's arithmetic prompt (~141 tiny-tokenizer tokens) plus 32 generated ones
 COMPLETION_TOKENS = 16
 LORA_RANK = 8  # the smallest rank vLLM builds LoRA buffers for above 1 (trl's VLLM_LORA_RANKS)
 MAX_STALENESS = 2
@@ -252,3 +252,46 @@ def train_async(trainer_cls, config_cls, model_dir: str, server_url: str, output
 def logged(trainer, key: str) -> list[float]:
     """The values of `key` in the trainer's log history, step by step (steps that did not log it are skipped)."""
     return [entry[key] for entry in trainer.state.log_history if entry.get(key) is not None]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the per-staleness table the lane measured, printed at the end of the session (conftest.pytest_terminal_summary)
+
+TABLE_STATS = ("new_behav_oob_rate", "new_behav_clip_rate", "clip_flip_rate", "new_prox_clip_rate",
+               "prox_behav_oob_rate", "is_weight_mean", "is_ess")
+MEASURED: dict[str, dict[int, dict[str, float]]] = {}  # run label -> k -> stat -> token-weighted mean over the run
+
+
+def record_staleness(label: str, log_history: list[dict]) -> dict[int, dict[str, float]]:
+    """Token-weighted means over a run of its `ratio/staleness/<k>/<stat>` values, per k (`num_tokens`: the sum),
+    kept under `label` for the session's table; returns them."""
+    sums: dict[int, dict[str, list[float]]] = {}
+    for entry in log_history:
+        for key, n in entry.items():
+            parts = key.split("/")
+            if len(parts) != 4 or parts[:2] != ["ratio", "staleness"] or parts[3] != "num_tokens" or not n:
+                continue
+            k = int(parts[2])
+            bucket = sums.setdefault(k, {"num_tokens": [0.0, 1.0]})
+            bucket["num_tokens"][0] += n
+            for stat in TABLE_STATS:
+                value = entry.get(f"ratio/staleness/{k}/{stat}")
+                if value is not None:
+                    total = bucket.setdefault(stat, [0.0, 0.0])
+                    total[0] += value * n
+                    total[1] += n
+    means = {k: {stat: v / w for stat, (v, w) in stats.items()} for k, stats in sorted(sums.items())}
+    MEASURED[label] = means
+    return means
+
+
+def staleness_table() -> str:
+    """The measured runs' per-staleness table, in markdown (rates in %, '-' where the objective has no such ratio)."""
+    lines = ["| run | k | tokens | new/behav out of band | new/behav clip | clip flips | new/prox clip | "
+             "prox/behav out of band | IS weight mean | IS ESS |", "|---" * 10 + "|"]
+    for label, buckets in MEASURED.items():
+        for k, b in buckets.items():
+            cells = [f"{100 * b[s]:.1f}%" if s in b else "-" for s in TABLE_STATS[:5]]
+            cells += [f"{b[s]:.3f}" if s in b else "-" for s in TABLE_STATS[5:]]
+            lines.append(f"| {label} | {k} | {int(b['num_tokens'])} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -46,3 +46,12 @@ def lora_server(vllm_lora_server):
     unload_adapters(vllm_lora_server)
     yield vllm_lora_server
     unload_adapters(vllm_lora_server)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The per-staleness table of the runs this session trained (scripts/test_async.sh prints it after the tests)."""
+    from async_lane_utils import MEASURED, staleness_table
+
+    if MEASURED:
+        terminalreporter.write_sep("-", "ratio per staleness k (token-weighted means over each run)")
+        terminalreporter.write_line(staleness_table())

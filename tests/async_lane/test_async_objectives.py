@@ -17,7 +17,7 @@ What the values must be, with the server and the trainer both in fp32 (async_lan
 import math
 
 import pytest
-from async_lane_utils import logged, requires_vllm, train_async
+from async_lane_utils import logged, record_staleness, requires_vllm, train_async
 
 
 pytestmark = [pytest.mark.async_lane, requires_vllm]
@@ -45,6 +45,7 @@ def test_objective_trains_off_policy_and_logs_staleness_buckets(objective, mode,
 
     trainer = train_async(RatioAsyncGRPOTrainer, RatioAsyncGRPOConfig, tiny_chat_llama_dir, lora_server, tmp_path,
                           max_steps=STEPS, async_objective=objective, old_logprob_mode=mode)
+    record_staleness(f"`{objective}` {mode}", trainer.state.log_history)  # the lane's table (conftest)
     assert trainer._lora_sync is True and trainer.state.global_step == STEPS
     losses = logged(trainer, "loss")
     assert len(losses) == STEPS and all(math.isfinite(v) for v in losses)
