@@ -22,8 +22,8 @@ from torch.utils._pytree import tree_flatten
 I64 = torch.int64
 ONE = 30  # fixed point of exp outputs: 1.0 = 2^30
 FRAC = 16  # fractional bits of exponents in log2 units, and of log-probs / logits
-# 2^-f on [0, 1) as a quartic in fixed point 2^-30 (least squares on Chebyshev nodes; max relative error 3.6e-6)
-EXP2_POLY = (7346540, -57151956, 257096002, -744157529, 1073739782)
+# 2^g on [0, 1] as a quartic in fixed point 2^-30 (least squares on Chebyshev nodes; max relative error 3.6e-6)
+EXP2_POLY = (14693079, 55531593, 259438748, 744070464, 1073745679)
 LOG2E = (23637, 14)  # log2(e) ~ 23637 / 2^14 (relative error 4.9e-6)
 LN2 = (22713, 15)  # ln(2) ~ 22713 / 2^15 (relative error 2.1e-6)
 
@@ -134,16 +134,25 @@ def normalize_rows(x: torch.Tensor, k: torch.Tensor, bits: int) -> tuple[torch.T
     return shift_round(x, s), k.to(I64) - s
 
 
-def exp2_neg(z: torch.Tensor) -> torch.Tensor:
-    """2^-(z / 2^FRAC) in fixed point 2^-ONE, for int64 z >= 0: the integer part a shift, the fraction a quartic.
+def shift_round_nonneg(x: torch.Tensor, s) -> torch.Tensor:
+    """`shift_round` for x >= 0 (the same rule, without the sign handling): (x + 2^(s-1)) >> s, or x << -s. int64."""
+    s = _as_shift(s, x)
+    down, up = s.clamp(min=0), (-s).clamp(min=0)
+    return ((x.to(I64) << up) + ((torch.ones_like(down) << down) >> 1)) >> down
 
-    Returns int64 in [0, 2^ONE]; exactly 0 once z / 2^FRAC > 62."""
+
+def exp2_neg(z: torch.Tensor) -> torch.Tensor:
+    """2^-(z / 2^FRAC) in fixed point 2^-ONE, for int64 z >= 0: the integer part a shift, the fraction a quartic
+    (2^-f = 2^(1-f) / 2, whose polynomial has positive coefficients, so every intermediate is non-negative).
+
+    Returns int64 in [0, 2^ONE]; exactly 0 once z / 2^FRAC > 61."""
     z = z.to(I64).clamp(min=0)
-    q, f = z >> FRAC, z & ((1 << FRAC) - 1)
-    acc = torch.full_like(f, EXP2_POLY[0])
+    q, g = z >> FRAC, (1 << FRAC) - (z & ((1 << FRAC) - 1))  # g = 1 - f in (0, 1], 2^-FRAC units
+    acc = torch.full_like(g, EXP2_POLY[0])
     for c in EXP2_POLY[1:]:
-        acc = shift_round(acc * f, FRAC) + c
-    return torch.where(q > 62, torch.zeros_like(acc), shift_round(acc, q.clamp(max=62)))
+        acc = ((acc * g + (1 << (FRAC - 1))) >> FRAC) + c  # 2^g in 2^-ONE, in [2^30, 2^31]
+    s = q + 1
+    return torch.where(s > 62, torch.zeros_like(acc), shift_round_nonneg(acc, s.clamp(max=62)))
 
 
 def exp_neg(d: torch.Tensor, m: torch.Tensor, k) -> torch.Tensor:
@@ -151,7 +160,7 @@ def exp_neg(d: torch.Tensor, m: torch.Tensor, k) -> torch.Tensor:
     per-row dyadic scale m / 2^k (m < 2^16). Shift-based as I-LLM's DI-Exp: the exponent is turned into log2 units
     by the dyadic log2(e), then `exp2_neg`. int64, same shape as d."""
     mm = shift_round(m.to(I64) * LOG2E[0], 15)  # m * log2(e) * 2^(15 - LOG2E[1]), one 16-bit mantissa
-    z = shift_round(d.to(I64) * mm, _as_shift(k, d) + LOG2E[1] - 15 - FRAC)
+    z = shift_round_nonneg(d.to(I64) * mm, _as_shift(k, d) + LOG2E[1] - 15 - FRAC)
     return exp2_neg(z)
 
 

@@ -47,6 +47,7 @@ PROB_BITS = 15  # attention probabilities in [0, 2^15 - 1]
 ROPE_BITS = 14  # int16 rope tables: cos, sin * 2^14
 BIAS_BITS = 24  # biases in fixed point 2^-24
 LOGIT_MAX = (1 << 31) - 1
+ATTN_TILE = 1 << 20  # score elements per query chunk
 
 
 @dataclass
@@ -224,12 +225,20 @@ class IntModel:
         kq = kq.view(B, T, G, group, 1).permute(0, 2, 3, 1, 4)
         ms, es = fit_ratio(amax * self.inv_sqrt_d[0], 127)  # score = S * ms / 2^ks (1/sqrt(D) folded in)
         ks = es + kq + L.k_mul.k + self.inv_sqrt_d[1]
-        scores = int_mm(q8, K8.unsqueeze(2).transpose(-1, -2)).to(I64)  # (B, G, g, T, S)
-        probs = softmax15(scores, ms, ks, mask)
-        hi, lo = (probs >> 8).to(torch.int8), ((probs & 255) - 128).to(torch.int8)
-        V8g = V8.unsqueeze(2)  # (B, G, 1, S, D)
-        ctx = ((int_mm(hi, V8g).to(I64) << 8) + int_mm(lo, V8g).to(I64)
-               + 128 * V8g.to(I64).sum(-2, keepdim=True))  # sum_s p * v, exactly; value * 2^-15 * v scale
+        Kt, V8g = K8.unsqueeze(2).transpose(-1, -2), V8.unsqueeze(2)  # (B, G, 1, D, S), (B, G, 1, S, D)
+        # every step is per query row, so query chunks (bounding the (B, H, T, S) int64 temporaries) change no bit,
+        # and a chunk's slots past its last query are causally masked (probability 0): they are left out
+        chunk = max(1, ATTN_TILE // max(1, B * H * K8.size(2)))
+        parts = []
+        for a in range(0, T, chunk):
+            end = K8.size(2) - T + min(T, a + chunk)  # slots the chunk's queries may see
+            scores = int_mm(q8[..., a:a + chunk, :], Kt[..., :end]).to(I64)  # (B, G, g, t, end)
+            probs = softmax15(scores, ms[..., a:a + chunk, :], ks[..., a:a + chunk, :], mask[..., a:a + chunk, :end])
+            hi, lo = (probs >> 8).to(torch.int8), ((probs & 255) - 128).to(torch.int8)
+            # sum_s p * v exactly, as two int8 GEMMs (p = 256 hi + lo + 128); value * 2^-15 * the v scale
+            v = V8g[..., :end, :]
+            parts.append((int_mm(hi, v).to(I64) << 8) + int_mm(lo, v).to(I64) + 128 * v.to(I64).sum(-2, keepdim=True))
+        ctx = torch.cat(parts, 3) if len(parts) > 1 else parts[0]
         ctx = ctx.permute(0, 3, 1, 2, 4).reshape(B, T, H, D) * L.v_mul.m.repeat_interleave(group, 0)
         x8, mx, kx = quant_rows(ctx.reshape(B, T, H * D) * L.o_in.m,
                                 torch.full((B, T, 1), PROB_BITS + L.v_mul.k + L.o_in.k, dtype=I64, device=h.device))
