@@ -292,3 +292,22 @@ def test_a_rows_samples_are_the_same_alone_or_in_any_batch_and_the_old_pass_repr
     # a different seed or sample index draws different tokens
     other = generate(im, rows, 10, IntSampling(temperature=0.9, top_k=50, top_p=0.95, seed=4), eos_token_id=1)
     assert not torch.equal(other.tokens, together.tokens)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# grpo-ratio probe determinism
+
+
+def test_the_determinism_probe_gives_one_integer_hash(tmp_path):
+    import json
+
+    from grpo_ratio.cli import main
+
+    assert main(["probe", "determinism", "--model", "tiny:llama", "--max-new-tokens", "3", "--batch-size", "4",
+                 "--calibration-prompts", "2", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "determinism.json").read_text())
+    assert len(result["rows"]) == 7
+    assert result["unique_hashes"]["int"] == 1  # every configuration, the integer paths included
+    assert result["unique_hashes"]["fp32"] > 1 and result["unique_hashes"]["bf16"] > 1  # the float controls move
+    table = (tmp_path / "determinism.md").read_text()
+    assert "| **unique hashes** | **1** |" in table
