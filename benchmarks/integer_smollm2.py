@@ -68,6 +68,7 @@ def perplexities(model, int_model, ids: list[int], window: int, chunk: int) -> d
         nll_i -= lp.sum().item() / 65536
         agree += (logits.argmax(-1) == lf.argmax(-1)).sum().item()
         n += target.numel()
+        print(f"perplexity: {n} tokens scored", file=sys.stderr, flush=True)
     return {"tokens": n, "fp32": math.exp(nll_f / n), "int": math.exp(nll_i / n), "top1_agreement": agree / n}
 
 
@@ -112,6 +113,7 @@ def measure(args) -> dict:
     start = time.perf_counter()
     int_model = convert(model, calib)
     conversion = time.perf_counter() - start
+    print(f"converted in {conversion:.1f} s", file=sys.stderr, flush=True)
     ids = held_out_ids(tokenizer, args.tokens)
     ppl = perplexities(model, int_model, ids, args.window, args.chunk)
     decode = {f"batch_{b}": decode_rates(model, int_model, _prompt_rows(tokenizer, b, args.prompt_tokens),

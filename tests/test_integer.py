@@ -182,18 +182,19 @@ def test_one_and_two_threads_give_the_same_bits(llama):
     assert torch.equal(one, two)
 
 
-def test_a_4k_context(llama):
-    """4,096 tokens: full prefill vs prefill 4,095 + decode 1, and alone vs beside a shorter co-prompt."""
+@pytest.mark.parametrize("n", [1024, pytest.param(4096, marks=pytest.mark.slow)])
+def test_a_long_context(llama, n):
+    """n tokens (4,096 in the slow lane): full prefill vs prefill n-1 + decode 1, and alone vs beside a shorter
+    co-prompt (left-padded)."""
     _, im = llama
-    prompt = [random.Random(4).randrange(3, V) for _ in range(4096)]
+    prompt = [random.Random(4).randrange(3, V) for _ in range(n)]
     ids = torch.tensor([prompt])
-    last = torch.tensor([[4095]])
-    full = im(ids, None, logits_at=last)[0, 0]
+    full = im(ids, None, logits_at=torch.tensor([[n - 1]]))[0, 0]
     cache = im.new_cache(1)
-    im(ids[:, :4095], None, cache, logits_at=torch.tensor([[4094]]))
-    assert torch.equal(im(ids[:, 4095:], None, cache)[0, 0], full)
-    batch, valid = left_pad([prompt, prompt[:300]], 0)
-    assert torch.equal(im(batch, valid, logits_at=torch.tensor([[4095], [4095]]))[0, 0], full)
+    im(ids[:, :-1], None, cache, logits_at=torch.tensor([[n - 2]]))
+    assert torch.equal(im(ids[:, -1:], None, cache)[0, 0], full)
+    batch, valid = left_pad([prompt, prompt[:100]], 0)
+    assert torch.equal(im(batch, valid, logits_at=torch.tensor([[n - 1], [n - 1]]))[0, 0], full)
 
 
 def test_greedy_tokens_alone_and_in_a_batch(llama):
