@@ -64,10 +64,11 @@ def shift_round(x: torch.Tensor, s) -> torch.Tensor:
     if not isinstance(s, torch.Tensor):
         if s <= 0:
             return x << -s
+        s = min(s, 62)  # the same result for every |x| < 2^61 (0); shifts >= 64 are undefined in C++
         mag = (x.abs() + (1 << (s - 1))) >> s
         return torch.where(x < 0, -mag, mag)
     s = s.to(I64)
-    down, up = s.clamp(min=0), (-s).clamp(min=0)
+    down, up = s.clamp(min=0, max=62), (-s).clamp(min=0)
     half = torch.where(down > 0, torch.ones_like(down) << (down - 1).clamp(min=0), torch.zeros_like(down))
     mag = ((x.abs() + half) >> down) << up
     return torch.where(x < 0, -mag, mag)
@@ -137,7 +138,7 @@ def normalize_rows(x: torch.Tensor, k: torch.Tensor, bits: int) -> tuple[torch.T
 def shift_round_nonneg(x: torch.Tensor, s) -> torch.Tensor:
     """`shift_round` for x >= 0 (the same rule, without the sign handling): (x + 2^(s-1)) >> s, or x << -s. int64."""
     s = _as_shift(s, x)
-    down, up = s.clamp(min=0), (-s).clamp(min=0)
+    down, up = s.clamp(min=0, max=62), (-s).clamp(min=0)
     return ((x.to(I64) << up) + ((torch.ones_like(down) << down) >> 1)) >> down
 
 
