@@ -68,7 +68,8 @@ def perplexities(model, int_model, ids: list[int], window: int, chunk: int) -> d
         nll_i -= lp.sum().item() / 65536
         agree += (logits.argmax(-1) == lf.argmax(-1)).sum().item()
         n += target.numel()
-        print(f"perplexity: {n} tokens scored", file=sys.stderr, flush=True)
+        print(f"perplexity: {n} tokens scored, nll fp32 {nll_f / n:.4f} int {nll_i / n:.4f}, top-1 agreement "
+              f"{agree / n:.3f}", file=sys.stderr, flush=True)
     return {"tokens": n, "fp32": math.exp(nll_f / n), "int": math.exp(nll_i / n), "top1_agreement": agree / n}
 
 

@@ -267,6 +267,17 @@ def test_the_draw_follows_the_distribution():
     assert abs(lp.item() / 65536 - torch.log_softmax(logits.double() / 65536, -1)[0, 2].item()) < 1e-4
 
 
+def test_a_token_far_below_the_max_keeps_a_finite_log_prob():
+    """Its mass underflows 2^-30 (a gap of 40 nats), but without truncation it is in the kept set: its log-prob is
+    (l - max) - ln(sum), not the OUTSIDE sentinel (the perplexity of a real model meets such tokens)."""
+    from grpo_ratio.integer.sample import OUTSIDE
+
+    logits = torch.tensor([[0, -40 * 65536, -3 * 65536]], dtype=torch.int32)
+    lp = token_logprobs(logits, torch.tensor([1]), IntSampling()).item() / 65536
+    assert abs(lp - torch.log_softmax(logits.double() / 65536, -1)[0, 1].item()) < 1e-3
+    assert token_logprobs(logits, torch.tensor([1]), IntSampling(top_k=2)).item() == OUTSIDE
+
+
 def test_bad_sampling_settings_are_refused():
     for kwargs, field in (({"temperature": 0}, "temperature"), ({"top_k": -1}, "top_k"), ({"top_p": 1.5}, "top_p")):
         with pytest.raises(ValueError, match=field):
@@ -304,8 +315,9 @@ def test_the_determinism_probe_gives_one_integer_hash(tmp_path):
 
     from grpo_ratio.cli import main
 
-    assert main(["probe", "determinism", "--model", "tiny:llama", "--max-new-tokens", "3", "--batch-size", "4",
-                 "--calibration-prompts", "2", "--out", str(tmp_path)]) == 0
+    assert main(["probe", "determinism", "--model", "tiny:llama", "--prompt", "what is 12 + 7 ? the answer is",
+                 "--max-new-tokens", "3", "--batch-size", "4", "--calibration-prompts", "2",
+                 "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "determinism.json").read_text())
     assert len(result["rows"]) == 7
     assert result["unique_hashes"]["int"] == 1  # every configuration, the integer paths included

@@ -72,9 +72,10 @@ def row_noise(seed: int, keys: list[int], sample_index: list[int], step: int, de
     return torch.tensor(out, dtype=I64, device=device)
 
 
-def kept_masses(logits: torch.Tensor, sampling: IntSampling) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(masses (..., V) int64 in 2^-30, 0 outside the kept set; their sum (..., 1); the row max (..., 1)) of int32
-    logits (..., V) in 2^-16 under temperature, top_k and top_p. Greedy rows use temperature 1, no truncation."""
+def kept_masses(logits: torch.Tensor, sampling: IntSampling):
+    """(masses (..., V) int64 in 2^-30, 0 outside the kept set; their sum (..., 1); the row max (..., 1); the kept
+    set (..., V) bool, or None without truncation) of int32 logits (..., V) in 2^-16 under temperature, top_k and
+    top_p. Greedy rows use temperature 1, no truncation. A kept token's mass may be 0 (below 2^-30 of the max's)."""
     lg = logits.to(I64)
     top = lg.amax(-1, keepdim=True)
     m, k = (1 << 14, 14) if sampling.greedy else sampling.inv_temperature
@@ -92,19 +93,21 @@ def kept_masses(logits: torch.Tensor, sampling: IntSampling) -> tuple[torch.Tens
             total = sorted_masses.sum(-1, keepdim=True)
             keep = keep & ((before << 16) < sampling.top_p_fixed * total)
         masses = torch.zeros_like(masses).scatter(-1, order, sorted_masses * keep)
-    return masses, masses.sum(-1, keepdim=True).clamp(min=1), top
+        kept = torch.zeros_like(masses, dtype=torch.bool).scatter(-1, order, keep.expand_as(sorted_masses))
+        return masses, masses.sum(-1, keepdim=True).clamp(min=1), top, kept
+    return masses, masses.sum(-1, keepdim=True).clamp(min=1), top, None
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, sampling: IntSampling) -> torch.Tensor:
     """Log-probs (..., ) int64 in 2^-16 nats of `tokens` (...) under the distribution drawn from `logits` (..., V):
     (l - max) / temperature - ln(sum of kept masses / 2^30); `OUTSIDE` for a token outside the kept set."""
-    masses, total, top = kept_masses(logits, sampling)
+    _, total, top, kept = kept_masses(logits, sampling)
     m, k = (1 << 14, 14) if sampling.greedy else sampling.inv_temperature
     tok = tokens.to(I64).unsqueeze(-1)
     z = -shift_round((top - logits.to(I64).gather(-1, tok)) * m, k)
     lse = shift_round((log2_fixed(total) - (ONE << FRAC)) * LN2[0], LN2[1])
     lp = (z - lse).squeeze(-1)
-    return torch.where(masses.gather(-1, tok).squeeze(-1) > 0, lp, OUTSIDE)
+    return lp if kept is None else torch.where(kept.gather(-1, tok).squeeze(-1), lp, OUTSIDE)
 
 
 def draw(logits: torch.Tensor, sampling: IntSampling, noise: torch.Tensor) -> torch.Tensor:
@@ -114,7 +117,7 @@ def draw(logits: torch.Tensor, sampling: IntSampling, noise: torch.Tensor) -> to
     if sampling.greedy:
         ids = torch.arange(lg.size(-1), device=lg.device)
         return torch.where(lg == lg.amax(-1, keepdim=True), ids, lg.size(-1)).amin(-1)
-    masses, total, _ = kept_masses(lg, sampling)
+    masses, total, _, _ = kept_masses(lg, sampling)
     target = noise.to(lg.device).unsqueeze(-1) % total
     return (masses.cumsum(-1) <= target).sum(-1)
 
