@@ -74,8 +74,9 @@ def perplexities(model, int_model, ids: list[int], window: int, chunk: int) -> d
 
 
 def _prompt_rows(tokenizer, batch: int, length: int) -> list[list[int]]:
-    rows = [json.loads(line) for line in TEXT.read_text().splitlines() if line.strip()]
-    return [tokenizer(rows[i]["question"], add_special_tokens=False)["input_ids"][:length] for i in range(batch)]
+    """`batch` different prompts of exactly `length` tokens: consecutive slices of the held-out text."""
+    ids = held_out_ids(tokenizer, batch * length)
+    return [ids[i * length:(i + 1) * length] for i in range(batch)]
 
 
 @torch.no_grad()

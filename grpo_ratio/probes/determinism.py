@@ -179,7 +179,9 @@ def measure(model, int_model, prompt: list[int], steps: int, batch_size: int, se
     return {"rows": rows, "unique_hashes": unique, "first_fork": forks}
 
 
-def markdown(result: dict, info: dict) -> str:
+def markdown(payload: dict) -> str:
+    """The table of a `determinism.json` payload ({"info", "rows", "unique_hashes", "first_fork"})."""
+    result, info = payload, payload["info"]
     lines = [f"# Determinism: {info['model']} ({info['steps']} greedy steps)", "",
              "| configuration | int32 logits | fp32 logits | bf16 logits | fp32 fork | bf16 fork |",
              "| --- | --- | --- | --- | --- | --- |"]
@@ -225,4 +227,5 @@ def run(args) -> list:
             "conversion_s": int_model.info["conversion_s"], "calibration_s": int_model.info["calibration_s"],
             "calibration_prompts": int_model.info["calibration_prompts"], "torch": torch.__version__,
             "threads": torch.get_num_threads()}
-    return common.write_results(args.out, "determinism", {"info": info, **result}, markdown(result, info))
+    payload = {"info": info, **result}
+    return common.write_results(args.out, "determinism", payload, markdown(payload))
