@@ -143,7 +143,8 @@ def render(path: str) -> str:
                      f"(guarded {x['int_guarded']:.2f}) | {x['int'] / x['fp32']:.3f}x |")
     lines += ["", f"Decode: {r['decode_steps']} greedy steps after a {r['prompt_tokens']}-token prefill, "
               f"{r['threads']} threads, eager (no compile, no CUDA graphs, no fused kernels) on "
-              f"{r['machine'].get('cpu', 'this CPU')}."]
+              f"{r['machine'].get('cpu', 'this CPU')} (load {r['machine'].get('load_before', '?')} at the start: the "
+              "machine is shared, so the times are noisy, the float ones most)."]
     return "\n".join(lines) + "\n"
 
 
