@@ -15,13 +15,13 @@ import json
 import sys
 from pathlib import Path
 
-from grpo_ratio.probes import batch, calibrate, controls, greedy, invariance, ladder, layers
+from grpo_ratio.probes import batch, calibrate, controls, determinism, greedy, invariance, ladder, layers
 
 
 ROOT = Path(__file__).resolve().parent.parent
 RENDER = {"batch": batch.markdown, "ladder": ladder.markdown, "layers": layers.markdown,
           "calibrate": calibrate.markdown, "controls": controls.markdown, "greedy": greedy.markdown,
-          "invariance": invariance.markdown}
+          "invariance": invariance.markdown, "determinism": determinism.markdown}
 BEGIN, END = "<!-- probe-tables:begin (scripts/build_probe_tables.py) -->", "<!-- probe-tables:end -->"
 
 

@@ -10,6 +10,7 @@
     grpo-ratio probe calibrate --target 0.01 ...
     grpo-ratio probe controls | greedy | invariance ...
     grpo-ratio probe routes --model tiny:qwen3_moe   # MoE route flips: decode vs prefill, fp32 vs bf16
+    grpo-ratio probe determinism --model tiny:llama  # int32-logit vs fp32/bf16 hashes (docs/integer.md)
 
 `train` and `compare` are `grpo_ratio/cli/train.py` and `compare.py`; each probe is one module `grpo_ratio/probes/<name>.py` with its own
 `add_arguments` and `run`, writing `DIR/<probe>.json` and `DIR/<probe>.md` (and a PNG where a plot helps).
@@ -24,14 +25,14 @@ import sys
 from pathlib import Path
 
 
-PROBES = ("batch", "ladder", "layers", "calibrate", "controls", "greedy", "invariance", "routes")
+PROBES = ("batch", "ladder", "layers", "calibrate", "controls", "greedy", "invariance", "routes", "determinism")
 
 
 def _probe_modules() -> dict:
-    from ..probes import batch, calibrate, controls, greedy, invariance, ladder, layers, routes
+    from ..probes import batch, calibrate, controls, determinism, greedy, invariance, ladder, layers, routes
 
     modules = {"batch": batch, "ladder": ladder, "layers": layers, "calibrate": calibrate, "controls": controls,
-               "greedy": greedy, "invariance": invariance, "routes": routes}
+               "greedy": greedy, "invariance": invariance, "routes": routes, "determinism": determinism}
     return {name: modules[name] for name in PROBES}
 
 
