@@ -42,7 +42,11 @@ from .modes import (
     FP32_CLONE,
     FP32_HEAD,
     GUIDED_FP32,
+    INTEGER_MODE,
     MODES,
+    OLD_LOGPROB_MODES,
+    POLICY_ROLLOUTS,
+    ROLLOUT_PRECISIONS,
     SAMPLER_MODE,
     SCORER_MODES,
     SCORING_MODES,
@@ -137,7 +141,8 @@ def check_config(args) -> None:
         _check_choices, _check_sampling_fields, _check_vllm_engine, _check_copy_storage, _resolve_guided_layers,
         _check_band, _check_switches, _check_truncation,
         _check_is_correction,  # before _check_sampler_mode, which may turn TRL's vLLM correction off
-        _check_trust_region, _check_sampler_mode, _check_routing_replay, _check_gate, _check_attribution, _check_sampler_logprobs))
+        _check_trust_region, _check_sampler_mode, _check_routing_replay, _check_gate, _check_attribution, _check_sampler_logprobs,
+        _check_rollout_precision))
 
 
 def _not_allowed(name: str, value, allowed) -> str:
@@ -150,7 +155,7 @@ def _not_allowed(name: str, value, allowed) -> str:
 def _check_choices(args) -> None:
     """The new fields that take one of a set of values (`old_logprob_mode`, `kept_set_source`, `vllm_dtype`,
     `truncation_correction`), every one. Raises Problems."""
-    allowed = {"old_logprob_mode": SCORING_MODES, "kept_set_source": KEPT_SET_SOURCES,
+    allowed = {"old_logprob_mode": OLD_LOGPROB_MODES, "kept_set_source": KEPT_SET_SOURCES,
                "truncation_correction": TRUNCATION_CORRECTIONS, "vllm_dtype": VLLM_DTYPES}
     problems = [_not_allowed(name, getattr(args, name), values) for name, values in allowed.items()
                 if getattr(args, name) not in values and not (name == "vllm_dtype" and args.vllm_dtype is None)]
@@ -527,6 +532,110 @@ def _check_sampler_mode(args) -> None:
                       "log-probs are the sampler's, so TRL's importance-sampling ratio old/sampler is 1 by "
                       "construction", stacklevel=6)
         args.vllm_importance_sampling_correction = False
+
+
+def _check_rollout_precision(args) -> None:
+    """`rollout_precision` (`grpo_ratio.sampler.precision`) and `old_logprob_mode="integer"`, from the config alone.
+
+    Raises:
+        Problems (a `ValueError`): a value outside `ROLLOUT_PRECISIONS`; a copy with vLLM or transformers continuous
+            batching (the copy draws on the `generate` path only) or with `routing_replay` (the sampler's routes
+            would be the copy's); `old_logprob_mode="integer"` without `rollout_precision="integer"` (there is no
+            integer model to re-score with) or on RLOO (not wired there); with `rollout_precision="integer"`, a
+            truncation correction (the integer sampler keeps its own kept sets, which are not recorded) or
+            `ratio_attribution`.
+    """
+    value = args.rollout_precision
+    if value not in ROLLOUT_PRECISIONS:
+        raise Problems(_not_allowed("rollout_precision", value, ROLLOUT_PRECISIONS))
+    problems = []
+    if MODES[args.old_logprob_mode].integer and value != INTEGER_MODE:
+        problems.append(f"old_logprob_mode={INTEGER_MODE!r} re-scores the rollouts with the integer model that drew "
+                        f"them, but rollout_precision={value!r}; set rollout_precision={INTEGER_MODE!r}, or use "
+                        f"another old_logprob_mode")
+    if MODES[args.old_logprob_mode].integer and is_rloo(args):
+        problems.append(f"old_logprob_mode={INTEGER_MODE!r} is not supported on RLOO; use it with RatioGRPOTrainer, "
+                        f"or old_logprob_mode={SAMPLER_MODE!r} (the integer sampler's own log-probs)")
+    if value != POLICY_ROLLOUTS:
+        drawn = f"rollout_precision={value!r} draws the rollouts from a copy on the transformers generate path"
+        allowed = f"allowed with it: {POLICY_ROLLOUTS!r} only"
+        if args.use_vllm:
+            problems.append(f"{drawn}, but use_vllm=True (vLLM draws them); set use_vllm=False, or rollout_precision="
+                            f"{POLICY_ROLLOUTS!r} ({allowed}; vLLM's own quantization is set on its engine)")
+        if getattr(args, "use_transformers_continuous_batching", False):
+            problems.append(f"{drawn}, but use_transformers_continuous_batching=True; set it to False, or "
+                            f"rollout_precision={POLICY_ROLLOUTS!r}")
+        if args.routing_replay != "none":
+            problems.append(f"{drawn}, but routing_replay={args.routing_replay!r} replays the policy's routes; set "
+                            f"routing_replay='none', or rollout_precision={POLICY_ROLLOUTS!r}")
+    if value == INTEGER_MODE:
+        if args.truncation_correction != "none":
+            problems.append(f"rollout_precision={INTEGER_MODE!r} with truncation_correction="
+                            f"{args.truncation_correction!r}: the integer sampler applies top_k / top_p in integers "
+                            f"and records no kept sets; set truncation_correction='none' (with "
+                            f"old_logprob_mode={INTEGER_MODE!r} the old pass applies the same integer filter)")
+        if args.ratio_attribution not in (None, False, "false", "False"):
+            problems.append(f"rollout_precision={INTEGER_MODE!r} with ratio_attribution is not supported (the "
+                            f"attribution's chain has no integer term); unset ratio_attribution")
+    if problems:
+        raise Problems(problems)
+
+
+def check_rollout_run(args, sampling, multi_turn: bool) -> None:
+    """`rollout_precision="integer"` against the sampling settings generation really uses: the integer sampler
+    implements temperature, top_k and top_p, sampled one row at a time.
+
+    Raises:
+        ValueError: greedy decoding or beam search, min_p, a logits processor (`repetition_penalty`, ...), or tools /
+            an environment factory (multi-turn), naming `rollout_precision` and what works.
+    """
+    if args.rollout_precision != INTEGER_MODE:
+        return
+    unsupported = [f"num_beams={sampling.num_beams}"] if sampling.num_beams > 1 else []
+    unsupported += [] if sampling.do_sample else ["do_sample=False"]
+    unsupported += [f"min_p={sampling.min_p}"] if sampling.min_p > 0 else []
+    unsupported += [f"{name}={value!r}" for name, value in sampling.processors]
+    unsupported += ["tools or environment_factory (multi-turn)"] if multi_turn else []
+    if unsupported:
+        raise ValueError(f"rollout_precision={INTEGER_MODE!r}: the integer sampler implements temperature, top_k and "
+                         f"top_p with single-turn sampling, but generation uses {', '.join(unsupported)}; remove "
+                         f"them (generation_kwargs, the model's generation_config) or use another rollout_precision "
+                         f"(allowed: {', '.join(ROLLOUT_PRECISIONS)})")
+
+
+def check_rollout_copy(engine: str, policy: nn.Module, args) -> None:
+    """What the copy of `rollout_precision` needs of the model and the engine, when the trainer starts.
+
+    Raises:
+        NotImplementedError: a copy under FSDP or DeepSpeed ZeRO-3 (the copy is made from whole parameters, which
+            a sharded policy does not hold); a quantized base (the copy would cast quantized weights);
+            `"integer"` with a PEFT adapter, or a model family the integer forward does not implement
+            (`grpo_ratio.integer.FAMILIES`: Llama, Qwen2, Qwen3 with SiLU).
+    """
+    value = args.rollout_precision
+    if value == POLICY_ROLLOUTS:
+        return
+    if engine in ("fsdp1", "fsdp2", "zero3"):
+        raise NotImplementedError(f"rollout_precision={value!r} under {engine}: the copy is made from whole "
+                                  f"parameters, which a sharded policy does not hold; use DDP or ZeRO-1/2, or "
+                                  f"rollout_precision={POLICY_ROLLOUTS!r}")
+    if is_quantized(policy):
+        raise NotImplementedError(f"rollout_precision={value!r} on a quantized base model: the copy would cast "
+                                  f"quantized weights; use rollout_precision={POLICY_ROLLOUTS!r}")
+    if value != INTEGER_MODE:
+        return
+    from .integer.convert import FAMILIES
+
+    if has_adapters(policy):
+        raise NotImplementedError(f"rollout_precision={INTEGER_MODE!r} with a PEFT adapter is not supported (the "
+                                  f"integer conversion reads plain weights); merge the adapter, or use "
+                                  f"rollout_precision='bf16', 'fp16', 'int8' or 'int4'")
+    config = policy.config
+    if config.model_type not in FAMILIES or getattr(config, "hidden_act", "silu") != "silu":
+        raise NotImplementedError(f"rollout_precision={INTEGER_MODE!r}: the integer forward implements "
+                                  f"{', '.join(FAMILIES)} with SiLU, not model_type={config.model_type!r} "
+                                  f"(hidden_act={getattr(config, 'hidden_act', None)!r}); use rollout_precision="
+                                  f"'bf16', 'fp16', 'int8' or 'int4'")
 
 
 def _check_routing_replay(args) -> None:

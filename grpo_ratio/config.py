@@ -23,7 +23,16 @@ from .checks import (  # noqa: F401
 from .corrections.is_correction import ACTIONS, LEVELS, PRESETS, REJECTION_METRICS
 from .corrections.trust_region import TRUST_REGIONS
 from .diagnostics.gate import GATE_ACTIONS
-from .modes import COPY_MODES, PRECISION_MODES, SAMPLER_MODE, SCORER_MODES, SCORING_MODES, TRL_MODE  # noqa: F401
+from .modes import (  # noqa: F401
+    COPY_MODES,
+    OLD_LOGPROB_MODES,
+    PRECISION_MODES,
+    ROLLOUT_PRECISIONS,
+    SAMPLER_MODE,
+    SCORER_MODES,
+    SCORING_MODES,
+    TRL_MODE,
+)
 from .old_pass.copies import COPY_STORAGES
 from .problems import Problems, collect
 from .routing.replay import ROUTING_REPLAY_MODES  # noqa: F401  (re-exported: the allowed `routing_replay` values)
@@ -104,8 +113,10 @@ class RatioFields(KnownFields):
         pass at its training precision: TRL's behaviour, unchanged), `"fp32_clone"`, `"fp16_clone"`, `"fp32_head"`
         (final norm and LM head in fp32) and `"guided_fp32"` (the `guided_fp32_layers` decoder layers, final norm
         and head in fp32), or `"sampler"`: the log-probs the sampler recorded for the rollout tokens (HF `generate`
-        recording or vLLM's), with no old pass at all (verl `bypass_mode`, slime `--use-rollout-logprobs`). Source of
-        the precision modes: the batch-logprob-gap report (tables T7/T10).
+        recording or vLLM's), with no old pass at all (verl `bypass_mode`, slime `--use-rollout-logprobs`), or
+        `"integer"` (with `rollout_precision="integer"` only): the integer model that drew the rollouts re-scores
+        them, equal to the sampler's log-probs bit for bit. Source of the precision modes: the batch-logprob-gap
+        report (tables T7/T10).
     guided_fp32_layers (`str`, `int` or `list[int]`, *optional*):
         Decoder layers run in fp32 by `"guided_fp32"`: comma-separated indices (`"0,1,27"`), a list (`[0, 29]` or
         `"[0, 29]"`), one index (`29`) or the path of a calibration JSON written by `grpo-ratio probe layers` or
@@ -117,6 +128,14 @@ class RatioFields(KnownFields):
         optimizer step; `"per_layer"` keeps none and casts each module's weights just before it runs in the old pass
         (one module held, no refresh; bitwise the same log-probs; PEFT adapters merged one layer at a time as it
         runs). Not under FSDP2/ZeRO-3.
+
+    rollout_precision (`str`, *optional*, defaults to `"policy"`):
+        What the rollouts are drawn from on the transformers `generate` path (`grpo_ratio.sampler.precision`,
+        docs/rollout_precision.md): `"policy"` (the policy itself: stock TRL), `"bf16"` / `"fp16"` (a copy in that
+        dtype), `"int8"` / `"int4"` (the policy with every linear weight fake-quantized per output channel), or
+        `"integer"` (the integer model of grpo_ratio.integer and its batch-independent sampler). The copy is re-made
+        after every optimizer step; the recorded sampler log-probs are the copy's. The CPU analogue of FP8 rollouts
+        (arXiv 2601.18150).
 
     > Parameters that control truncated-sampling correction
 
@@ -207,8 +226,23 @@ class RatioFields(KnownFields):
         metadata={
             "help": "How the old log-probs are computed: 'bf16' (the policy's own pass, TRL's default), 'fp32_clone', "
             "'fp16_clone', 'fp32_head' (final norm + LM head in fp32), 'guided_fp32' (guided_fp32_layers + norm + "
-            "head in fp32) or 'sampler' (the rollout's own sampler log-probs; no old pass).",
-            "choices": list(SCORING_MODES),
+            "head in fp32), 'sampler' (the rollout's own sampler log-probs; no old pass) or 'integer' (with "
+            "rollout_precision='integer': the integer model that drew the rollouts re-scores them, equal to the "
+            "sampler's log-probs bit for bit).",
+            "choices": list(OLD_LOGPROB_MODES),
+        },
+    )
+    rollout_precision: str = field(
+        default="policy",
+        metadata={
+            "help": "What the rollouts are drawn from on the transformers generate path (no vLLM): 'policy' (the "
+            "policy itself, stock TRL), 'bf16' or 'fp16' (a copy of the policy in that dtype), 'int8' or 'int4' "
+            "(the policy with every nn.Linear weight, the LM head included, fake-quantized weight-only, symmetric, "
+            "per output channel, in the policy's dtype) or 'integer' (the integer-only model of grpo_ratio.integer "
+            "and its batch-independent integer sampler). The copy is re-made from the policy after every optimizer "
+            "step (once per generation); the recorded sampler log-probs are the copy's, under the processed "
+            "distribution. The CPU analogue of FP8 rollouts (arXiv 2601.18150); docs/rollout_precision.md.",
+            "choices": list(ROLLOUT_PRECISIONS),
         },
     )
     guided_fp32_layers: str | None = field(

@@ -31,6 +31,8 @@ class ScoringMode:
             `generate` does), so its log-probs can equal TRL's training forward bitwise.
         overflows: fp16 activations can overflow: rows with a non-finite log-prob are re-scored in fp32
             (`ratio/fp16_fallback_rows`).
+        integer: the integer model that drew the rollouts (`rollout_precision="integer"`) re-scores them: the
+            integer old pass, equal to the sampler's log-probs bit for bit (no float pass of the policy).
     """
 
     name: str
@@ -42,16 +44,24 @@ class ScoringMode:
     is_sampler: bool = False
     trl_layout: bool = False
     overflows: bool = False
+    integer: bool = False
 
     @property
     def has_scorer(self) -> bool:
         """An `OldLogprobScorer` computes the old log-probs in place of TRL's pass."""
-        return not (self.trl_pass or self.is_sampler)
+        return not (self.trl_pass or self.is_sampler or self.integer)
 
     @property
     def is_precision_mode(self) -> bool:
-        """The old log-probs come from a forward pass of the policy at some precision (every mode but `sampler`)."""
-        return not self.is_sampler
+        """The old log-probs come from a float forward pass of the policy at some precision (every mode but
+        `sampler` and `integer`)."""
+        return not (self.is_sampler or self.integer)
+
+    @property
+    def replaces_old_pass(self) -> bool:
+        """No float old pass of the policy runs: the old log-probs are the sampler's (`sampler`) or the integer
+        model's (`integer`), set once TRL returns its batch."""
+        return self.is_sampler or self.integer
 
     @property
     def may_copy_whole_model(self) -> bool:
@@ -81,10 +91,17 @@ GUIDED_FP32 = ScoringMode("guided_fp32", "the guided_fp32_layers decoder layers,
                           fp32_head=True, fp32_layers=True)
 SAMPLER = ScoringMode("sampler", "the sampler's recorded log-probs (generate recording or vLLM): no old pass",
                       is_sampler=True)
+INTEGER = ScoringMode("integer", "the integer model that drew the rollouts re-scores them (rollout_precision="
+                      "'integer'): old/sampler = 1 bit for bit", integer=True)
 
 # every value of `old_logprob_mode`, in the order the docs and tables list them
-MODES: dict[str, ScoringMode] = {m.name: m for m in (BF16, FP32_CLONE, FP16_CLONE, FP32_HEAD, GUIDED_FP32, SAMPLER)}
-SCORING_MODES = tuple(MODES)
+MODES: dict[str, ScoringMode] = {m.name: m for m in (BF16, FP32_CLONE, FP16_CLONE, FP32_HEAD, GUIDED_FP32, SAMPLER,
+                                                     INTEGER)}
+# every value `old_logprob_mode` accepts
+OLD_LOGPROB_MODES = tuple(MODES)
+# the arms: the values that stand alone (every one but `integer`, which only re-scores `rollout_precision="integer"`
+# rollouts); one recipe each, and the tables that list the arms
+SCORING_MODES = tuple(n for n, m in MODES.items() if not m.integer)
 # the modes whose old log-probs come from a forward pass (OldLogprobScorer runs each, bf16 as TRL's pass does)
 PRECISION_MODES = tuple(n for n, m in MODES.items() if m.is_precision_mode)
 # the modes an OldLogprobScorer computes in place of TRL's pass
@@ -94,6 +111,13 @@ COPY_MODES = tuple(sorted(n for n, m in MODES.items() if m.may_copy_whole_model)
 # the mode that keeps TRL's numbers (the default, and every comparison's baseline)
 TRL_MODE = BF16.name
 SAMPLER_MODE = SAMPLER.name
+INTEGER_MODE = INTEGER.name  # also the `rollout_precision` that draws from the integer model
+
+# `rollout_precision`: what the rollouts are drawn from on the `generate` path (`grpo_ratio.sampler.precision`): the
+# policy itself (stock TRL), a copy in bf16 / fp16, the policy with int8 / int4 weight-only fake-quantized linears,
+# or the integer model
+POLICY_ROLLOUTS = "policy"
+ROLLOUT_PRECISIONS = (POLICY_ROLLOUTS, "bf16", "fp16", "int8", "int4", INTEGER_MODE)
 
 
 def mode_of(name: str) -> ScoringMode:

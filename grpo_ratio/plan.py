@@ -6,7 +6,7 @@ question (`plan.corrects`, `plan.anchor_is_sampler`, ...) instead of comparing c
 
 | field | values | resolved from |
 |---|---|---|
-| `old_logprobs` | `"trl"` (TRL's own pass, bf16, bit for bit), `"scorer"` (an `OldLogprobScorer`), `"sampler"` (no old pass) | `old_logprob_mode` |
+| `old_logprobs` | `"trl"` (TRL's own pass, bf16, bit for bit), `"scorer"` (an `OldLogprobScorer`), `"sampler"` (no old pass), `"integer"` (the integer model re-scores) | `old_logprob_mode` |
 | `scorer_mode` | one of `config.SCORER_MODES`, or None | `old_logprob_mode` |
 | `trl_old_pass` | whether TRL 1.16 runs its own old-logprob pass (the hook replaces it, or measures it) | TRL's condition |
 | `fused_head` | `fp32_head`'s old log-probs from each micro-batch's training forward, no body pass (`grpo_ratio.old_pass.fused_head`) | mode, TRL's condition, model, engine |
@@ -20,6 +20,7 @@ question (`plan.corrects`, `plan.anchor_is_sampler`, ...) instead of comparing c
 | `sampler_routes` | where the sampler's MoE routes come from: `"generate"` (recorded), `"vllm"` (`routed_experts`), `"none"` | `routing_replay`, `ratio_diagnostics`, backend |
 | `is_correction` | the `ISCorrection` the loss's IS weight comes from, or None (TRL's behaviour) | `is_correction(_*)` |
 | `attribution_rows` | rows per generation batch whose log(new) - log(sampler) is attributed to its causes, or None (off) | `ratio_attribution` |
+| `rollout_precision` | what `generate` draws from: `"policy"` (stock TRL), a float copy (`"bf16"`, `"fp16"`, `"int8"`, `"int4"`) or `"integer"` (`grpo_ratio.sampler.precision`) | `rollout_precision`, backend |
 
 To add a setting (routing replay, an IS correction): add a field with a default that means "off", resolve it in
 `RunPlan.resolve` (one line, or one `_resolve_*` function), put its refusals in `grpo_ratio.checks` (the plan
@@ -35,7 +36,7 @@ import torch
 from ._compat import is_rloo, trl_field
 from .corrections.is_correction import ISCorrection
 from .corrections.kept_sets import SamplingSettings
-from .modes import FP32_HEAD, SAMPLER, SAMPLER_MODE, SCORER_MODES
+from .modes import FP32_HEAD, INTEGER, MODES, POLICY_ROLLOUTS, SAMPLER, SAMPLER_MODE, SCORER_MODES
 
 
 # generation backends of TRL 1.16's GRPOTrainer
@@ -84,6 +85,7 @@ class RunPlan:
     sampler_routes: str = "none"
     is_correction: ISCorrection | None = None
     attribution_rows: int | None = None
+    rollout_precision: str = POLICY_ROLLOUTS
 
     @classmethod
     def resolve(cls, args, sampling: SamplingSettings, backend: str = GENERATE, multi_turn: bool = False,
@@ -98,7 +100,8 @@ class RunPlan:
         mode = args.old_logprob_mode
         kept_sets = kept_set_origin(args)
         return cls(
-            old_logprobs=SAMPLER.name if mode == SAMPLER_MODE else "scorer" if mode in SCORER_MODES else "trl",
+            old_logprobs=(SAMPLER.name if mode == SAMPLER_MODE else INTEGER.name if MODES[mode].integer
+                          else "scorer" if mode in SCORER_MODES else "trl"),
             scorer_mode=mode if mode in SCORER_MODES else None,
             trl_old_pass=trl_runs_old_pass(args),
             fused_head=mode == FP32_HEAD.name and fused_head_fallback is None,
@@ -112,6 +115,8 @@ class RunPlan:
             sampler_routes=_resolve_sampler_routes(args, sampling, backend, multi_turn),
             is_correction=getattr(args, "is_correction_spec", None),
             attribution_rows=getattr(args, "ratio_attribution_rows", None),
+            rollout_precision=getattr(args, "rollout_precision", POLICY_ROLLOUTS) if backend == GENERATE
+            else POLICY_ROLLOUTS,
         )
 
     # -- questions the hooks ask ----------------------------------------------------------------------------------
@@ -125,6 +130,22 @@ class RunPlan:
     def anchor_is_sampler(self) -> bool:
         """The old log-probs are the sampler's own (`old_logprob_mode="sampler"`): TRL's old pass is replaced."""
         return self.old_logprobs == SAMPLER.name
+
+    @property
+    def anchor_is_integer(self) -> bool:
+        """The old log-probs are the integer model's re-scoring of the rollouts (`old_logprob_mode="integer"`)."""
+        return self.old_logprobs == INTEGER.name
+
+    @property
+    def replaces_old_pass(self) -> bool:
+        """No float old pass of the policy: the sampler's log-probs or the integer model's anchor the ratio, set once
+        TRL returns its batch (TRL's own pass, where it runs one, gets a stand-in)."""
+        return self.anchor_is_sampler or self.anchor_is_integer
+
+    @property
+    def draws_from_copy(self) -> bool:
+        """`generate` draws the rollouts from a copy of the policy (`rollout_precision` other than `"policy"`)."""
+        return self.rollout_precision != POLICY_ROLLOUTS
 
     @property
     def corrects(self) -> bool:
@@ -211,5 +232,7 @@ def _resolve_sampler_routes(args, sampling: SamplingSettings, backend: str, mult
            else f"beam search (num_beams={sampling.num_beams} reorders the rows)" if sampling.num_beams > 1
            else "tools or environment_factory (each turn is a separate generate call)" if multi_turn else None)
     if why is not None:  # R3 is refused there (`checks.check_run`)
+        return "none"
+    if getattr(args, "rollout_precision", POLICY_ROLLOUTS) != POLICY_ROLLOUTS:  # the copy's routes are not the policy's
         return "none"
     return "generate" if r3 or args.ratio_diagnostics else "none"

@@ -38,6 +38,8 @@ from trl import GRPOTrainer
 from ._compat import trl_field, trl_is_weight_gate
 from .checks import (
     check_old_pass,
+    check_rollout_copy,
+    check_rollout_run,
     check_run,
     check_sharded_mode,
     check_train_again,
@@ -53,15 +55,17 @@ from .corrections.trust_region import trust_region_mask
 from .diagnostics.attribution import AttributionReference, row_positions, sample_rows
 from .diagnostics.console import quiet_console
 from .diagnostics.gate_callback import RatioGateCallback
-from .diagnostics.metric_keys import TRUST_REGION_MASKED_FRAC
+from .diagnostics.metric_keys import ROLLOUT_COPY_SECONDS, TRUST_REGION_MASKED_FRAC
 from .diagnostics.ratio_diagnostics import FULL_VOCAB_KEYS, RatioDiagnostics
 from .diagnostics.ratios import importance_sampling_weights
 from .diagnostics.run_record_callback import RunRecordCallback
 from .diagnostics.trains_nothing_callback import trains_nothing_callback
+from .integer.sample import IntSampling
 from .models import trainer_model_source
-from .modes import FP32_CLONE, FP32_HEAD
+from .modes import FP32_CLONE, FP32_HEAD, INTEGER_MODE
 from .old_pass.copies import WeightsVersion, WeightsVersionCallback
 from .old_pass.fused_head import capture_norm_inputs, fused_head_fallback, fused_old_logps, say_fused_head
+from .old_pass.integer_pass import integer_old_logps
 from .old_pass.kept_head import KeptSetChunks, capture_last_hidden
 from .old_pass.scorer import OldLogprobScorer, check_text_only
 from .old_pass.sharding.engines import engine_of, sharded_policy
@@ -70,6 +74,7 @@ from .plan import CONTINUOUS_BATCHING, GENERATE, VLLM, VLLM_MASKS, RunPlan, kept
 from .records import GenerationRecord, MicroBatchRecord
 from .routing.replay import RoutingReplay
 from .sampler.generate import SamplerLogprobRecorder, SamplerRecord, finish_recording, recording_sampler
+from .sampler.precision import IntegerRollouts, RolloutCopy
 from .sampler.settings import sampler_anchor, sampler_logps_key, settings_from_config, settings_from_generation_config
 from .sampler.vllm import VLLMOutputCapture, colocate_engine_kwargs, vllm_engine_kwargs
 
@@ -124,7 +129,10 @@ class RatioHooks:
         fused_fallback = self._fused_head_fallback() if args.old_logprob_mode == FP32_HEAD.name else None
         sampling, backend = self._sampling_settings(policy), self._backend()
         check_run(args, sampling, backend, multi_turn)  # what cannot work on this backend and sampling: refused here
+        check_rollout_run(args, sampling, multi_turn)
+        check_rollout_copy(engine_of(self.accelerator), policy, args)
         self.plan = RunPlan.resolve(args, sampling, backend, multi_turn, fused_fallback)
+        self.rollout_copy = self._new_rollout_copy(policy) if self.plan.draws_from_copy else None
         say_fused_head(self.plan)  # fp32_head: fused or not, and why, once
         # the MoE policy's routes: replayed (R2/R3) and measured (ratio/route/*); inactive for a dense policy
         self.routing = RoutingReplay(policy, args.routing_replay, measure=args.ratio_diagnostics)
@@ -189,6 +197,27 @@ class RatioHooks:
         return fused_head_fallback(self.args, self.accelerator.unwrap_model(self.model), engine_of(self.accelerator),
                                    trl_runs_old_pass(self.args))
 
+    def _new_rollout_copy(self, policy) -> RolloutCopy:
+        """`rollout_precision`'s copy (`grpo_ratio.sampler.precision`); made at the first generation, then re-made
+        whenever the weights moved."""
+        integer = None
+        if self.plan.rollout_precision == INTEGER_MODE:
+            s = self.plan.sampling
+            integer = IntegerRollouts(IntSampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p),
+                                      eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
+                                      pad_token_id=self._tokenizer.pad_token_id)
+        return RolloutCopy(self.plan.rollout_precision, policy, integer, seed=self.args.seed)
+
+    def _drawing(self, recorder=None):
+        """Within the block, TRL's `generate` draws from `rollout_precision`'s copy (synced at this step's weights);
+        the copy's re-make cost is logged (`ratio/rollout_copy_seconds`). A no-op context under `"policy"`."""
+        if self.rollout_copy is None:
+            return contextlib.nullcontext()
+        config = getattr(self, "generation_config", None)
+        max_new = getattr(config, "max_new_tokens", None) or self.args.max_completion_length
+        return _LoggingDraw(self, self.rollout_copy.drawing(self.accelerator.unwrap_model(self.model_wrapped),
+                                                            self.weights_version.value, max_new, recorder))
+
     @property
     def sampling(self):
         """The `SamplingSettings` the rollouts really use (`self.plan.sampling`)."""
@@ -236,6 +265,11 @@ class RatioHooks:
             output["route_row_index"] = torch.arange(output["completion_ids"].size(0), device=self.accelerator.device)
         if self.plan.anchor_is_sampler:
             output["old_per_token_logps"] = sampler_anchor(output)
+        elif self.plan.anchor_is_integer:  # the integer old pass: the integer model that drew them re-scores them
+            integer = self.rollout_copy.integer  # the model and sampling settings that drew this batch
+            output["old_per_token_logps"] = integer_old_logps(
+                integer.model, integer.sampling, output["prompt_ids"], output["prompt_mask"], output["completion_ids"],
+                output["completion_mask"], integer.pad_token_id)
         if self.scorer is not None and "old_per_token_logps" not in output and not self.plan.fused_head:
             # TRL skipped the old pass (on-policy default): the mode still provides the anchor of the ratio (fp32_head
             # fused: each micro-batch's training forward provides it, `_fused_old_logps`)
@@ -311,12 +345,20 @@ class RatioHooks:
                 generation.kept = self._vllm_capture.kept_sets(len(completion_ids))
             return completion_ids, logprobs
         if not self.plan.record_generate:
-            return self._trl_generate_single_turn(prompt_ids, *args, **kwargs)
+            with self._drawing():
+                return self._trl_generate_single_turn(prompt_ids, *args, **kwargs)
         keep_sets = self.plan.records_kept_sets
         recorder = SamplerLogprobRecorder(support_size_only=not keep_sets)
-        with recording_sampler(self.accelerator.unwrap_model(self.model_wrapped), recorder):
-            completion_ids, _ = self._trl_generate_single_turn(prompt_ids, *args, **kwargs)
-        record = self._finish_recording(recorder, completion_ids)
+        integer = self.rollout_copy is not None and self.rollout_copy.is_integer
+        if integer:  # the integer sampler's own fixed-point log-probs (no logits processor runs)
+            with self._drawing():
+                completion_ids, _ = self._trl_generate_single_turn(prompt_ids, *args, **kwargs)
+            record = self.rollout_copy.integer.record(completion_ids)
+        else:  # the recorder runs on the model that draws: the policy, or rollout_precision's copy
+            with (self._drawing(recorder) if self.rollout_copy is not None
+                  else recording_sampler(self.accelerator.unwrap_model(self.model_wrapped), recorder)):
+                completion_ids, _ = self._trl_generate_single_turn(prompt_ids, *args, **kwargs)
+            record = self._finish_recording(recorder, completion_ids)
         if not generation.recorded:  # the first turn; later tool turns only extend the log-probs TRL stitches
             generation.recorded = True
             generation.kept = record.kept if keep_sets else None
@@ -451,7 +493,7 @@ class RatioHooks:
                        and model is self.model and not torch.is_grad_enabled())
         if is_old_pass:  # TRL's old pass is the first no-grad call on the policy inside a generation
             generation.old_pass_pending = False
-        if is_old_pass and self.plan.anchor_is_sampler:  # no old pass: the sampler's log-probs anchor it
+        if is_old_pass and self.plan.replaces_old_pass:  # no float old pass: the sampler's (or integer) log-probs
             generation.old_logps = self._sampler_old_pass(generation, input_ids, logits_to_keep)
             return generation.old_logps, None, None
         if is_old_pass and self.scorer is not None:
@@ -521,7 +563,7 @@ class RatioHooks:
         inputs = micro_batch.inputs
         micro_batch.train_logps = logps.detach()
         train_mass, train_added = (None, None) if on_kept is None else (on_kept.log_mass, on_kept.added)
-        no_old_pass = "old_per_token_logps" not in inputs or self.plan.anchor_is_sampler
+        no_old_pass = "old_per_token_logps" not in inputs or self.plan.replaces_old_pass
         micro_batch.old_log_kept_mass = inputs.get("old_log_kept_mass", train_mass if no_old_pass else None)
         micro_batch.kept_added = inputs.get("kept_set_added", train_added)
         if "attribution_row" in inputs and generation is not None and generation.attribution is not None:
@@ -645,6 +687,23 @@ class RatioHooks:
             routes = self.routing.metrics(lambda v: self.accelerator.reduce(v, "sum"), self.accelerator.device)
             for key, value in (self.diagnostics.flush() | routes).items():
                 self._metrics["train"][key].append(value)
+
+
+class _LoggingDraw:
+    """`RolloutCopy.drawing` that logs the copy's re-make seconds of the call (`ratio/rollout_copy_seconds`)."""
+
+    def __init__(self, trainer, drawing):
+        self.trainer, self.drawing = trainer, drawing
+
+    def __enter__(self):
+        return self.drawing.__enter__()
+
+    def __exit__(self, *exc):
+        out = self.drawing.__exit__(*exc)
+        seconds = self.trainer.rollout_copy.last_seconds
+        if exc[0] is None and seconds is not None:
+            self.trainer._metrics[self.trainer._mode()][ROLLOUT_COPY_SECONDS].append(seconds)
+        return out
 
 
 class RatioGRPOTrainer(RatioHooks, GRPOTrainer):

@@ -104,6 +104,7 @@ _SINGLE = {
     keys.FULL_TV: (_, _, _, _),
     keys.TRUST_REGION_MASKED_FRAC: ("`actor/pg_clipfrac` (dppo_tv / dppo_kl: the masked share)", _,
                                     "`is_masked` (its DPPO mask, against the sampler)", _),
+    keys.ROLLOUT_COPY_SECONDS: (_, _, _, _),
 }
 
 

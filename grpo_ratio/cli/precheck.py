@@ -492,10 +492,10 @@ def current_types() -> dict[str, str]:
 def current_fields() -> dict[str, dict[str, list | None]]:
     """{"flags": {flag: allowed values}, "keys": {field: allowed values}} from the real parser (the heavy import):
     what `cli_fields.json` must hold (with `current_types`)."""
-    from ..config import KEPT_SET_SOURCES, SCORING_MODES, TRUNCATION_CORRECTIONS, VLLM_DTYPES
+    from ..config import KEPT_SET_SOURCES, OLD_LOGPROB_MODES, TRUNCATION_CORRECTIONS, VLLM_DTYPES
     from .train import TRAINER_NAMES, make_parser
 
-    validated = {"old_logprob_mode": SCORING_MODES, "truncation_correction": TRUNCATION_CORRECTIONS,
+    validated = {"old_logprob_mode": OLD_LOGPROB_MODES, "truncation_correction": TRUNCATION_CORRECTIONS,
                  "kept_set_source": KEPT_SET_SOURCES, "vllm_dtype": VLLM_DTYPES}
     flags, keys = {}, {}
     for action in (a for trainer in TRAINER_NAMES for a in make_parser(trainer)._actions):  # GRPO's and RLOO's fields

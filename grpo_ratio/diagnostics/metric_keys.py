@@ -118,6 +118,7 @@ FULL_KL = f"{NEW_OLD.prefix}/full_kl"
 FULL_REVERSE_KL = f"{NEW_OLD.prefix}/full_reverse_kl"
 FULL_TV = f"{NEW_OLD.prefix}/full_tv"
 TRUST_REGION_MASKED_FRAC = f"{PREFIX}/trust_region_masked_frac"
+ROLLOUT_COPY_SECONDS = f"{PREFIX}/rollout_copy_seconds"
 
 _IS_LOSS = "is_correction, or lift_sampler with vLLM's IS correction"
 _IS_ANY = "an IS weight in the loss (vLLM's correction, or is_correction)"
@@ -159,6 +160,9 @@ SINGLE_KEYS = {
                      "tokens"),
     TRUST_REGION_MASKED_FRAC: KeyInfo("trust_region set (GRPO)", "share of valid tokens DPPO's divergence mask took "
                                       "out of the policy loss, over every micro-batch of the update"),
+    ROLLOUT_COPY_SECONDS: KeyInfo("rollout_precision other than 'policy', a generation that re-made the copy",
+                                  "wall seconds spent re-making the rollout copy from the policy's weights (re-cast, "
+                                  "re-quantized or re-converted), mean over the logged generations"),
 }
 
 # the mismatch units of NEW_OLD and OLD_SAMPLER, present with their family
