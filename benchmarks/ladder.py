@@ -50,9 +50,10 @@ from grpo_ratio.ladder.render import write_figures  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# the testbeds: every value the lead may want to change is here, in one place
+# the testbeds: every value the lead may want to change is here, in one place ("kind": which model and data)
 TESTBEDS = {
     "tiny": {
+        "kind": "tiny",
         "config": dict(
             use_cpu=True, bf16=False,  # fp32: the reference setting has no precision gap of its own
             per_device_train_batch_size=8, num_generations=4,  # 2 prompts x 4 completions per optimizer step
@@ -68,6 +69,7 @@ TESTBEDS = {
         "head_scale": 50.0,  # peaked_model's LM-head scale
     },
     "smollm2": {
+        "kind": "smollm2",
         "config": dict(
             use_cpu=True, bf16=False,
             per_device_train_batch_size=8, num_generations=4,
@@ -117,7 +119,7 @@ def cell_config(source: str, testbed: str, setting: str, correction: str, max_st
 def _data(testbed: str, arch: str):
     """(model, tokenizer, train set, held-out set, reward funcs) of a testbed."""
     bed = TESTBEDS[testbed]
-    if testbed == "tiny":
+    if bed["kind"] == "tiny":
         from grpo_ratio.testing import letter_reward, peaked_model, tiny_prompts, tiny_tokenizer
 
         return (peaked_model(arch, scale=bed["head_scale"]), tiny_tokenizer(), tiny_prompts(bed["train_prompts"]),

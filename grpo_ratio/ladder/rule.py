@@ -153,20 +153,21 @@ def rule_sentence(summary: dict, distance: float) -> str:
             f"({fmt(at)}, {summary['testbed']} testbed)")
     if distance > ordered[-1][1]:
         head += ", the ladder's largest; yours is beyond it"
-    up_to = [(s, d) for s, d in ordered if d <= max(distance, at)]
-    if not any(lost(_loss(summary, s)) for s, _ in up_to):
-        reach = max(d for _, d in up_to)
-        loss = _loss(summary, setting)
-        seen = f" (there: {verdict_text(loss)})" if loss else ""
-        return f"{head}. No loss measured up to distance {fmt(reach)}{seen}."
     loss = _loss(summary, setting)
     if lost(loss):
         fixes = recoveries(lad, summary, setting)
         tail = "; ".join(fixes) if fixes else "no correction of the ladder recovered it"
         return f"{head}: uncorrected runs there lost {verdict_text(loss)}; {tail}."
-    first = next(s for s, _ in up_to if lost(_loss(summary, s)))
-    return (f"{head}: uncorrected runs there showed {verdict_text(loss)}; the ladder's first loss is at `{first}` "
-            f"({threshold_text(summary)})")
+    losing = [(s, d) for s, d in ordered if lost(_loss(summary, s))]
+    there = f" (at `{setting}`: {verdict_text(loss)})" if loss else ""
+    if not losing:
+        return f"{head}. No loss measured up to distance {fmt(ordered[-1][1])}, the largest tried{there}."
+    first, d1 = losing[0]
+    first_text = f"the first loss is at `{first}` ({fmt(d1)}): {verdict_text(_loss(summary, first))}"
+    if distance < d1:
+        safe = max(d for _, d in ordered if d < d1)
+        return f"{head}. No loss measured up to distance {fmt(safe)}{there}; {first_text}."
+    return f"{head}: uncorrected runs there showed {verdict_text(loss)}; {first_text}."
 
 
 def rule_for_run(history: list[dict], config: dict | None, summaries: list[dict]) -> list[str]:
