@@ -128,6 +128,8 @@ NEVER = {  # wing -> wings it must not import, and why
     "old_pass": (CORE + ("sampler",), "scoring modes are usable without a trainer; settings are a value"),
     "probes": (CORE, "probes run on any model without a trainer"),
     "analysis": (CORE + ("old_pass", "sampler", "corrections", "trainer"), "the report reads files only"),
+    "ladder": (CORE + ("async_grpo", "old_pass", "sampler", "corrections", "probes", "testing", "cli", "tasks"),
+               "the ladder reads files only: its cells are run by benchmarks/ladder.py"),
     "integer": (CORE + ("analysis", "cli", "probes", "sampler", "testing"),
                 "the integer forward is a model of its own: usable without a trainer, a probe or a script"),
     **{core: (("probes", "analysis", "testing", "cli", "tasks"), "no probe, report, test helper or script in the loop")

@@ -8,7 +8,10 @@ from __future__ import annotations
 from trl import GRPOConfig, GRPOTrainer
 
 from grpo_ratio import RatioGRPOConfig, RatioGRPOTrainer
-from grpo_ratio.testing import letter_reward, tiny_model, tiny_prompts, tiny_tokenizer
+from grpo_ratio.testing import letter_reward, peaked_model, tiny_model, tiny_prompts, tiny_tokenizer
+
+
+__all__ = ["peaked_model", "tiny_grpo_args", "tiny_trainer", "trl_logged_values", "config_plan"]
 
 
 def tiny_grpo_args(output_dir, **overrides):
@@ -64,23 +67,6 @@ def trl_logged_values(trainer) -> list[dict]:
     equal stock TRL's bit for bit."""
     return [{k: v for k, v in row.items() if not k.startswith("ratio/") and k not in WALL_CLOCK_KEYS}
             for row in trainer.state.log_history if "loss" in row]
-
-
-def peaked_model(arch: str = "qwen2", scale: float = 50.0, eos_token_id: int = 1, never_eos: bool = False, **kwargs):
-    """A tiny untied model whose LM head is `scale` times the random one: peaked next-token distributions (logits
-    with a standard deviation of about 0.16 x `scale` nats), as a trained model has, where a tiny random one is
-    nearly uniform. With `never_eos` the EOS row of the head is zero, so EOS gets logit 0 against a top logit of
-    about 0.45 x `scale`: never sampled (probability below 1e-9 at the default scale), and every completion runs to
-    `max_completion_length` (truncated)."""
-    import torch
-
-    model = tiny_model(arch, **kwargs)
-    head = model.get_output_embeddings().weight
-    with torch.no_grad():
-        head.mul_(scale)
-        if never_eos:
-            head[eos_token_id] = 0.0
-    return model
 
 
 def config_plan(args):

@@ -12,7 +12,9 @@ an IS correction that zeroed >= 90% of the tokens, and why), then the run's conf
 min, max over the logged steps) and the findings (`grpo_ratio.analysis.advice`): what is out of the healthy range, what is
 expected for the run's arm, the likely cause and a config change the run does not already have. For a comparison it
 adds the verdict of each arm against the baseline (`grpo_ratio.analysis.verdict`: paired by seed, with an interval, and the
-first step at which the arm's rollouts differ from the baseline's).
+first step at which the arm's rollouts differ from the baseline's). For a run it ends with the rule of the committed
+mismatch ladders (`grpo_ratio.ladder.rule`, docs/when_it_matters.md): at the run's step-1 distance, did uncorrected
+runs lose held-out reward there, and which correction recovered it at what cost (`--ladders DIR`: other results).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from ..diagnostics.run_record import (
     run_config,
 )
 from ..diagnostics.trains_nothing import GATE_CHECK, steps_that_trained_nothing
+from ..ladder.rule import DEFAULT_ROOT as LADDERS_ROOT
+from ..ladder.rule import render_rule_section
 from ..modes import SAMPLER
 from .advice import Finding, findings, route_findings
 from .verdict import RunSeries, Verdict, compare_arms, needs_text, run_series
@@ -712,6 +716,9 @@ def main(argv: list[str] | None = None) -> int:
                              "'mean:ratio/old_sampler/kl_k3<1e-3' (quote it); repeatable; exit 1 when one fails "
                              "(grpo_ratio/diagnostics/gate.py)")
     parser.add_argument("--thresholds", metavar="FILE", help="checks from a YAML/JSON file (grpo_ratio/diagnostics/gate.py)")
+    parser.add_argument("--ladders", metavar="DIR", default=str(LADDERS_ROOT),
+                        help="the committed mismatch ladders whose rule the report states for a run (default: this "
+                             "repository's results/ladders; docs/when_it_matters.md)")
     args = parser.parse_args(argv)
     paths = [Path(p) for p in args.path]
     try:
@@ -756,6 +763,8 @@ def main(argv: list[str] | None = None) -> int:
             print(staleness)
         if by_position := render_by_position(history):
             print(by_position)
+        if not summaries:  # a run, not a comparison's arms: what its step-1 distance meant in the committed ladders
+            print(render_rule_section(history, config, args.ladders))
     for p, s in summaries:
         print(render_comparison(s, comparison_series(p if p.is_dir() else p.parent)))
     return _gate(runs, checks, sys.stdout)

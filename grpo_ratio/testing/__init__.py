@@ -134,12 +134,28 @@ def tiny_model(arch: str = "qwen2", seed: int = 0, dtype: torch.dtype = torch.fl
     return model.to(dtype)
 
 
-def tiny_prompts(n: int = 8):
-    """A `datasets.Dataset` of `n` plain-text prompts (no chat template needed)."""
+def peaked_model(arch: str = "qwen2", scale: float = 50.0, eos_token_id: int = 1, never_eos: bool = False, **kwargs):
+    """A tiny untied model whose LM head is `scale` times the random one: peaked next-token distributions (logits
+    with a standard deviation of about 0.16 x `scale` nats), as a trained model has, where a tiny random one is
+    nearly uniform. With `never_eos` the EOS row of the head is zero, so EOS gets logit 0 against a top logit of
+    about 0.45 x `scale`: never sampled (probability below 1e-9 at the default scale), and every completion runs to
+    `max_completion_length` (truncated)."""
+    model = tiny_model(arch, **kwargs)
+    head = model.get_output_embeddings().weight
+    with torch.no_grad():
+        head.mul_(scale)
+        if never_eos:
+            head[eos_token_id] = 0.0
+    return model
+
+
+def tiny_prompts(n: int = 8, start: int = 0):
+    """A `datasets.Dataset` of `n` plain-text prompts (no chat template needed): prompt i is one of 8 short phrases
+    followed by its number i, for i = start .. start + n - 1 (a held-out set: another `start`, no shared prompt)."""
     from datasets import Dataset
 
     words = ["the quick", "what is", "solve the", "a b c", "brown fox", "lazy dog", "answer is", "give the"]
-    return Dataset.from_dict({"prompt": [words[i % len(words)] + f" {i}" for i in range(n)]})
+    return Dataset.from_dict({"prompt": [words[i % len(words)] + f" {i}" for i in range(start, start + n)]})
 
 
 def letter_reward(completions, **kwargs):
