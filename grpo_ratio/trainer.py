@@ -431,6 +431,13 @@ class RatioHooks:
         generation.is_weights = ReusedISWeights(mask=mask, rows_left=mask.size(0))
         output["is_weight_row"] = torch.arange(mask.size(0), device=self.accelerator.device)  # (B,)
 
+    @staticmethod
+    def _reused_as_old(generation, inputs: dict) -> bool:
+        """This micro-batch's training forward is its old log-probs for the IS weight: its generation batch deferred
+        the weight (`_defer_weights`) and the micro-batch holds no old log-probs (TRL's own condition for taking the
+        training forward, detached, as old)."""
+        return generation is not None and generation.is_weights is not None and "old_per_token_logps" not in inputs
+
     def _weigh_rows(self, micro_batch, logps) -> None:
         """`RunPlan.reuses_training_forward`: the micro-batch's IS weight (b, T), or (b, 1) when sequence-level, from
         this training forward's log-probs (b, T), detached, as the old ones, put where `_weigh` puts the whole batch's
@@ -516,7 +523,7 @@ class RatioHooks:
             generation.old_logps = logps
         if micro_batch is not None:
             self._keep_training_forward(micro_batch, logps, on_kept, generation)
-        if micro_batch is not None and generation is not None and generation.is_weights is not None:
+        if micro_batch is not None and self._reused_as_old(generation, micro_batch.inputs):
             self._weigh_rows(micro_batch, logps)  # before the trust region, which multiplies this weight
         if micro_batch is not None and self.args.trust_region is not None:  # read by TRL after this call returns
             self._trust_region(micro_batch.inputs, logps)
@@ -631,7 +638,7 @@ class RatioHooks:
     def _compute_loss(self, model, inputs):
         trust = self.args.trust_region is not None
         generation = self._generations.get(self._mode())
-        reuse = generation is not None and generation.is_weights is not None  # the IS weight comes from the forward
+        reuse = self._reused_as_old(generation, inputs)  # the IS weight comes from the training forward
         if trust or reuse:  # the mask and the weight join this micro-batch's own dict, never TRL's buffered batch
             inputs = dict(inputs)
             had_weight, weight = "importance_sampling_ratio" in inputs, inputs.get("importance_sampling_ratio")
