@@ -177,13 +177,14 @@ class RunPlan:
         separate no-grad pass of the policy (issue 43; AReaL's `prox_logp_method="reuse_train_logp"`, PR #1453; TRL
         PR #5413): where the old log-probs are the policy's own pass (`bf16`) and TRL skipped its old pass
         (`num_iterations=1`, `steps_per_generation` = gradient accumulation), that pass would compute what TRL's loss
-        already uses as old, the training forward detached. Not with a truncation correction (`renormalize` scores
-        the old pass over kept sets it may recompute; `lift_sampler` lifts the whole batch's sampler log-probs by the
-        old pass's kept mass before any micro-batch), nor with MoE routing replay (R2 replays the old pass's routes);
-        the trainer also keeps the pass for an MoE policy whose routes are measured (`ratio/route/*` counts the old
-        pass's routes). Those keep the separate pass."""
+        already uses as old, the training forward detached. With `renormalize` on the recorded kept sets too (the
+        training forward scores the same sets, its log M is the old pass's); not where the old pass recomputes the
+        kept sets of the whole batch (`kept_set_source="recompute"`), nor under `lift_sampler` (it lifts the whole
+        batch's sampler log-probs by the old pass's kept mass before the batch is split), nor with MoE routing replay
+        (R2 replays the old pass's routes); the trainer also keeps the pass for an MoE policy whose routes are
+        measured (`ratio/route/*` counts the old pass's routes). Those keep the separate pass."""
         return (self.is_correction is not None and self.anchor_is_policy and not self.trl_old_pass
-                and not self.corrects and not self.replays_routes)
+                and (not self.corrects or (self.renormalizes and self.records_kept_sets)) and not self.replays_routes)
 
     @property
     def replays_routes(self) -> bool:

@@ -47,7 +47,9 @@ def _train(tmp_path, trainer_cls, **overrides):
 @pytest.mark.parametrize("overrides", [pytest.param({"is_correction": "tis"}, id="tis"),
                                        pytest.param(CUSTOM, id="custom_sequence"),
                                        pytest.param({"is_correction": "icepop", "trust_region": "dppo_tv"},
-                                                    id="icepop+dppo_tv")])
+                                                    id="icepop+dppo_tv"),
+                                       pytest.param({"is_correction": "geo_rs", "truncation_correction": "renormalize"},
+                                                    id="geo_rs+renormalize")])
 def test_reused_forward_equals_the_two_pass_run_bit_for_bit(tmp_path, overrides):
     rows_2, params_2, forwards_2, two_pass = _train(tmp_path / "two", TwoPassTrainer, **overrides)
     rows_1, params_1, forwards_1, reused = _train(tmp_path / "one", RatioGRPOTrainer, **overrides)
@@ -94,12 +96,13 @@ def test_the_weight_is_the_training_forwards_and_trl_applies_it(tmp_path, monkey
 
 @pytest.mark.parametrize("overrides", [pytest.param(dict(old_logprob_mode="fp32_clone"), id="fp32_clone"),
                                        pytest.param(dict(truncation_correction="lift_sampler"), id="lift_sampler"),
-                                       pytest.param(dict(truncation_correction="renormalize"), id="renormalize"),
+                                       pytest.param(dict(truncation_correction="renormalize",
+                                                         kept_set_source="recompute"), id="renormalize+recompute"),
                                        pytest.param(dict(num_iterations=2), id="num_iterations=2")])
 def test_the_separate_pass_stays_where_it_cannot_be_the_training_forward(tmp_path, overrides):
-    # a clone's old log-probs are another precision's, a truncation correction needs the old pass's kept sets or
-    # kept mass for the whole batch, and with TRL's own old pass nothing is added: no reuse, the old log-probs in
-    # the batch (the plan alone decides; nothing trains here)
+    # a clone's old log-probs are another precision's; the old pass recomputes the kept sets of the whole batch
+    # (`recompute`) or lifts the whole batch's sampler log-probs by its kept mass (`lift_sampler`); with TRL's own
+    # old pass nothing is added: no reuse (the plan alone decides; nothing trains here)
     mode = overrides.pop("old_logprob_mode", "bf16")
     trainer = tiny_trainer(tmp_path, mode, is_correction="tis", **{**RUN, **overrides})
     assert not trainer.plan.reuses_training_forward
