@@ -106,3 +106,11 @@ def test_the_separate_pass_stays_where_it_cannot_be_the_training_forward(tmp_pat
     mode = overrides.pop("old_logprob_mode", "bf16")
     trainer = tiny_trainer(tmp_path, mode, is_correction="tis", **{**RUN, **overrides})
     assert not trainer.plan.reuses_training_forward
+
+
+def test_an_moe_policy_whose_routes_are_measured_keeps_the_pass(tmp_path):
+    # `ratio/route/*` counts the old pass's routes against the sampler's: on an MoE policy (routes measured by
+    # default) the trainer keeps the pass, though the config alone would reuse the training forward
+    trainer = tiny_trainer(tmp_path, arch="qwen3_moe", is_correction="tis", **RUN)
+    assert trainer.plan.reuses_training_forward and trainer.routing.active
+    assert not trainer._reuses_training_forward()
