@@ -6,7 +6,9 @@ than `bf16`, `sampler` and `fp32_head` adds one (`fp32_head` applies its fp32 no
 training-forward hidden states instead: no body pass, grpo_ratio/old_pass/fused_head.py). Arms (`ARMS`, one line each): stock `trl.GRPOTrainer`; stock TRL with `cast_lm_head_to_fp32=True`
 on an untied copy of the model (TRL documents the option for untied heads only; SmolLM2 ties its head to the input
 embedding, so the copy gets its own head, which it trains, and saves to a temporary directory); `RatioGRPOTrainer` in
-every mode. All arms use the values of one recipe (default: the SmolLM2 arithmetic recipe: fp32 weights under bf16
+every mode; and `is_correction="tis"` at `bf16` twice: as the trainer runs it, the IS weight's old log-probs taken from
+each training forward (issue 43: no old pass), and as it ran before (`tis_two_pass`: a separate no-grad old pass per
+generation). All arms use the values of one recipe (default: the SmolLM2 arithmetic recipe: fp32 weights under bf16
 autocast on CPU, 2 prompts x 4 completions of at most 16 tokens per step).
 
 Rounds are interleaved in one process so machine load hits every arm alike: each round builds every arm's trainer in
@@ -17,12 +19,18 @@ the next one. Only one trainer is alive at a time, so an arm's peak memory is it
     python benchmarks/step_cost.py --model smollm2 --rounds 3 --steps 2 --warmup 0 \
         --json results/step_cost_smollm2.json     # 7 arms x 6 steps: hours where a SmolLM2 step takes minutes
     python benchmarks/step_cost.py --render results/step_cost_smollm2.json   # markdown tables of a result
+    python benchmarks/step_cost.py --model tiny --rounds 2 --steps 2 --warmup 1 --arms bf16,tis,tis_two_pass \
+        --json results/step_cost_tiny_is_reuse.json   # only the arms named (and stock TRL, the reference)
     python benchmarks/step_cost.py --trainer rloo --model smollm2 --rounds 1 --steps 2 --warmup 1 \
         --json results/step_cost_smollm2_rloo.json   # RLOO: stock trl.RLOOTrainer and RatioRLOOTrainer per mode
 
 With `--trainer rloo` every arm is TRL's `RLOOTrainer` (stock) or `RatioRLOOTrainer` on the RLOO recipe (docs/rloo.md),
 without the `cast_lm_head_to_fp32` arm (RLOOConfig has no such field). RLOO always runs its old pass, so every mode
 replaces TRL's pass instead of adding one, and `fp32_head` keeps a separate pass there (no fused head).
+
+Policy forwards / step: calls of the policy model's forward counted by a forward hook (generate's decoding steps,
+old passes in TRL's chunks, training forwards), mean over the timed steps; results from before the count leave the
+column out.
 
 Step time: wall seconds from `on_step_begin` to `on_step_end` of one optimizer step (generation, scoring, loss,
 backward, optimizer), the first --warmup steps of each trainer left out (one-time costs: optimizer state, building a
@@ -102,6 +110,7 @@ class Arm:
     fields: dict = field(default_factory=dict)
     untied: bool = False
     guided: bool = False
+    two_pass: bool = False  # the trainer before issue 43: is_correction's separate no-grad old pass, not the reuse
 
 
 # One line per arm; the arm named REFERENCE is the denominator of every ratio.
@@ -114,8 +123,21 @@ ARMS = (
     Arm("fp32_head", "ratio", {"old_logprob_mode": "fp32_head"}),
     Arm("guided_fp32", "ratio", {"old_logprob_mode": "guided_fp32"}, guided=True),
     Arm("sampler", "ratio", {"old_logprob_mode": "sampler"}),  # the rollout's own log-probs: no old pass at all
+    # is_correction (TIS) at bf16: the training forward, detached, is the IS weight's old log-probs (issue 43), and
+    # the same run with the separate no-grad old pass it replaced (the two are equal bit for bit, tests/test_is_reuse.py)
+    Arm("tis", "ratio", {"old_logprob_mode": "bf16", "is_correction": "tis"}),
+    Arm("tis_two_pass", "ratio", {"old_logprob_mode": "bf16", "is_correction": "tis"}, two_pass=True),
 )
-TRAINER_ARMS = {"grpo": ARMS, "rloo": tuple(a for a in ARMS if "cast_lm_head_to_fp32" not in a.fields)}
+# RLOO always runs its old pass: nothing to reuse there, so no is_correction arms
+TRAINER_ARMS = {"grpo": ARMS, "rloo": tuple(a for a in ARMS if "cast_lm_head_to_fp32" not in a.fields
+                                           and "is_correction" not in a.fields)}
+FORWARDS = "policy_forward"  # calls of the policy's forward (a hook on the model), decoding steps included
+
+
+def two_pass_class(cls):
+    """`cls` (a grpo_ratio trainer) as it was before issue 43: `is_correction` runs its separate no-grad old pass of
+    the policy instead of reusing each training forward's log-probs."""
+    return type(f"TwoPass{cls.__name__}", (cls,), {"_reuses_training_forward": lambda self: False})
 
 
 def trainer_classes(trainer: str) -> tuple:
@@ -158,6 +180,11 @@ class StepClock:
         parts["other"] = seconds - sum(parts.values())
         self.steps.append({"seconds": seconds, "parts": parts, "calls": dict(self._step["calls"])})
         self._step = None
+
+    def count(self, name: str) -> None:
+        """Count one call of `name` in the current step, untimed (the policy's forwards)."""
+        if self._step is not None:
+            self._step["calls"][name] += 1
 
     def enter(self, name: str) -> None:
         if self._step is not None:
@@ -363,7 +390,7 @@ def build_trainer(arm: Arm, spec: ModelSpec, recipe: dict, seed: int, max_steps:
 
     args = arm_config(arm, spec, recipe, seed, max_steps, output_dir)
     _, stock, _, ours = trainer_classes(recipe.get("trainer", "grpo"))
-    cls = stock if arm.trainer == "trl" else ours
+    cls = stock if arm.trainer == "trl" else two_pass_class(ours) if arm.two_pass else ours
     set_seed(seed)
     return cls(model=spec.untied_path if arm.untied else spec.path, reward_funcs=spec.reward_funcs, args=args,
                train_dataset=spec.dataset, processing_class=spec.tokenizer)
@@ -383,6 +410,8 @@ def run_arm(arm: Arm, spec: ModelSpec, recipe: dict, seed: int, warmup: int, ste
     with PeakRSS() as peak, instrumented(clock):
         trainer = build_trainer(arm, spec, recipe, seed, warmup + steps, str(workdir / "out"))
         instrument_trainer(trainer, clock)
+        # every forward of the policy: generate's decoding steps, old passes, training forwards
+        trainer.model.register_forward_hook(lambda *a: clock.count(FORWARDS))
         set_seed(seed)  # modes build copies at different times: from here every arm samples the same first rollouts
         trainer.train()
     del trainer
@@ -432,6 +461,9 @@ def _arm_summary(runs: list[dict]) -> dict:
         "timed_steps": len(timed),
         "generations": gens,
         "old_passes_per_generation": sum(calls[p] for p in OLD_PASSES) / gens if gens else float("nan"),
+        # None in results from before the count (the column is then left out)
+        "forwards_per_step": (statistics.fmean(s["calls"].get(FORWARDS, 0) for s in timed)
+                              if any(FORWARDS in s["calls"] for s in timed) else None),
         # the old pass and refresh over the rest of the same steps: timed under the same load, so load drift between
         # arms (which moves the step ratios) cancels
         "added_share": sum(parts[p] for p in ADDED) / (statistics.fmean(s["seconds"] for s in timed)
@@ -468,11 +500,15 @@ def _header(result: dict) -> str:
 
 
 def render_cost(result: dict, summary: dict) -> list[str]:
-    lines = ["| arm | old body passes / generation | step (s, median) | step / TRL | per-round range | "
-             "old pass + refresh / rest of step | peak MB | peak / TRL |", "|---|---|---|---|---|---|---|---|"]
+    counted = any(s.get("forwards_per_step") is not None for s in summary.values())  # results from before: no column
+    forwards = " policy forwards / step |" if counted else ""
+    lines = ["| arm | old body passes / generation |" + forwards + " step (s, median) | step / TRL | per-round range | "
+             "old pass + refresh / rest of step | peak MB | peak / TRL |", "|---" * (8 + counted) + "|"]
     for arm, s in summary.items():
         lo, hi = s["round_time_ratios"]
-        lines.append(f"| {arm} | {s['old_passes_per_generation']:.0f} | {s['step_seconds']:.2f} | "
+        n = s.get("forwards_per_step")
+        forwards = (" - |" if n is None else f" {n:g} |") if counted else ""
+        lines.append(f"| {arm} | {s['old_passes_per_generation']:.0f} |{forwards} {s['step_seconds']:.2f} | "
                      f"{s['time_ratio']:.2f}x | {lo:.2f}-{hi:.2f}x | +{s['added_share']:.1%} | "
                      f"{s['peak_bytes'] / 2**20:.0f} | {s['memory_ratio']:.2f}x |")
     return lines
@@ -528,6 +564,8 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; each runs every arm")
     p.add_argument("--steps", type=int, default=2, help="timed optimizer steps per arm and round")
     p.add_argument("--warmup", type=int, default=1, help="untimed first steps per arm and round")
+    p.add_argument("--arms", default=None, help="comma-separated arm names to run (stock TRL, the reference, is "
+                   "always run), e.g. tis,tis_two_pass; default: every arm")
     p.add_argument("--json", default=None, help="also write the result to this JSON file")
     p.add_argument("--render", default=None, help="print the markdown tables of a result JSON and exit")
     a = p.parse_args(argv)
@@ -541,6 +579,12 @@ def main(argv=None):
         raise SystemExit(f"--recipe {a.recipe} is a {recipe.get('trainer', 'grpo')} recipe (its `trainer` key); "
                          f"--trainer is {a.trainer}")
     arms = TRAINER_ARMS[a.trainer]
+    if a.arms:
+        wanted = {REFERENCE, *a.arms.split(",")}
+        unknown = wanted - {arm.name for arm in arms}
+        if unknown:
+            raise SystemExit(f"--arms: unknown {', '.join(sorted(unknown))}; known: {', '.join(x.name for x in arms)}")
+        arms = tuple(arm for arm in arms if arm.name in wanted)
     command = "python benchmarks/step_cost.py " + " ".join(argv if argv is not None else sys.argv[1:])
     machine = machine_record()  # before the run's own threads raise the load
 

@@ -186,9 +186,26 @@ class RunPlan:
     @property
     def runs_old_pass(self) -> bool:
         """A separate old pass runs per generation: TRL's own, the scoring mode's (not `fp32_head` fused), or the one
-        an IS correction needs on the `generate` path."""
+        an IS correction needs on the `generate` path (none where it reuses the training forward: on a dense policy,
+        `reuses_training_forward`)."""
         scorer_pass = self.scorer_mode is not None and not self.fused_head
-        return self.trl_old_pass or scorer_pass or self.is_correction is not None
+        is_pass = self.is_correction is not None and not self.reuses_training_forward
+        return self.trl_old_pass or scorer_pass or is_pass
+
+    @property
+    def reuses_training_forward(self) -> bool:
+        """`is_correction` takes its old log-probs from each micro-batch's training forward, detached, instead of a
+        separate no-grad pass of the policy (issue 43; AReaL's `prox_logp_method="reuse_train_logp"`, PR #1453; TRL
+        PR #5413): where the old log-probs are the policy's own pass (`bf16`) and TRL skipped its old pass
+        (`num_iterations=1`, `steps_per_generation` = gradient accumulation), that pass would compute what TRL's loss
+        already uses as old, the training forward detached. With `renormalize` on the recorded kept sets too (the
+        training forward scores the same sets, its log M is the old pass's); not where the old pass recomputes the
+        kept sets of the whole batch (`kept_set_source="recompute"`), nor under `lift_sampler` (it lifts the whole
+        batch's sampler log-probs by the old pass's kept mass before the batch is split), nor with MoE routing replay
+        (R2 replays the old pass's routes); the trainer also keeps the pass for an MoE policy whose routes are
+        measured (`ratio/route/*` counts the old pass's routes). Those keep the separate pass."""
+        return (self.is_correction is not None and self.anchor_is_policy and not self.trl_old_pass
+                and (not self.corrects or (self.renormalizes and self.records_kept_sets)) and not self.replays_routes)
 
     @property
     def replays_routes(self) -> bool:

@@ -70,6 +70,10 @@ class GenerationRecord:
         attribution (`AttributionReference | None`, (n, T) fp32): with `ratio_attribution`, the fp32 reference passes
             of the n sampled rows (their positions go with the batch as `attribution_row`, (B,) int64, -1 = not
             sampled); written by the trainer's `_score_reference` after the old pass, read by the micro-batches.
+        is_weights (`ReusedISWeights | None`): `is_correction` with the training forward's log-probs reused as the old
+            ones (`RunPlan.reuses_training_forward`: no old pass ran): each micro-batch's training forward computes
+            its rows' IS weight and puts it here; once every row is in, the trainer logs their metrics. Written at
+            generation (created) and by the training forwards (filled), read by the trainer's `_compute_loss`.
     """
 
     mode: str
@@ -84,6 +88,36 @@ class GenerationRecord:
     old_logps: torch.Tensor | None = None
     sampler_logprobs: list | None = None
     attribution: AttributionReference | None = None
+    is_weights: ReusedISWeights | None = None
+
+
+@dataclass
+class ReusedISWeights:
+    """A generation batch's IS weights computed one micro-batch at a time, from each training forward's log-probs
+    (`RunPlan.reuses_training_forward`), assembled in the batch's row order so that their metrics are computed on the
+    same (B, T) tensor, in the same order, as the whole-batch weights of a separate old pass (bit for bit).
+
+    Fields:
+        mask (`torch.Tensor`, (B, T) bool): the batch's valid tokens as the IS weight sees them (completion mask,
+            and the tool mask where there is one).
+        weights (`torch.Tensor | None`, (B, T) or (B, 1) fp32): the rows filled so far (allocated by the first
+            micro-batch, in its weights' shape and device).
+        rows_left (`int`): rows not yet filled (shapes only: no host read of a device value).
+    """
+
+    mask: torch.Tensor
+    weights: torch.Tensor | None = None
+    rows_left: int = 0
+
+    def fill(self, rows: torch.Tensor, weights: torch.Tensor) -> bool:
+        """Put a micro-batch's weights (b, T) or (b, 1) at its rows `rows` (b,) int64 of the batch; True once every
+        row of the batch is in."""
+        if self.weights is None:
+            self.weights = torch.empty((self.mask.size(0), weights.size(1)), dtype=weights.dtype,
+                                       device=weights.device)
+        self.weights[rows.to(self.weights.device)] = weights
+        self.rows_left -= rows.numel()
+        return self.rows_left == 0
 
 
 @dataclass
@@ -102,6 +136,8 @@ class MicroBatchRecord:
             filter dropped (added back), from the pass that recomputed the sets.
         attribution (`AttributionReference | None`, (b, T) fp32): with `ratio_attribution`, the reference passes of
             these rows (NaN and `present` False where a row was not sampled).
+        is_weights (`torch.Tensor | None`, (b, T) or (b, 1) fp32): `RunPlan.reuses_training_forward`: the IS weight
+            of these rows, computed from this training forward's log-probs (detached) as the old ones.
     """
 
     inputs: dict
@@ -109,3 +145,4 @@ class MicroBatchRecord:
     old_log_kept_mass: torch.Tensor | None = None
     kept_added: torch.Tensor | None = None
     attribution: AttributionReference | None = None
+    is_weights: torch.Tensor | None = None

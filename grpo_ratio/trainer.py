@@ -71,7 +71,7 @@ from .old_pass.scorer import OldLogprobScorer, check_text_only
 from .old_pass.sharding.engines import engine_of, sharded_policy
 from .old_pass.sharding.fsdp2 import fp32_logprob_output
 from .plan import CONTINUOUS_BATCHING, GENERATE, VLLM, VLLM_MASKS, RunPlan, kept_set_origin, trl_runs_old_pass
-from .records import GenerationRecord, MicroBatchRecord
+from .records import GenerationRecord, MicroBatchRecord, ReusedISWeights
 from .routing.replay import RoutingReplay
 from .sampler.generate import SamplerLogprobRecorder, SamplerRecord, finish_recording, recording_sampler
 from .sampler.precision import IntegerRollouts, RolloutCopy
@@ -275,13 +275,16 @@ class RatioHooks:
             # fused: each micro-batch's training forward provides it, `_fused_old_logps`)
             input_ids, attention_mask, T, batch_size = self._scoring_inputs(output, generation.mode)
             output["old_per_token_logps"] = self._score_old(generation, input_ids, attention_mask, T, batch_size)
-        if self.plan.weights_is and "old_per_token_logps" not in output:
+        reuse = self.plan.weights_is and "old_per_token_logps" not in output and self._reuses_training_forward()
+        if reuse:  # no old pass: each micro-batch's training forward, detached, is its old log-probs (`_weigh_rows`)
+            self._defer_weights(output, generation)
+        elif self.plan.weights_is and "old_per_token_logps" not in output:
             # TRL skipped its old pass (generate, on-policy) but the IS weight needs one: run it as TRL's vLLM path
             # does, through the hook below, so its log-probs also anchor the PPO ratio as there
             output["old_per_token_logps"] = self._trl_old_pass(output, generation)
         if self.plan.lifts_sampler:
             self._lift_sampler(output, generation)
-        if self.plan.weights_is:
+        if self.plan.weights_is and not reuse:
             self._weigh(output, generation)
         if self.plan.attributes and generation.mode == "train":  # ratio_attribution: the fp32 reference passes
             self._score_reference(output, generation)
@@ -455,6 +458,49 @@ class RatioHooks:
         output["importance_sampling_ratio"] = weights.weights  # (B, T), or (B, 1) when sequence-level
         self._log_is_weights(generation.mode, weights.weights, mask)  # TRL's sampling/importance_sampling_ratio/*
 
+    def _reuses_training_forward(self) -> bool:
+        """`RunPlan.reuses_training_forward` on this policy: not for an MoE policy whose routes the hooks replay or
+        measure (`ratio/route/*` counts the old pass's routes against the sampler's), which keeps the old pass."""
+        return self.plan.reuses_training_forward and not self.routing.active
+
+    def _defer_weights(self, output, generation) -> None:
+        """`is_correction` without an old pass (`RunPlan.reuses_training_forward`): each micro-batch's training forward
+        computes its rows' IS weight from its own log-probs, detached (`_weigh_rows`), which is what TRL's loss takes as
+        the old log-probs when the batch has none. A row index goes with the batch (TRL shuffles and splits it) so that
+        the weights' metrics are computed on the whole batch in its row order once every micro-batch ran."""
+        mask = output["completion_mask"].bool()  # (B, T)
+        mask = mask if "tool_mask" not in output else mask & output["tool_mask"].bool()
+        generation.is_weights = ReusedISWeights(mask=mask, rows_left=mask.size(0))
+        output["is_weight_row"] = torch.arange(mask.size(0), device=self.accelerator.device)  # (B,)
+
+    @staticmethod
+    def _reused_as_old(generation, inputs: dict) -> bool:
+        """This micro-batch's training forward is its old log-probs for the IS weight: its generation batch deferred
+        the weight (`_defer_weights`) and the micro-batch holds no old log-probs (TRL's own condition for taking the
+        training forward, detached, as old)."""
+        return generation is not None and generation.is_weights is not None and "old_per_token_logps" not in inputs
+
+    def _weigh_rows(self, micro_batch, logps) -> None:
+        """`RunPlan.reuses_training_forward`: the micro-batch's IS weight (b, T), or (b, 1) when sequence-level, from
+        this training forward's log-probs (b, T), detached, as the old ones, put where `_weigh` puts the whole batch's
+        (`importance_sampling_ratio`, read by TRL's `_compute_loss` after this forward returns). Every part of an
+        `ISCorrection` is per token or per row, so these are the rows of the whole-batch weight bit for bit."""
+        inputs = micro_batch.inputs
+        key = sampler_logps_key(inputs)
+        mask = inputs["completion_mask"].bool()  # (b, T)
+        mask = mask if "tool_mask" not in inputs else mask & inputs["tool_mask"].bool()
+        old = logps.detach()  # (b, T): TRL's loss uses the same tensor as old (no old_per_token_logps in the batch)
+        weights = importance_weights(old - inputs[key], mask, self.plan.is_correction, sampler_logps=inputs[key],
+                                     advantages=inputs["advantages"]).weights
+        inputs["importance_sampling_ratio"] = micro_batch.is_weights = weights
+
+    def _log_reused_weights(self, micro_batch, generation) -> None:
+        """Once the last micro-batch of a generation batch ran: TRL's `sampling/importance_sampling_ratio/*`-style
+        metrics of the whole batch's reused IS weights, computed as `_weigh` computes them (the same (B, T) tensor)."""
+        reused = generation.is_weights
+        if reused.fill(micro_batch.inputs["is_weight_row"], micro_batch.is_weights):
+            self._log_is_weights(generation.mode, reused.weights, reused.mask)
+
     def _lift_sampler(self, output, generation) -> None:
         """`lift_sampler`: sampler log-probs + log M_old, M_old = the old policy's mass on the kept set."""
         if generation.old_log_kept_mass is None:  # no old pass ran (on-policy bf16): one no-grad pass measures M
@@ -519,6 +565,8 @@ class RatioHooks:
             generation.old_logps = logps
         if micro_batch is not None:
             self._keep_training_forward(micro_batch, logps, on_kept, generation)
+        if micro_batch is not None and self._reused_as_old(generation, micro_batch.inputs):
+            self._weigh_rows(micro_batch, logps)  # before the trust region, which multiplies this weight
         if micro_batch is not None and self.args.trust_region is not None:  # read by TRL after this call returns
             self._trust_region(micro_batch.inputs, logps)
         return logps, entropies, aux
@@ -631,23 +679,30 @@ class RatioHooks:
 
     def _compute_loss(self, model, inputs):
         trust = self.args.trust_region is not None
-        if trust:  # the mask joins this micro-batch's own dict, never TRL's buffered batch (reused across iterations)
+        generation = self._generations.get(self._mode())
+        reuse = self._reused_as_old(generation, inputs)  # the IS weight comes from the training forward
+        if trust or reuse:  # the mask and the weight join this micro-batch's own dict, never TRL's buffered batch
             inputs = dict(inputs)
             had_weight, weight = "importance_sampling_ratio" in inputs, inputs.get("importance_sampling_ratio")
         micro_batch = self._micro_batch = MicroBatchRecord(inputs=inputs)
         try:
             # is_correction on `generate`, or trust_region: TRL's own multiplication applies our factor
-            # (grpo_ratio._compat); a weight already in the batch is one TRL applies (vLLM's) or ours (is_correction)
-            weighs = (self.plan.weights_is and "importance_sampling_ratio" in inputs) or trust
+            # (grpo_ratio._compat); a weight already in the batch is one TRL applies (vLLM's) or ours (is_correction);
+            # reused, ours joins the batch during the training forward (`_weigh_rows`)
+            weighs = (self.plan.weights_is and "importance_sampling_ratio" in inputs) or trust or reuse
             with self._is_weight_gate(inputs) if weighs else contextlib.nullcontext():
                 loss = super()._compute_loss(model, inputs)
         finally:
             self._micro_batch = None
-            if trust:  # the diagnostics read the batch's IS weight, not the mask
+            if micro_batch.is_weights is not None:  # reused: the weight the loss got (before any trust-region mask)
+                had_weight, weight = True, micro_batch.is_weights
+            if trust or reuse:  # the diagnostics read the batch's IS weight, not the mask
                 if had_weight:
                     inputs["importance_sampling_ratio"] = weight
                 else:
                     inputs.pop("importance_sampling_ratio", None)
+        if reuse and micro_batch.is_weights is not None and self.diagnostics is not None:
+            self._log_reused_weights(micro_batch, generation)
         if trust and self.model.training:
             self._flush_trust_region()
         if self.diagnostics is not None and self.model.training:

@@ -40,13 +40,19 @@ def test_trl_compute_loss_reads_the_weight_only_behind_the_vllm_gate():
 
 
 def _spy_trl_loss(monkeypatch):
-    """Record, for every call of TRL's own `_compute_loss`, the inputs and whether its IS gate was open."""
+    """Record, for every call of TRL's own `_compute_loss`, the inputs as the loss read them (the IS weight joins them
+    during the training forward where that forward is reused as the old log-probs, issue 43), whether its IS gate was
+    open, and the old log-probs the loss used (the batch's, else the training forward's, detached, as TRL takes them)."""
     calls = []
     original = GRPOTrainer._compute_loss
 
     def spy(self, model, inputs):
-        calls.append((dict(inputs), self.use_vllm and self.vllm_importance_sampling_correction))
-        return original(self, model, inputs)
+        gate = self.use_vllm and self.vllm_importance_sampling_correction
+        loss = original(self, model, inputs)
+        micro_batch = self._micro_batch  # None where a test calls TRL's method itself
+        old = inputs.get("old_per_token_logps", None if micro_batch is None else micro_batch.train_logps)
+        calls.append(({**inputs, "old_per_token_logps": old}, gate))
+        return loss
 
     monkeypatch.setattr(GRPOTrainer, "_compute_loss", spy)
     return calls
@@ -68,7 +74,7 @@ def test_each_setting_trains_on_generate_and_the_loss_uses_its_weight(tmp_path, 
     for inputs, gate_open in calls:
         assert gate_open and not trainer.use_vllm  # opened for TRL's call only
         mask = inputs["completion_mask"].bool()
-        # direct computation from the batch's own log-probs: old (TRL-chunked old pass) minus the recorded sampler's
+        # direct computation from the batch's own log-probs: old (the training forward's, reused) minus the sampler's
         expected = importance_weights(inputs["old_per_token_logps"] - inputs["sampler_per_token_logps"], mask,
                                       correction, inputs["sampler_per_token_logps"], inputs["advantages"]).weights
         got = inputs["importance_sampling_ratio"]

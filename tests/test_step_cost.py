@@ -65,6 +65,13 @@ def test_old_passes_are_counted(summary):
     assert head["calls"]["mode_old_pass"] == head["calls"]["trl_old_pass"] == 0
     assert head["old_passes_per_generation"] == 0 and head["added_share"] > 0
     assert head["calls"]["fused_head"] == head["calls"]["train_forward"] >= 1
+    # is_correction at bf16 (issue 43): no old pass, the training forward reused; the two-pass arm runs TRL's helper
+    # once per generation without grad, and exactly one forward of the policy more per step (the same rollouts)
+    reused, two_pass = summary["tis"], summary["tis_two_pass"]
+    assert reused["calls"]["trl_old_pass"] == reused["old_passes_per_generation"] == reused["added_share"] == 0
+    assert two_pass["calls"]["trl_old_pass"] == two_pass["generations"] and two_pass["old_passes_per_generation"] == 1
+    assert two_pass["forwards_per_step"] == reused["forwards_per_step"] + 1
+    assert reused["forwards_per_step"] == summary[step_cost.REFERENCE]["forwards_per_step"]
     # fp32 weights: only fp16_clone keeps a copy, refreshed once per old pass; the fp32 modes run the policy itself
     assert summary["fp16_clone"]["calls"]["copy_refresh"] == summary["fp16_clone"]["calls"]["mode_old_pass"]
     assert summary["fp32_clone"]["calls"]["copy_refresh"] == 0
