@@ -275,14 +275,16 @@ def sampler_head_logprobs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     return out
 
 
-def fp32_matmul_precision() -> str:
-    """"ieee" or "tf32": what an fp32 matmul on CUDA computes now (`torch.backends.cuda.matmul.fp32_precision` on
-    torch >= 2.9, else `allow_tf32`); on a CPU "ieee" unless oneDNN was told otherwise ("bf16"/"tf32")."""
+def fp32_matmul_precision(device: torch.device) -> str:
+    """What an fp32 matmul on `device` computes now: "ieee", or the reduced precision the run set ("tf32" on CUDA:
+    `torch.backends.cuda.matmul.fp32_precision` / `allow_tf32`, transformers' `tf32=True`; on a CPU oneDNN's "bf16" or
+    "tf32": `torch.backends.mkldnn.matmul.fp32_precision`, `set_float32_matmul_precision("medium")`)."""
     state = _matmul_precisions()
     if isinstance(state, str):  # torch < 2.9: the one legacy value
-        return "ieee" if state == "highest" else "tf32"
-    cuda = state["cuda"] if state["cuda"] != "none" else state[""]
-    return "ieee" if cuda in ("ieee", "none") else cuda
+        return "ieee" if state == "highest" else ("tf32" if device.type == "cuda" else state)
+    backend = state["cuda"] if device.type == "cuda" else state.get("mkldnn", "none")
+    value = backend if backend != "none" else state[""]
+    return "ieee" if value in ("ieee", "none") else value
 
 
 def head_arithmetic(operands: str, device: torch.device) -> dict:
@@ -291,8 +293,8 @@ def head_arithmetic(operands: str, device: torch.device) -> dict:
 
     Returns:
         {"operands": "fp32" | "bf16", "norm": "fp32" | "as trained", "matmul": a phrase naming the kernel,
-        "fp32_matmul": "ieee" (the scoring passes force it: `ieee_fp32`), "run_fp32_matmul": "ieee" or "tf32" (the
-        precision the run set for its own fp32 matmuls, which the old pass does not use)}.
+        "fp32_matmul": "ieee" (the scoring passes force it: `ieee_fp32`), "run_fp32_matmul": "ieee", "tf32" or
+        "bf16" (`fp32_matmul_precision`: what the run set for its own fp32 matmuls, which the old pass does not use)}.
     """
     if operands == "fp32":
         matmul = "fp32 x fp32 (IEEE)"
@@ -302,7 +304,7 @@ def head_arithmetic(operands: str, device: torch.device) -> dict:
         matmul = ("fp32 matmul of the bf16 operands upcast (IEEE; exact equivalent of mm out_dtype=float32, which "
                   f"{device.type} lacks)")
     return {"operands": operands, "norm": "fp32" if operands == "fp32" else "as trained", "matmul": matmul,
-            "fp32_matmul": "ieee", "run_fp32_matmul": fp32_matmul_precision() if device.type == "cuda" else "ieee"}
+            "fp32_matmul": "ieee", "run_fp32_matmul": fp32_matmul_precision(device)}
 
 
 @dataclass
