@@ -12,7 +12,6 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 from fake_cuda import CUDA, fake_cuda
 from torch.overrides import TorchFunctionMode
 from trainer_fixtures import tiny_grpo_args, tiny_trainer
