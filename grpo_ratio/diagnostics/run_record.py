@@ -24,7 +24,7 @@ own calls `trainer.train()`:
   - `"head_arithmetic"` (`HEAD_ARITHMETIC`): under a scoring mode whose LM head computes in fp32 (`fp32_head`,
     `guided_fp32`, `fp32_clone`), what that head multiplied and with which kernel, and the fp32 matmul precision of
     the run itself: `{"operands", "norm", "matmul", "fp32_matmul", "run_fp32_matmul"}`
-    (`grpo_ratio.old_pass.forward.head_arithmetic`; `fp32_head_operands`); null under the other modes.
+    (`grpo_ratio.old_pass.forward.head_arithmetic`; `fp32_head_operands`); absent under the other modes.
   Entry points add keys to the same object (`update_run_record`): `grpo-ratio train` `"completed"` (true once all its
   outputs are written after a run that reached its end; false after a gate stop) and `"outputs_saved"`,
   `grpo-ratio compare` `"arm"`, `"seed"`, `"fingerprint"`, `"machine"`, `"completed"` (as `grpo-ratio train`) and

@@ -45,7 +45,7 @@ class RunRecordCallback(TrainerCallback):
     Args:
         head_arithmetic: zero-argument callable returning the run's `"head_arithmetic"` entry (a dict, or None where
             no scoring head computes in fp32), written with the config; the trainer passes it (this module imports
-            no torch). None: the entry is not written.
+            no torch). The entry is written only where it returns a dict.
     """
 
     def __init__(self, head_arithmetic=None):
@@ -79,8 +79,9 @@ class RunRecordCallback(TrainerCallback):
         # merged into another run's record (one cut short): what that run's train() said of itself is not this run's
         # (the callbacks that write those keys set them back themselves at a later train() of the same trainer)
         drop = PER_TRAIN_KEYS if not self.recorded else ()
-        if self.head_arithmetic is not None:
-            fields[HEAD_ARITHMETIC] = self.head_arithmetic()
+        arithmetic = self.head_arithmetic() if self.head_arithmetic is not None else None
+        if arithmetic is not None:  # only where a scoring head computes in fp32: other records stay as they were
+            fields[HEAD_ARITHMETIC] = arithmetic
         self._guarded(update_run_record, args.output_dir, fresh, drop, config=run_config(args), **fields)
         self.recorded = True
 
