@@ -21,6 +21,9 @@ the next one. Only one trainer is alive at a time, so an arm's peak memory is it
     python benchmarks/step_cost.py --render results/step_cost_smollm2.json   # markdown tables of a result
     python benchmarks/step_cost.py --model tiny --rounds 2 --steps 2 --warmup 1 --arms bf16,tis,tis_two_pass \
         --json results/step_cost_tiny_is_reuse.json   # only the arms named (and stock TRL, the reference)
+    python benchmarks/step_cost.py --model smollm2 --arms trl,fp32_head,fp32_head_bf16_operands --rounds 1 \
+        --steps 2 --warmup 1 --json results/step_cost_smollm2_head_operands.json   # some arms only (the reference
+                                                                                  # always runs)
     python benchmarks/step_cost.py --trainer rloo --model smollm2 --rounds 1 --steps 2 --warmup 1 \
         --json results/step_cost_smollm2_rloo.json   # RLOO: stock trl.RLOOTrainer and RatioRLOOTrainer per mode
 
@@ -121,6 +124,8 @@ ARMS = (
     Arm("fp32_clone", "ratio", {"old_logprob_mode": "fp32_clone"}),
     Arm("fp16_clone", "ratio", {"old_logprob_mode": "fp16_clone"}),
     Arm("fp32_head", "ratio", {"old_logprob_mode": "fp32_head"}),
+    # the sampler's fp32 head (issue 43): the policy's norm, bf16 operands, fp32 accumulation (fused like fp32_head)
+    Arm("fp32_head_bf16_operands", "ratio", {"old_logprob_mode": "fp32_head", "fp32_head_operands": "bf16"}),
     Arm("guided_fp32", "ratio", {"old_logprob_mode": "guided_fp32"}, guided=True),
     Arm("sampler", "ratio", {"old_logprob_mode": "sampler"}),  # the rollout's own log-probs: no old pass at all
     # is_correction (TIS) at bf16: the training forward, detached, is the IS weight's old log-probs (issue 43), and
@@ -564,8 +569,8 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; each runs every arm")
     p.add_argument("--steps", type=int, default=2, help="timed optimizer steps per arm and round")
     p.add_argument("--warmup", type=int, default=1, help="untimed first steps per arm and round")
-    p.add_argument("--arms", default=None, help="comma-separated arm names to run (stock TRL, the reference, is "
-                   "always run), e.g. tis,tis_two_pass; default: every arm")
+    p.add_argument("--arms", default=None, help="comma-separated arm names to run (default: every arm of --trainer); "
+                   f"the reference arm {REFERENCE!r} always runs")
     p.add_argument("--json", default=None, help="also write the result to this JSON file")
     p.add_argument("--render", default=None, help="print the markdown tables of a result JSON and exit")
     a = p.parse_args(argv)
@@ -583,7 +588,8 @@ def main(argv=None):
         wanted = {REFERENCE, *a.arms.split(",")}
         unknown = wanted - {arm.name for arm in arms}
         if unknown:
-            raise SystemExit(f"--arms: unknown {', '.join(sorted(unknown))}; known: {', '.join(x.name for x in arms)}")
+            raise SystemExit(f"--arms {', '.join(sorted(unknown))}: no such arm; allowed: "
+                             f"{', '.join(arm.name for arm in arms)}")
         arms = tuple(arm for arm in arms if arm.name in wanted)
     command = "python benchmarks/step_cost.py " + " ".join(argv if argv is not None else sys.argv[1:])
     machine = machine_record()  # before the run's own threads raise the load

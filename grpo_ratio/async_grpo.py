@@ -41,7 +41,7 @@ from .diagnostics.trains_nothing_callback import trains_nothing_callback
 from .models import trainer_model_source
 from .modes import MODES, SAMPLER_MODE, SCORING_MODES, TRL_MODE
 from .old_pass.copies import WeightsVersion, WeightsVersionCallback
-from .old_pass.scorer import OldLogprobScorer
+from .old_pass.scorer import OldLogprobScorer, scoring_head_arithmetic
 from .old_pass.tree_attention import torch_tree_attention_active
 from .problems import collect
 
@@ -83,6 +83,7 @@ class RatioAsyncGRPOConfig(KnownFields, AsyncGRPOConfig):
         "'guided_fp32' (a no-grad pass, as in RatioGRPOConfig). 'sampler' is refused: that is 'coupled'.",
         choices=[mode for mode in SCORING_MODES if mode != SAMPLER_MODE])
     guided_fp32_layers: str | None = _declared("guided_fp32_layers")
+    fp32_head_operands: str = _declared("fp32_head_operands")
     copy_storage: str = _declared("copy_storage")
     truncation_correction: str = _declared(
         "truncation_correction",
@@ -255,7 +256,8 @@ class RatioAsyncGRPOTrainer(AsyncGRPOTrainer):
         check_async_server_logprobs(self)  # the decoupled objectives and lift_sampler need processed log-probs
         self.weights_version = WeightsVersion()
         self.add_callback(WeightsVersionCallback(self.weights_version, self.accelerator))
-        self.add_callback(RunRecordCallback())  # run.json + log_history.json in output_dir: what the report reads
+        # run.json + log_history.json in output_dir: what the report reads (and what the proximal pass's head computed)
+        self.add_callback(RunRecordCallback(partial(scoring_head_arithmetic, args, self.accelerator.device)))
         self.is_correction = args.is_correction_spec
         self.add_callback(trains_nothing_callback(args, self.is_correction))  # every token of a step rejected: warned
         quiet_console(self)  # the console prints a few headline ratio/* keys; every key is still logged
@@ -274,7 +276,8 @@ class RatioAsyncGRPOTrainer(AsyncGRPOTrainer):
                           "forward's)", stacklevel=2)
         if precision_pass:
             self._proximal = OldLogprobScorer(self.model, args.old_logprob_mode, layers=args.guided_fp32_layer_ids,
-                                              policy_autocast=self.accelerator.autocast, copy_storage=args.copy_storage)
+                                              policy_autocast=self.accelerator.autocast, copy_storage=args.copy_storage,
+                                              head_operands=args.fp32_head_operands)
         self.sampling = None
         if args.truncation_correction == "lift_sampler":
             # the server's filter, re-applied to the proximal logits in vLLM's order (checks.check_async_config

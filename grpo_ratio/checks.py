@@ -38,15 +38,18 @@ from .diagnostics.gate import training_checks
 from .machine import cpu_has_native_bf16
 from .modes import (
     COPY_MODES,
+    DEFAULT_HEAD_OPERANDS,
     FP16_CLONE,
     FP32_CLONE,
     FP32_HEAD,
     GUIDED_FP32,
+    HEAD_OPERANDS,
     INTEGER_MODE,
     MODES,
     OLD_LOGPROB_MODES,
     POLICY_ROLLOUTS,
     ROLLOUT_PRECISIONS,
+    SAMPLER_HEAD_OPERANDS,
     SAMPLER_MODE,
     SCORER_MODES,
     SCORING_MODES,
@@ -138,8 +141,8 @@ def check_config(args) -> None:
             values or the setting that works.
     """
     collect(partial(check, args) for check in (
-        _check_choices, _check_sampling_fields, _check_vllm_engine, _check_copy_storage, _resolve_guided_layers,
-        _check_band, _check_switches, _check_truncation,
+        _check_choices, _check_sampling_fields, _check_vllm_engine, _check_copy_storage, _check_head_operands,
+        _resolve_guided_layers, _check_band, _check_switches, _check_truncation,
         _check_is_correction,  # before _check_sampler_mode, which may turn TRL's vLLM correction off
         _check_trust_region, _check_sampler_mode, _check_routing_replay, _check_gate, _check_attribution, _check_sampler_logprobs,
         _check_rollout_precision))
@@ -279,7 +282,8 @@ def check_async_config(args) -> None:
             proximal policy to weight towards: TRL's loss); an invalid `is_correction` setting or ratio band.
     """
     collect(partial(check, args) for check in (
-        _check_async_objective, _check_copy_storage, _resolve_guided_layers, _check_async_switches, _check_band,
+        _check_async_objective, _check_copy_storage, _check_head_operands, _resolve_guided_layers,
+        _check_async_switches, _check_band,
         _check_async_correction, _check_async_truncation))
 
 
@@ -395,6 +399,29 @@ def _check_copy_storage(args) -> None:
         raise ValueError(f"copy_storage='per_layer' is only used by old_logprob_mode in {', '.join(COPY_MODES)} "
                          f"(the modes with a whole-model copy), but old_logprob_mode={args.old_logprob_mode!r}; "
                          f"remove copy_storage or switch the mode")
+
+
+def _check_head_operands(args) -> None:
+    """`fp32_head_operands`: one of `HEAD_OPERANDS`; `"bf16"` only with `old_logprob_mode="fp32_head"` (the one mode
+    whose only fp32 modules are the final norm and the head) and not with `fp16=True` (the policy's head would take
+    fp16 operands, the sampler's then too: bf16 ones would be neither's).
+
+    Raises:
+        ValueError: naming the field, the value and the allowed values, or the setting that conflicts.
+    """
+    value = args.fp32_head_operands
+    if value not in HEAD_OPERANDS:
+        raise ValueError(_not_allowed("fp32_head_operands", value, HEAD_OPERANDS))
+    if value == DEFAULT_HEAD_OPERANDS:
+        return
+    spec = MODES.get(args.old_logprob_mode)
+    if spec is None or not spec.takes_head_operands:
+        raise ValueError(f"fp32_head_operands={value!r} sets the LM head of old_logprob_mode='fp32_head', but "
+                         f"old_logprob_mode={args.old_logprob_mode!r}; remove fp32_head_operands (allowed with this "
+                         f"mode: {DEFAULT_HEAD_OPERANDS!r}) or set old_logprob_mode='fp32_head'")
+    if value == SAMPLER_HEAD_OPERANDS and getattr(args, "fp16", False):
+        raise ValueError("fp32_head_operands='bf16' rounds the head's operands to bf16, but fp16=True trains in fp16 "
+                         "(the sampler's head would take fp16 operands); use fp32_head_operands='fp32'")
 
 
 def _check_is_correction(args) -> None:

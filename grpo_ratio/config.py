@@ -25,6 +25,7 @@ from .corrections.trust_region import TRUST_REGIONS
 from .diagnostics.gate import GATE_ACTIONS
 from .modes import (  # noqa: F401
     COPY_MODES,
+    HEAD_OPERANDS,
     OLD_LOGPROB_MODES,
     PRECISION_MODES,
     ROLLOUT_PRECISIONS,
@@ -122,6 +123,11 @@ class RatioFields(KnownFields):
         `"[0, 29]"`), one index (`29`) or the path of a calibration JSON written by `grpo-ratio probe layers` or
         `calibrate` (its model and layer count are checked against the trained model when the trainer starts).
         Required by `"guided_fp32"`, refused otherwise.
+    fp32_head_operands (`str`, *optional*, defaults to `"fp32"`):
+        What `"fp32_head"`'s LM head multiplies, with fp32 accumulation and output: `"fp32"` (the final norm and both
+        operands in fp32) or `"bf16"` (the final norm as the policy trains; its output and the head weight in bf16:
+        the CUDA fp32 head of vLLM `head_dtype="float32"` (PR #48390), SGLang (#32370) and prime-rl (#2441),
+        `torch.mm(..., out_dtype=torch.float32)`; on a CPU the fp32 matmul of the upcast operands, the same maths).
     copy_storage (`str`, *optional*, defaults to `"resident"`):
         How `"fp16_clone"` (and `"fp32_clone"` on bf16/fp16-stored weights) hold the policy in the copy's dtype:
         `"resident"` keeps a whole copy between old passes (2 bytes per parameter in fp16), refreshed after each
@@ -251,6 +257,17 @@ class RatioFields(KnownFields):
             "help": "Decoder layers run in fp32 by old_logprob_mode='guided_fp32': comma-separated indices such as "
             "'0,1,27', a list '[0, 29]', one index, or the path of a calibration JSON written by `grpo-ratio probe "
             "layers` or `grpo-ratio probe calibrate`."
+        },
+    )
+    fp32_head_operands: str = field(
+        default="fp32",
+        metadata={
+            "help": "What old_logprob_mode='fp32_head' multiplies in its LM head, with fp32 accumulation and output: "
+            "'fp32' (final norm and both operands in fp32) or 'bf16' (the final norm as the policy trains, its "
+            "output and the head weight in bf16: the sampler's fp32 head, vLLM head_dtype='float32' on CUDA (PR "
+            "#48390), SGLang #32370, prime-rl #2441; torch.mm(out_dtype=float32) on CUDA, the fp32 matmul of the "
+            "upcast bf16 operands elsewhere: the same maths). Refused with other modes and with fp16=True.",
+            "choices": list(HEAD_OPERANDS),
         },
     )
     copy_storage: str = field(

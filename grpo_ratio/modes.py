@@ -74,6 +74,12 @@ class ScoringMode:
         return self.whole_model_dtype is None and self.fp32_head
 
     @property
+    def takes_head_operands(self) -> bool:
+        """`fp32_head_operands` applies: the final norm and the LM head are the only modules the mode changes
+        (`fp32_head`), so its head can take the sampler's operands (`HEAD_OPERANDS`)."""
+        return self.runs_fp32_modules and not self.fp32_layers
+
+    @property
     def computes_in_fp32(self) -> bool:
         """At least the LM head computes in fp32: against an fp32 training forward the mode changes nothing."""
         return self.fp32_head
@@ -118,6 +124,16 @@ INTEGER_MODE = INTEGER.name  # also the `rollout_precision` that draws from the 
 # or the integer model
 POLICY_ROLLOUTS = "policy"
 ROLLOUT_PRECISIONS = (POLICY_ROLLOUTS, "bf16", "fp16", "int8", "int4", INTEGER_MODE)
+
+
+# the values of `fp32_head_operands`: what `fp32_head`'s LM head multiplies, both with fp32 accumulation and output.
+# "fp32": the final norm and both operands in fp32 (the default; TRL's `cast_lm_head_to_fp32`). "bf16": the final norm
+# as the policy trains (its output in the training precision) times the head weight, both rounded to bf16: the CUDA
+# fp32 head of vLLM (`head_dtype="float32"`, PR #48390), SGLang (#32370) and prime-rl (#2441),
+# `torch.mm(hidden_bf16, weight_bf16.t(), out_dtype=torch.float32)`
+HEAD_OPERANDS = ("fp32", "bf16")
+DEFAULT_HEAD_OPERANDS = HEAD_OPERANDS[0]
+SAMPLER_HEAD_OPERANDS = HEAD_OPERANDS[1]
 
 
 def mode_of(name: str) -> ScoringMode:

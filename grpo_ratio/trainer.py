@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from functools import partial
 
 import torch
 from trl import GRPOTrainer
@@ -62,12 +63,12 @@ from .diagnostics.run_record_callback import RunRecordCallback
 from .diagnostics.trains_nothing_callback import trains_nothing_callback
 from .integer.sample import IntSampling
 from .models import trainer_model_source
-from .modes import FP32_CLONE, FP32_HEAD, INTEGER_MODE
+from .modes import DEFAULT_HEAD_OPERANDS, FP32_CLONE, FP32_HEAD, INTEGER_MODE
 from .old_pass.copies import WeightsVersion, WeightsVersionCallback
 from .old_pass.fused_head import capture_norm_inputs, fused_head_fallback, fused_old_logps, say_fused_head
 from .old_pass.integer_pass import integer_old_logps
 from .old_pass.kept_head import KeptSetChunks, capture_last_hidden
-from .old_pass.scorer import OldLogprobScorer, check_text_only
+from .old_pass.scorer import OldLogprobScorer, check_text_only, scoring_head_arithmetic
 from .old_pass.sharding.engines import engine_of, sharded_policy
 from .old_pass.sharding.fsdp2 import fp32_logprob_output
 from .plan import CONTINUOUS_BATCHING, GENERATE, VLLM, VLLM_MASKS, RunPlan, kept_set_origin, trl_runs_old_pass
@@ -149,7 +150,8 @@ class RatioHooks:
             quiet_console(self)  # the console prints a few headline ratio/* keys; every key is still logged
         if args.ratio_gate:  # the tolerance gate on logged metrics (grpo_ratio/diagnostics/gate.py)
             self.add_callback(RatioGateCallback(args.ratio_gate, args.ratio_gate_patience, args.ratio_gate_action))
-        self.add_callback(RunRecordCallback())  # run.json + log_history.json in output_dir: what the report reads
+        # run.json + log_history.json in output_dir: what the report reads (and what the old pass's fp32 head computed)
+        self.add_callback(RunRecordCallback(partial(scoring_head_arithmetic, self.args, self.accelerator.device)))
         check_sharded_mode(self.accelerator, self.model, args)  # FSDP2/ZeRO-3 combinations that cannot be exact
         check_old_pass(policy, args)  # layer indices, anatomy, copy storage: here, not at step 1
         self._scorer = None  # built on first use (`scorer`): accelerate wraps FSDP2/ZeRO-3 models inside train()
@@ -169,7 +171,8 @@ class RatioHooks:
         """The scoring mode's `OldLogprobScorer` (None for `bf16` and `sampler`), built on first use, after accelerate wrapped the
         model: under FSDP2/ZeRO-3 its shadows and compute dtype come from the wrapped model (`grpo_ratio.old_pass.sharding.engines`)."""
         if self._scorer is None and self.plan.scorer_mode is not None:
-            self._scorer = self._new_scorer(self.plan.scorer_mode, self.args.guided_fp32_layer_ids)
+            self._scorer = self._new_scorer(self.plan.scorer_mode, self.args.guided_fp32_layer_ids,
+                                            head_operands=self.args.fp32_head_operands)
         return self._scorer
 
     @property
@@ -186,11 +189,13 @@ class RatioHooks:
             self._reference_scorer = self._new_scorer(FP32_CLONE.name, copy_storage=reference_copy_storage(sharded))
         return self._reference_scorer
 
-    def _new_scorer(self, mode: str, layers=None, copy_storage: str | None = None) -> OldLogprobScorer:
+    def _new_scorer(self, mode: str, layers=None, copy_storage: str | None = None,
+                    head_operands: str = DEFAULT_HEAD_OPERANDS) -> OldLogprobScorer:
         policy = self.accelerator.unwrap_model(self.model)
         return OldLogprobScorer(policy, mode, layers=layers, policy_autocast=self.accelerator.autocast,
                                 sharded=sharded_policy(self.accelerator, policy),
-                                copy_storage=copy_storage or self.args.copy_storage, route_hooks=self.routing.hooks)
+                                copy_storage=copy_storage or self.args.copy_storage, route_hooks=self.routing.hooks,
+                                head_operands=head_operands)
 
     def _fused_head_fallback(self) -> str | None:
         """Why `fp32_head` must keep its separate old pass in this run, or None (`fused_head.fused_head_fallback`)."""

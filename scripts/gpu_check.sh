@@ -117,6 +117,7 @@ GPU_TESTS=(
   tests/gpu/test_cuda_precision.py::test_an_fp16_copy_scores_long_positions_with_fp32_rotary_tables
   tests/gpu/test_cuda_precision.py::test_fp32_passes_under_flash_attention_2
   tests/gpu/test_cuda_precision.py::test_diagnostics_and_kept_sets_live_on_the_gpu
+  tests/gpu/test_cuda_precision.py::test_the_sampler_fp32_head_runs_the_out_dtype_kernel
   tests/gpu/test_vllm_truncation.py::test_vllm_colocate_truncation_correction
   tests/gpu/test_cuda_at_scale.py::test_async_fp16_clone_fallback_keeps_the_tree_kernel_contract
   tests/gpu/test_cuda_at_scale.py::test_fp16_fallback_builds_each_whole_copy_at_most_once

@@ -621,6 +621,38 @@ def test_the_divergence_presets_train_the_decoupled_objective(model_dir, tmp_pat
     assert weights and all(0.0 <= w < 10 for w in weights)
 
 
+def test_the_sampler_fp32_head_trains_the_decoupled_objective(model_dir, tmp_path):
+    """Issue 43 item 3: `old_logprob_mode="fp32_head"` with `fp32_head_operands="bf16"` as the proximal pass on a bf16
+    policy: two steps through the real queue, loss finite, one proximal pass per micro-batch, and the packed pass's
+    log-probs are the sampler's head (bf16 norm output x bf16 weight, fp32 accumulation), not fp32_head's."""
+    import json
+
+    from grpo_ratio.diagnostics.run_record import HEAD_ARITHMETIC, RUN_FILE
+    from grpo_ratio.old_pass.scorer import OldLogprobScorer
+
+    samples = samples_of(shift=-0.2)
+    trainer = make_trainer(model_dir, tmp_path, samples=samples, staleness=(0, 1, 2, 1), max_steps=2,
+                           async_objective="decoupled", old_logprob_mode="fp32_head", fp32_head_operands="bf16",
+                           dtype="bfloat16")
+    assert trainer._proximal.head_operands == "bf16"
+    batch = packed_batch(samples_of(), staleness=[0, 0, 0, 0])
+    positions = batch["token_index"][batch["token_index"] >= 0]
+    with async_grpo_on_cpu():
+        call = trainer._forward_call(trainer.model, batch)
+        sampler_head, _ = trainer._proximal_logprobs(trainer.model, call.kwargs, positions)
+        targets = call.kwargs["shift_labels"].flatten()[positions]  # (M,)
+        fp32 = OldLogprobScorer(trainer.model, "fp32_head").score_packed(call.kwargs, positions, targets)
+    gap = (sampler_head - fp32).abs()
+    assert sampler_head.dtype == torch.float32 and 0 < gap.max() < 1e-2  # the norm's cast: small, not zero
+    with async_grpo_on_cpu():
+        trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2 and all(math.isfinite(h["loss"]) for h in logs)
+    assert trainer.proximal_forwards > 0
+    record = json.loads((tmp_path / RatioAsyncGRPOTrainer.__name__ / RUN_FILE).read_text())
+    assert record[HEAD_ARITHMETIC]["operands"] == "bf16" and record["config"]["fp32_head_operands"] == "bf16"
+
+
 def test_a_cpu_outside_the_cpu_path_is_refused_in_one_line(model_dir, tmp_path):
     # stock TRL: "AssertionError: Torch not compiled with CUDA enabled" from its MFU set-up, deep in __init__
     args = RatioAsyncGRPOConfig(str(tmp_path / "o"), use_cpu=True, bf16=False, token_budget=0, report_to="none",

@@ -87,6 +87,23 @@ def test_no_body_pass_and_bitwise_equal_to_the_separate_pass(tmp_path, arch):
         assert fused.dtype == torch.float32 and torch.equal(fused, separate)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_sampler_fp32_head_fuses_too(tmp_path, dtype):
+    # fp32_head_operands="bf16" (issue 43 item 3): the policy's own norm and the sampler's head on the training
+    # forward's norm input, no body pass, bitwise the separate pass; no fp32 copy of the norm or the head
+    overrides = {} if dtype == torch.float32 else {"bf16": False}
+    trainer = recording(tmp_path, "llama", model=tiny_model("llama", dtype=dtype), fp32_head_operands="bf16",
+                        gradient_accumulation_steps=2, steps_per_generation=2, **overrides)
+    assert trainer.plan.fused_head and trainer.scorer.head_operands == "bf16"
+    trainer.train()
+    assert trainer.body_passes == {"grad": 4, "no_grad": 0} and len(trainer.pairs) == 4
+    for fused, separate in trainer.pairs:
+        assert fused.dtype == torch.float32 and torch.equal(fused, separate)
+    assert trainer.scorer.copies() == []
+    rows = [r for r in trainer.state.log_history if "loss" in r]
+    assert len(rows) == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+
+
 def test_with_gradient_checkpointing_and_bf16_weights(tmp_path):
     # bf16-stored weights: the fp32 norm and head are copies, synced at the step's version; checkpointing recomputes
     # the layers in backward, the norm's input is captured once per forward

@@ -106,6 +106,21 @@ def test_every_arm_trains_two_steps_and_sums_its_old_logprobs(tmp_path, mode):
         assert bool((batch["old_logps"] < 0).all())  # log-probs of 8-token completions, never 0
 
 
+def test_the_sampler_fp32_head_trains_two_steps(tmp_path):
+    # issue 43 item 3: fp32_head with the sampler's head arithmetic (bf16 norm output x bf16 weight, fp32 accumulation)
+    # replaces RLOO's own old pass; its old log-probs differ from fp32_head's by the norm's cast only
+    runs = {}
+    for operands in ("fp32", "bf16"):
+        trainer = tiny_rloo(tmp_path / operands, "fp32_head", fp32_head_operands=operands)
+        trainer.train()
+        rows = _steps(trainer)
+        assert len(rows) == 2 and all(math.isfinite(row["loss"]) for row in rows)
+        runs[operands] = trainer._buffered_inputs[0]["old_per_token_logps"]  # (b, T) of the last generation
+    assert runs["bf16"].dtype == torch.float32
+    # the runs sample the same first rollouts; by the last generation the weights differ by the old log-probs' effect
+    assert not torch.equal(runs["bf16"], runs["fp32"])
+
+
 @pytest.mark.parametrize("mode", ["fp32_clone", "fp16_clone"])
 def test_copies_move_the_first_step(tmp_path, mode):
     # bf16 autocast: TRL's old pass and the training forward agree (r = 1); a copy's old pass does not

@@ -61,10 +61,11 @@ def test_old_passes_are_counted(summary):
         assert summary[arm]["old_passes_per_generation"] == 1 and summary[arm]["added_share"] > 0
         assert summary[arm]["calls"]["fused_head"] == 0, arm
     # fp32_head in the on-policy default: no body pass, one fp32 norm + head per training forward (micro-batch)
-    head = summary["fp32_head"]
-    assert head["calls"]["mode_old_pass"] == head["calls"]["trl_old_pass"] == 0
-    assert head["old_passes_per_generation"] == 0 and head["added_share"] > 0
-    assert head["calls"]["fused_head"] == head["calls"]["train_forward"] >= 1
+    for arm in ("fp32_head", "fp32_head_bf16_operands"):  # the sampler's fp32 head fuses the same way
+        head = summary[arm]
+        assert head["calls"]["mode_old_pass"] == head["calls"]["trl_old_pass"] == 0, arm
+        assert head["old_passes_per_generation"] == 0 and head["added_share"] > 0, arm
+        assert head["calls"]["fused_head"] == head["calls"]["train_forward"] >= 1, arm
     # is_correction at bf16 (issue 43): no old pass, the training forward reused; the two-pass arm runs TRL's helper
     # once per generation without grad, and exactly one forward of the policy more per step (the same rollouts)
     reused, two_pass = summary["tis"], summary["tis_two_pass"]

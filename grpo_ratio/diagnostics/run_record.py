@@ -21,6 +21,10 @@ own calls `trainer.train()`:
   - `"trains_nothing"` (`TRAINS_NOTHING`): `{"step", "share", "message"}` of the first logged step where an IS
     correction set the weight of >= 90% of the tokens to 0 (`trains_nothing_callback.TrainsNothingCallback`, the
     warning it gave); null otherwise.
+  - `"head_arithmetic"` (`HEAD_ARITHMETIC`): under a scoring mode whose LM head computes in fp32 (`fp32_head`,
+    `guided_fp32`, `fp32_clone`), what that head multiplied and with which kernel, and the fp32 matmul precision of
+    the run itself: `{"operands", "norm", "matmul", "fp32_matmul", "run_fp32_matmul"}`
+    (`grpo_ratio.old_pass.forward.head_arithmetic`; `fp32_head_operands`); absent under the other modes.
   Entry points add keys to the same object (`update_run_record`): `grpo-ratio train` `"completed"` (true once all its
   outputs are written after a run that reached its end; false after a gate stop) and `"outputs_saved"`,
   `grpo-ratio compare` `"arm"`, `"seed"`, `"fingerprint"`, `"machine"`, `"completed"` (as `grpo-ratio train`) and
@@ -40,7 +44,7 @@ import os
 from pathlib import Path
 
 
-__all__ = ["GATE_STOP", "GATE_STOP_EXIT_CODE", "LOG_HISTORY_FILE", "PER_TRAIN_KEYS", "RUN_FIELDS", "RUN_FILE",
+__all__ = ["GATE_STOP", "GATE_STOP_EXIT_CODE", "HEAD_ARITHMETIC", "LOG_HISTORY_FILE", "PER_TRAIN_KEYS", "RUN_FIELDS", "RUN_FILE",
            "STOPPED_BY_GATE", "TRAINS_NOTHING", "exit_status", "read_run_record", "run_config", "run_finished",
            "update_run_record", "write_log_history"]
 
@@ -49,6 +53,7 @@ RUN_FILE = "run.json"
 STOPPED_BY_GATE = "stopped_by_gate"  # run.json: the check that stopped training (ratio_gate_action="stop")
 GATE_STOP = "gate_stop"  # run.json: that stop's step, max_steps, check, key, value, patience
 TRAINS_NOTHING = "trains_nothing"  # run.json: the first step an IS correction zeroed >= 90% of the tokens
+HEAD_ARITHMETIC = "head_arithmetic"  # run.json: what the old pass's fp32 LM head multiplied, and with which kernel
 PER_TRAIN_KEYS = (STOPPED_BY_GATE, GATE_STOP, TRAINS_NOTHING)  # said of one train(): null again at the next one
 # exit status of `grpo-ratio train` (trainers/grpo.py) when the ratio gate stopped training: not 0 (a CI job keyed on
 # the exit status sees the gate fire), not 1 (an uncaught error) nor 2 (a set-up error, `grpo-ratio train: error:`)
@@ -63,7 +68,7 @@ RUN_FIELDS = ("old_logprob_mode", "guided_fp32_layers", "truncation_correction",
               "routing_replay", "ratio_attribution", "is_correction", "is_correction_level", "is_correction_action",
               "is_correction_low", "is_correction_high", "is_correction_rejection", "is_correction_veto",
               "vllm_importance_sampling_mode", "async_objective", "max_staleness", "trl_trainer", "trust_region",
-              "ratio_by_position")
+              "ratio_by_position", "fp32_head_operands")
 
 
 def run_config(args) -> dict:

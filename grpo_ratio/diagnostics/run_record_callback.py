@@ -15,6 +15,7 @@ from transformers import TrainerCallback
 
 from .run_record import (
     GATE_STOP,
+    HEAD_ARITHMETIC,
     PER_TRAIN_KEYS,
     read_run_record,
     run_config,
@@ -40,11 +41,17 @@ class RunRecordCallback(TrainerCallback):
     - `on_train_end`: `log_history.json` again and `"train_ended": true`.
 
     A file that cannot be written (a full disk, a read-only folder) is warned about once and training goes on.
+
+    Args:
+        head_arithmetic: zero-argument callable returning the run's `"head_arithmetic"` entry (a dict, or None where
+            no scoring head computes in fp32), written with the config; the trainer passes it (this module imports
+            no torch). The entry is written only where it returns a dict.
     """
 
-    def __init__(self):
+    def __init__(self, head_arithmetic=None):
         self.recorded = False  # run.json written by this run
         self.warned = False
+        self.head_arithmetic = head_arithmetic
 
     def on_train_begin(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
@@ -72,6 +79,9 @@ class RunRecordCallback(TrainerCallback):
         # merged into another run's record (one cut short): what that run's train() said of itself is not this run's
         # (the callbacks that write those keys set them back themselves at a later train() of the same trainer)
         drop = PER_TRAIN_KEYS if not self.recorded else ()
+        arithmetic = self.head_arithmetic() if self.head_arithmetic is not None else None
+        if arithmetic is not None:  # only where a scoring head computes in fp32: other records stay as they were
+            fields[HEAD_ARITHMETIC] = arithmetic
         self._guarded(update_run_record, args.output_dir, fresh, drop, config=run_config(args), **fields)
         self.recorded = True
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from packaging.version import Version
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from trl.kernels import ChunkedLogProbFunction
@@ -199,6 +200,113 @@ def head_transform(model_config) -> tuple[float | None, float]:
     return getattr(text, "final_logit_softcapping", None), 1.0 if scale is None else float(scale)
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# the sampler's fp32 head: 16-bit operands, fp32 accumulation and output (`fp32_head_operands="bf16"`)
+
+# `torch.mm(a, b, out_dtype=torch.float32)` of bf16/fp16 operands: a CUDA kernel from torch 2.8 (the kernel TRL 1.16's
+# `_addmm_fp32` uses in its backward); torch 2.13's CPU build has none ("Could not run 'aten::mm.dtype' with arguments
+# from the 'CPU' backend")
+MM_OUT_DTYPE = Version(torch.__version__.split("+")[0]) >= Version("2.8.0")
+# tokens per tile of the sampler-head log-probs: TRL's `TOKEN_CHUNK_SIZE`; one (4,096, `VOCAB_TILE`) fp32 tile, 512 MB
+SAMPLER_HEAD_TOKEN_TILE = 4096
+
+
+def has_mm_out_dtype(device: torch.device) -> bool:
+    """Whether `mm_fp32_out` runs the fused kernel on `device` (CUDA, torch >= 2.8), not its exact equivalent."""
+    return MM_OUT_DTYPE and device.type == "cuda"
+
+
+def mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with 16-bit operands, fp32 accumulation and an fp32 output: the LM head of vLLM's `head_dtype=float32`
+    on CUDA (`torch.mm(hidden, weight.t(), out_dtype=head_dtype)`, vLLM PR #48390), SGLang PR #32370, prime-rl #2441.
+
+    On CUDA (torch >= 2.8) `torch.mm(a, b, out_dtype=torch.float32)`; elsewhere (no such kernel: CPU) the exact
+    equivalent, an fp32 matmul of the operands upcast: a bf16 value is exact in fp32, so the products and their fp32
+    sum are the same maths (the summation order is the kernel's, as between any two GEMMs). Call it in IEEE fp32
+    (`ieee_fp32`): under TF32 the upcast operands are still exact (10 mantissa bits >= bf16's 7), the sum is fp32.
+
+    Args:
+        a: (n, H) bf16 (or fp16). b: (H, v) the same dtype (a transposed weight tile).
+    Returns:
+        (n, v) fp32.
+    """
+    if has_mm_out_dtype(a.device):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
+
+
+def sampler_head_logprobs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                          temperature: float, softcap: float | None = None, scale: float = 1.0) -> torch.Tensor:
+    """log_softmax(transform(x W^T + b) / temperature) at `targets`, the matmul by `mm_fp32_out` (16-bit operands,
+    fp32 logits), in tiles of `SAMPLER_HEAD_TOKEN_TILE` tokens x `VOCAB_TILE` columns folded into an online
+    log-sum-exp, as TRL's `ChunkedLogProbFunction` folds its tiles (transform: z * scale, then softcap *
+    tanh(z / softcap), then z * (1 / temperature), TRL's order): no (N, V) logits. No autograd (the old pass).
+
+    Args:
+        x: (N, H) the head's inputs, already in the operand dtype (bf16). weight: (V, H) the same dtype.
+        bias: (V,) or None (added in fp32). targets: (N,) int64.
+    Returns:
+        (N,) fp32 log-probs.
+    """
+    n_tokens, vocab = x.shape[0], weight.shape[0]
+    inv_t = 1.0 / temperature
+    out = torch.empty(n_tokens, dtype=torch.float32, device=x.device)  # (N,)
+    for t0 in range(0, n_tokens, SAMPLER_HEAD_TOKEN_TILE):
+        xs, tg = x[t0:t0 + SAMPLER_HEAD_TOKEN_TILE], targets[t0:t0 + SAMPLER_HEAD_TOKEN_TILE]  # (n, H), (n,)
+        running = torch.full((xs.shape[0],), float("-inf"), dtype=torch.float32, device=x.device)  # (n,)
+        sum_exp = torch.zeros_like(running)
+        target = torch.zeros_like(running)
+        for v0 in range(0, vocab, VOCAB_TILE):
+            w = weight[v0:v0 + VOCAB_TILE]  # (v, H)
+            z = mm_fp32_out(xs, w.t())  # (n, v) fp32
+            if bias is not None:
+                z = z + bias[v0:v0 + w.shape[0]].float()
+            z = z * scale
+            if softcap is not None:
+                z = softcap * torch.tanh(z / softcap)
+            z = z * inv_t
+            new = torch.maximum(running, z.amax(-1))
+            sum_exp = sum_exp * torch.exp(running - new) + torch.exp(z - new[:, None]).sum(-1)
+            running = new
+            local = tg - v0
+            inside = (local >= 0) & (local < w.shape[0])
+            target = torch.where(inside, z.gather(-1, local.clamp(0, w.shape[0] - 1)[:, None]).squeeze(-1), target)
+        out[t0:t0 + xs.shape[0]] = target - (running + torch.log(sum_exp))
+    return out
+
+
+def fp32_matmul_precision(device: torch.device) -> str:
+    """What an fp32 matmul on `device` computes now: "ieee", or the reduced precision the run set ("tf32" on CUDA:
+    `torch.backends.cuda.matmul.fp32_precision` / `allow_tf32`, transformers' `tf32=True`; on a CPU oneDNN's "bf16" or
+    "tf32": `torch.backends.mkldnn.matmul.fp32_precision`, `set_float32_matmul_precision("medium")`)."""
+    state = _matmul_precisions()
+    if isinstance(state, str):  # torch < 2.9: the one legacy value
+        return "ieee" if state == "highest" else ("tf32" if device.type == "cuda" else state)
+    backend = state["cuda"] if device.type == "cuda" else state.get("mkldnn", "none")
+    value = backend if backend != "none" else state[""]
+    return "ieee" if value in ("ieee", "none") else value
+
+
+def head_arithmetic(operands: str, device: torch.device) -> dict:
+    """What the old pass's LM head computes under `fp32_head` with `fp32_head_operands=operands` on `device`, and the
+    run's own fp32 matmul precision: the run record's `head_arithmetic` (run.json).
+
+    Returns:
+        {"operands": "fp32" | "bf16", "norm": "fp32" | "as trained", "matmul": a phrase naming the kernel,
+        "fp32_matmul": "ieee" (the scoring passes force it: `ieee_fp32`), "run_fp32_matmul": "ieee", "tf32" or
+        "bf16" (`fp32_matmul_precision`: what the run set for its own fp32 matmuls, which the old pass does not use)}.
+    """
+    if operands == "fp32":
+        matmul = "fp32 x fp32 (IEEE)"
+    elif has_mm_out_dtype(device):
+        matmul = "torch.mm(bf16, bf16, out_dtype=float32): fp32 accumulation and output"
+    else:
+        matmul = ("fp32 matmul of the bf16 operands upcast (IEEE; exact equivalent of mm out_dtype=float32, which "
+                  f"{device.type} lacks)")
+    return {"operands": operands, "norm": "fp32" if operands == "fp32" else "as trained", "matmul": matmul,
+            "fp32_matmul": "ieee", "run_fp32_matmul": fp32_matmul_precision(device)}
+
+
 @dataclass
 class HeadProjection:
     """The LM head of one forward as a map of its input, applied a tile at a time: logits = transform(x W^T + b), the
@@ -214,6 +322,9 @@ class HeadProjection:
         forward (`Callable | None`): the head's own forward, for a head that is not one linear map (a PEFT adapter or
             a parametrization on the head), run tile by tile under `autocast` = (enabled, dtype), the state it ran in.
         softcap (`float | None`), scale (`float`): the transform after the head (`head_transform`).
+        operands (`torch.dtype | None`): set (bf16) by `with_sampler_operands`: the input and the weight rounded to
+            it and multiplied with fp32 accumulation and output (`mm_fp32_out`), the sampler's fp32 head; None:
+            the matmul in `compute_dtype`, its output in that dtype (TRL's).
     """
 
     vocab_size: int
@@ -224,6 +335,7 @@ class HeadProjection:
     autocast: tuple[bool, torch.dtype] = (False, torch.bfloat16)
     softcap: float | None = None
     scale: float = 1.0
+    operands: torch.dtype | None = None
     _cast: torch.Tensor | None = field(default=None, repr=False)  # (V, H) the weight in compute_dtype, on first use
 
     def _transform(self, z: torch.Tensor) -> torch.Tensor:
@@ -240,6 +352,11 @@ class HeadProjection:
                 return self._transform(self.forward(x))
         if self._cast is None:  # what autocast casts the weight to inside the head's matmul (itself when no cast)
             self._cast = self.weight.to(self.compute_dtype)
+        if self.operands is not None:  # the sampler's head: 16-bit operands, fp32 logits
+            with torch.autocast(x.device.type, enabled=False):
+                z = mm_fp32_out(x.to(self.operands).reshape(-1, x.shape[-1]), self._cast.t())  # (n, V) fp32
+                z = z if self.bias is None else z + self.bias.float()
+                return self._transform(z.view(*x.shape[:-1], -1))
         bias = None if self.bias is None else self.bias.to(self.compute_dtype)
         with torch.autocast(x.device.type, enabled=False):
             return self._transform(F.linear(x.to(self.compute_dtype), self._cast, bias))
@@ -249,8 +366,15 @@ class HeadProjection:
 
         One linear map: TRL's own `ChunkedLogProbFunction` (tiles of 4,096 tokens x `VOCAB_TILE` columns folded into an
         online log-sum-exp; the temperature applied as z * (1 / temperature), as TRL's fused head applies it).
-        Otherwise `TOKEN_TILE` tokens of whole rows at a time, the same arithmetic.
+        Otherwise `TOKEN_TILE` tokens of whole rows at a time, the same arithmetic. With `operands` (the sampler's
+        head): `sampler_head_logprobs`, the same tiles with fp32 logits of 16-bit operands.
         """
+        if self.operands is not None:
+            if self._cast is None:
+                self._cast = self.weight.to(self.operands)
+            with torch.autocast(x.device.type, enabled=False):
+                return sampler_head_logprobs(x.to(self.operands), self._cast, self.bias, targets, temperature,
+                                             self.softcap, self.scale)
         if self.weight is not None:
             with torch.autocast(x.device.type, enabled=False):  # the kernel then computes in its input's dtype
                 return ChunkedLogProbFunction.apply(x.to(self.compute_dtype), self.weight, self.bias, targets,
@@ -274,7 +398,21 @@ class HeadProjection:
                                       "linear map (nn.Linear); this head runs its own forward")
         return HeadProjection(self.vocab_size, self.weight.detach().clone(),
                               None if self.bias is None else self.bias.detach().clone(), self.compute_dtype,
-                              softcap=self.softcap, scale=self.scale)
+                              softcap=self.softcap, scale=self.scale, operands=self.operands)
+
+    def with_sampler_operands(self, dtype: torch.dtype = torch.bfloat16) -> HeadProjection:
+        """This projection computed as the sampler's fp32 head (`fp32_head_operands="bf16"`): its input and weight
+        rounded to `dtype` (bf16), multiplied with fp32 accumulation and output (`mm_fp32_out`).
+
+        Raises:
+            NotImplementedError: a head that is not one linear map (a PEFT adapter on the head, a quantized head):
+                its forward computes in its own dtype.
+        """
+        if self.weight is None:
+            raise NotImplementedError("grpo_ratio: fp32_head_operands='bf16' needs an LM head that is one linear map "
+                                      "(nn.Linear); this head runs its own forward. Use fp32_head_operands='fp32'")
+        return HeadProjection(self.vocab_size, self.weight, self.bias, dtype, softcap=self.softcap, scale=self.scale,
+                              operands=dtype)
 
 
 class _LinearCapture(TorchFunctionMode):

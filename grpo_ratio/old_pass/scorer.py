@@ -21,6 +21,10 @@ The modes differ only in the precision of the forward pass (the batch-logprob-ga
 | `fp32_head`   | as `bf16` up to the final norm (TRL's positions); final norm, LM head fp32 | fp32        |
 | `guided_fp32` | as `fp32_head`, plus the chosen decoder layers in fp32                   | fp32        |
 
+`fp32_head` with `head_operands="bf16"` (`fp32_head_operands`) keeps the final norm as the policy trains and
+multiplies its output and the head weight, both rounded to bf16, with fp32 accumulation and output: the CUDA fp32 head
+of vLLM (`head_dtype="float32"`), SGLang and prime-rl (`forward.mm_fp32_out`).
+
 Inside RatioGRPOTrainer the `bf16` mode is never run by this module: TRL's own pass is used, bit for bit.
 
 Memory: no mode builds (B, T, V) logits, as TRL 1.16 builds none. The forward's LM head runs on no position; its input
@@ -43,7 +47,7 @@ from ..corrections.kept_logprobs import HeadLogits, KeptLogprobs, concat_kept_lo
 from ..corrections.kept_sets import KeptSets, SamplingSettings
 from ..corrections.processors import RepetitionPenalty
 from ..diagnostics.mismatch import full_vocab_divergence
-from ..modes import MODES, PRECISION_MODES
+from ..modes import DEFAULT_HEAD_OPERANDS, HEAD_OPERANDS, MODES, PRECISION_MODES, SAMPLER_HEAD_OPERANDS
 from .copies import COPY_STORAGES, ModuleCopy, PerLayerCast
 from .forward import (
     HeadInput,
@@ -54,6 +58,7 @@ from .forward import (
     eval_mode,
     forward_kwargs,
     fp32_forward,
+    head_arithmetic,
     head_inputs,
     ieee_fp32,
     join_head_inputs,
@@ -97,14 +102,14 @@ class ScoreResult:
 
 
 def check_scorer_setup(model: nn.Module, mode: str, layers: Iterable[int] | None, copy_storage: str = "resident",
-                       sharded: ShardedPolicy | None = None) -> list[int]:
+                       sharded: ShardedPolicy | None = None, head_operands: str = DEFAULT_HEAD_OPERANDS) -> list[int]:
     """What an `OldLogprobScorer(model, mode, ...)` needs, checked without building it (the trainer checks it at start-up,
     `grpo_ratio.checks.check_old_pass`; the constructor runs the same). Returns the sorted decoder-layer indices.
 
     Raises:
         ValueError: `mode` is not a precision mode; `guided_fp32` without layers or layers with another mode; a layer
             index out of range or a model whose anatomy (decoder layers, final norm, LM head) is not found; an unknown
-            `copy_storage`.
+            `copy_storage`; `head_operands` not in `HEAD_OPERANDS`, or `"bf16"` with a mode other than `fp32_head`.
         NotImplementedError: `"per_layer"` on a sharded policy (its copies are the engine's shadows).
     """
     if mode not in PRECISION_MODES:
@@ -118,6 +123,11 @@ def check_scorer_setup(model: nn.Module, mode: str, layers: Iterable[int] | None
         raise ValueError(f"guided_fp32_layers is only used by 'guided_fp32', not by {mode!r}")
     if copy_storage not in COPY_STORAGES:
         raise ValueError(f"copy_storage={copy_storage!r} is not allowed; allowed: {', '.join(COPY_STORAGES)}")
+    if head_operands not in HEAD_OPERANDS:
+        raise ValueError(f"fp32_head_operands={head_operands!r} is not allowed; allowed: {', '.join(HEAD_OPERANDS)}")
+    if head_operands != DEFAULT_HEAD_OPERANDS and not spec.takes_head_operands:
+        raise ValueError(f"fp32_head_operands={head_operands!r} applies to old_logprob_mode='fp32_head' only, not "
+                         f"{mode!r}")
     if copy_storage == "per_layer" and sharded is not None:
         raise NotImplementedError("copy_storage='per_layer' is not supported on FSDP2/ZeRO-3 (the copies are the "
                                   "engine's sharded shadows); use copy_storage='resident'")
@@ -145,6 +155,10 @@ class OldLogprobScorer:
             copy or shadow, an fp32 decoder layer) is attached to it, so a replay session reaches the copy's routers
             (R3 under `fp32_clone` replays the sampler's routes), and the fp16 fallback re-scores its rows with their
             own routes.
+        head_operands: `fp32_head` only (`fp32_head_operands`): `"fp32"` (the final norm and both head operands in
+            fp32) or `"bf16"` (the final norm as the policy trains, its output and the head weight rounded to bf16,
+            fp32 accumulation and output: vLLM's `head_dtype=float32` on CUDA, PR #48390; SGLang #32370; prime-rl
+            #2441; `forward.mm_fp32_out`). `"bf16"` runs no fp32 module and copies nothing.
 
     Copies are built lazily, only when the policy's weights are not already in the dtype a mode needs:
     `fp32_clone` on fp32 weights and `fp32_head`/`guided_fp32` on fp32 weights use no copy at all (they run the
@@ -155,15 +169,18 @@ class OldLogprobScorer:
 
     Raises:
         ValueError: unknown mode, guided_fp32 without layers, layers with another mode, a layer index out of range,
-            an unknown `copy_storage`.
+            an unknown `copy_storage`, a `head_operands` not allowed (`check_scorer_setup`).
         NotImplementedError: `"per_layer"` on a sharded policy (its copies are the engine's shadows).
     """
 
     def __init__(self, model: nn.Module, mode: str, layers: Iterable[int] | None = None,
                  policy_autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
-                 sharded: ShardedPolicy | None = None, copy_storage: str = "resident", route_hooks=None):
-        layers = check_scorer_setup(model, mode, layers, copy_storage, sharded)
+                 sharded: ShardedPolicy | None = None, copy_storage: str = "resident", route_hooks=None,
+                 head_operands: str = DEFAULT_HEAD_OPERANDS):
+        layers = check_scorer_setup(model, mode, layers, copy_storage, sharded, head_operands)
         spec = self.spec = MODES[mode]
+        self.head_operands = head_operands
+        self.sampler_head = head_operands == SAMPLER_HEAD_OPERANDS
         self.model = model
         self.mode = mode
         self.sharded = sharded
@@ -307,7 +324,8 @@ class OldLogprobScorer:
     @torch.no_grad()
     def head_logprobs(self, hidden: torch.Tensor, completion_ids: torch.Tensor, temperature: float = 1.0,
                       version: int = 0) -> torch.Tensor:
-        """`fp32_head` from the body's own output: the final norm and the LM head in fp32 applied to `hidden`, the input
+        """`fp32_head` from the body's own output: the final norm and the LM head in fp32 (with `head_operands="bf16"`:
+        the norm as the policy trains and the sampler's head, `_head_sampler`) applied to `hidden`, the input
         of the final norm in some forward (the trainer's training forward), exactly as the separate pass applies them
         (same runners, same casts, same T + 1 positions, the same tiles: no (b, T + 1, V) logits). Equal to
         `score(...)` bitwise when `hidden` is what the separate pass's body computes (TRL's layout, no dropout):
@@ -330,6 +348,11 @@ class OldLogprobScorer:
             raise ValueError(f"head_logprobs is the unsharded fp32_head mode's, not {self.mode!r}"
                              f"{' (sharded)' if self.sharded is not None else ''}")
         a, T = self._anatomy, completion_ids.size(1)
+        if self.sampler_head:  # the final norm as the policy trains (its instance forward: no hook), the sampler's head
+            with ieee_fp32(), self.policy_autocast():
+                normed = a.norm.forward(hidden.detach())  # (b, P+T, H) in the training precision
+                x, projection = capture_head(self.model, a.head.forward, normed[:, -(T + 1):])  # (b, T + 1, H)
+            return HeadInput(x, projection.with_sampler_operands()).logprobs(completion_ids, temperature)  # (b, T)
         # IEEE fp32 as in the separate pass (`score`): the run's `tf32=True`, or `torch_compile=True` with bf16, set
         # TF32 for the whole process, which the fused path runs inside (the training step)
         with ieee_fp32():
@@ -352,7 +375,16 @@ class OldLogprobScorer:
             return self._head_policy(run)
         if self.spec.whole_model_dtype is not None:
             return self._head_full(_DTYPES[self.spec.whole_model_dtype], run, version)
+        if self.sampler_head:
+            return self._head_sampler(run)
         return self._head_upcast(run, version)
+
+    def _head_sampler(self, run: Callable[[nn.Module], HeadInput]) -> HeadInput:
+        """`fp32_head_operands="bf16"`: the policy's forward as it trains (body and final norm under its autocast),
+        its head computed as the sampler's fp32 head: the norm's output and the weight rounded to bf16, fp32
+        accumulation and output (`HeadProjection.with_sampler_operands`)."""
+        head = self._head_policy(run)
+        return HeadInput(head.hidden, head.projection.with_sampler_operands())
 
     def _chunk_logprobs(self, input_ids, attention_mask, logits_to_keep, temperature, version, kept=None,
                         penalty=None, compare_policy=False):
@@ -518,6 +550,16 @@ class OldLogprobScorer:
             mask = torch.ones(1, positions.numel(), dtype=torch.bool, device=positions.device)  # (1, M)
             on_kept = logprobs_on_kept_sets(cells, targets[None], kept, temperature, mask)  # (1, M)
         return logps, logps - on_kept.logps[0]
+
+
+def scoring_head_arithmetic(args, device: torch.device) -> dict | None:
+    """`head_arithmetic(args.fp32_head_operands, device)` where the run's scoring pass computes its LM head in fp32
+    (`old_logprob_mode` `fp32_head`, `guided_fp32`, `fp32_clone`; the asynchronous trainer's only with a decoupled
+    objective, which runs the proximal pass); None otherwise (the run record's `head_arithmetic`)."""
+    spec = MODES.get(args.old_logprob_mode)
+    if spec is None or not spec.computes_in_fp32 or getattr(args, "async_objective", "decoupled") == "coupled":
+        return None
+    return head_arithmetic(getattr(args, "fp32_head_operands", "fp32"), device)
 
 
 def score_completion_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,

@@ -11,6 +11,8 @@ Never runs in CI (no GPU there): marked `gpu` and skipped without CUDA. No Hub: 
   fp32 copy; the same copy with fp16 tables (what copies held before) is far off.
 - FlashAttention 2 (when `flash_attn` is installed): the fp32 passes run sdpa and give the sdpa model's numbers.
 - Device state: the ratio diagnostics of a truncation correction, kept sets and copies on the GPU.
+- The sampler's fp32 head (`fp32_head_operands="bf16"`, issue 43 item 3): `torch.mm(out_dtype=float32)` on bf16
+  operands, the fp32 matmul of the upcast operands up to the summation order, TF32 or not.
 """
 
 import importlib.util
@@ -143,3 +145,35 @@ def test_diagnostics_and_kept_sets_live_on_the_gpu(tmp_path):
     assert keep.device.type == "cuda" and keep.sum().item() == 4
     on_host = KeptSets.from_lists([[[1, 2], [3]], [[0]]], num_steps=2)
     assert torch.equal(on_host.dense_cells(torch.arange(4, device=CUDA), 8), keep)  # only the ids travel
+
+
+def test_the_sampler_fp32_head_runs_the_out_dtype_kernel(restored_precision):
+    """vLLM's `head_dtype=float32` head on CUDA (PR #48390), SGLang #32370, prime-rl #2441: bf16 operands, fp32
+    accumulation and output. The kernel against the IEEE fp32 matmul of the upcast operands (the same maths, the
+    summation order cuBLAS's) and against a bf16 output; the scorer's old log-probs under it, unchanged by TF32, and
+    close to fp32_head's (they differ by the norm's cast)."""
+    from grpo_ratio.old_pass import forward
+    from grpo_ratio.old_pass.scorer import OldLogprobScorer
+
+    assert forward.has_mm_out_dtype(CUDA)
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    a = torch.randn(40, 4096, device=CUDA, generator=g).to(torch.bfloat16)  # (M, K): decode-sized, SGLang's shape
+    b = torch.randn(4096, 8192, device=CUDA, generator=g).to(torch.bfloat16)  # (K, N)
+    out = forward.mm_fp32_out(a, b)
+    torch.backends.fp32_precision = "ieee"
+    upcast = a.float() @ b.float()
+    assert out.dtype == torch.float32
+    assert (out - upcast).abs().max() < 1e-3  # |logit| ~ 64: fp32 rounding of the sum, not bf16's (0.25 at 64)
+    assert (torch.mm(a, b).float() - upcast).abs().max() > 1e-2  # a bf16 output rounds it
+    torch.backends.fp32_precision = "tf32"
+    assert torch.equal(forward.mm_fp32_out(a, b), out)  # exact bf16 operands: TF32 does not touch this kernel
+    model = _model(dtype=torch.bfloat16, hidden=1024)
+    ids, mask = _batch(length=256)
+    scorer = OldLogprobScorer(model, "fp32_head", head_operands="bf16")
+    with_tf32 = scorer.score(ids, mask, 64).logps  # (B, T)
+    torch.backends.fp32_precision = "ieee"
+    assert torch.equal(scorer.score(ids, mask, 64).logps, with_tf32) and scorer.copies() == []
+    fp32 = OldLogprobScorer(model, "fp32_head").score(ids, mask, 64).logps
+    gap = (with_tf32 - fp32).abs()
+    assert 0 < gap.max() < 0.05
+    assert forward.head_arithmetic("bf16", CUDA)["matmul"].startswith("torch.mm(bf16, bf16, out_dtype=float32)")
