@@ -232,3 +232,22 @@ def test_is_correction_trains_on_the_float_integer_distance(tmp_path):
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
     assert all(r[OLD_SAMPLER.num_tokens] > 0 and r[OLD_SAMPLER.mean_abs_log_ratio] > 1e-3 for r in rows)
     assert all(r[IS_WEIGHT_MEAN] != 1.0 for r in rows)
+
+
+@pytest.mark.parametrize("precision", ["int4", "integer"])
+def test_rloo_shares_the_hook(tmp_path, precision):
+    from grpo_ratio import RatioRLOOConfig
+    from grpo_ratio.rloo import RatioRLOOTrainer
+    from grpo_ratio.testing import letter_reward, tiny_prompts, tiny_tokenizer
+
+    args = RatioRLOOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, per_device_train_batch_size=4,
+                           num_generations=4, max_completion_length=8, max_steps=2, logging_steps=1, beta=0.0,
+                           report_to="none", save_strategy="no", seed=0, disable_tqdm=True,
+                           rollout_precision=precision)
+    trainer = RatioRLOOTrainer(model=tiny_model("qwen2"), reward_funcs=letter_reward, args=args,
+                               train_dataset=tiny_prompts(8), processing_class=tiny_tokenizer())
+    trainer.train()
+    rows = _steps(trainer)
+    assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
+    assert all(r[OLD_SAMPLER.num_tokens] > 0 and r[OLD_SAMPLER.mean_abs_log_ratio] > 1e-4 for r in rows)
+    assert trainer.rollout_copy.num_remakes == 2
