@@ -134,7 +134,8 @@ def measure(args) -> dict:
               "repeats": args.repeats, "threads": torch.get_num_threads(), "machine": machine_record(),
               "torch": torch.__version__, "models": {}}
     started = time.perf_counter()
-    result["models"]["tiny qwen2 (grpo_ratio.testing)"] = measure_model("tiny", tiny_model("qwen2"), 300, args)
+    if not args.skip_tiny:
+        result["models"]["tiny qwen2 (grpo_ratio.testing)"] = measure_model("tiny", tiny_model("qwen2"), 300, args)
     if not args.skip_smollm2:
         from grpo_ratio.models import resolve_model
 
@@ -153,7 +154,7 @@ def render(path: str) -> str:
     r = json.loads(Path(path).read_text())
     lines = []
     for model, rows in r["models"].items():
-        size = r.get("large", r) if model != next(iter(r["models"])) else r
+        size = r.get("large", r) if model.startswith("HuggingFaceTB") else r
         lines += [f"{model}: {size['batch']} prompts x {size['new_tokens']} sampled tokens (prompt "
                   f"{r['prompt_tokens']} tokens), the fastest of {size['repeats']} rounds (every row timed once per round, in turn).", "",
                   "| rollout_precision | rollout tok/s | vs policy (fp32) | make s | re-make s | copy MB "
@@ -186,6 +187,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--large-repeats", type=int, default=2)
     p.add_argument("--only", nargs="*", default=None, help="a subset of the rows (policy, policy_bf16, bf16, ...)")
     p.add_argument("--skip-smollm2", action="store_true", help="the tiny model only")
+    p.add_argument("--skip-tiny", action="store_true", help="SmolLM2 only")
     p.add_argument("--out", default="results/rollout_precision.json")
     p.add_argument("--render", default=None, help="print the markdown table of a result file and exit")
     args = p.parse_args(argv)
