@@ -13,7 +13,7 @@ from trainer_fixtures import peaked_model, tiny_trainer, trl_logged_values
 from trl import GRPOTrainer
 
 from grpo_ratio import RatioGRPOConfig
-from grpo_ratio.diagnostics.metric_keys import OLD_SAMPLER, ROLLOUT_COPY_SECONDS
+from grpo_ratio.diagnostics.metric_keys import IS_WEIGHT_MEAN, OLD_SAMPLER, ROLLOUT_COPY_SECONDS
 from grpo_ratio.integer.sample import IntSampling
 from grpo_ratio.old_pass.integer_pass import to_nats
 from grpo_ratio.sampler.generate import SamplerLogprobRecorder, finalize_from_completions
@@ -203,3 +203,51 @@ def test_integer_rollouts_do_not_depend_on_the_batch_and_their_old_pass_is_exact
         assert torch.equal(old, torch.where(cmask.bool(), to_nats(out.logprobs), 0.0))
     record = rollouts.record([b.tokens[i, :int(b.lengths[i])].tolist() for i in range(len(batch_b))])  # the last
     assert torch.equal(old, record.logprobs)
+
+
+@pytest.mark.parametrize("shape", [{}, {"gradient_accumulation_steps": 2, "per_device_train_batch_size": 2}])
+def test_integer_rollouts_with_the_integer_old_pass_train_with_old_sampler_exactly_one(tmp_path, shape):
+    # 4 GRPO steps drawn by the integer model; the integer old pass re-scores them (on-policy: no TRL old pass; with
+    # gradient accumulation TRL's own old pass runs and is replaced): old/sampler = 1 bit for bit on every token
+    trainer = tiny_trainer(tmp_path, "integer", rollout_precision="integer", max_steps=4, **shape)
+    trainer.train()
+    rows = _steps(trainer)
+    assert len(rows) == 4 and all(math.isfinite(r["loss"]) for r in rows)
+    assert all(r[OLD_SAMPLER.num_tokens] > 0 for r in rows)
+    assert all(r[OLD_SAMPLER.oob_rate] == 0.0 and r[OLD_SAMPLER.mean_abs_log_ratio] == 0.0 for r in rows)
+    assert all(r[OLD_SAMPLER.mean] == 1.0 for r in rows)
+    for batch in trainer._buffered_inputs:  # the last generation batch, as TRL split it
+        mask = batch["completion_mask"].bool()
+        assert torch.equal(batch["old_per_token_logps"][mask], batch["sampler_per_token_logps"][mask])
+    assert trainer.rollout_copy.num_remakes == 4  # re-converted at each of the 4 generations (one per step)
+    assert all(r[ROLLOUT_COPY_SECONDS] > 0 for r in rows)
+
+
+def test_is_correction_trains_on_the_float_integer_distance(tmp_path):
+    # the float policy's old pass against the integer sampler: the IS weight is their distance, not 1
+    trainer = tiny_trainer(tmp_path, "bf16", model=peaked_model(), rollout_precision="integer", is_correction="tis",
+                           max_steps=2)
+    trainer.train()
+    rows = _steps(trainer)
+    assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
+    assert all(r[OLD_SAMPLER.num_tokens] > 0 and r[OLD_SAMPLER.mean_abs_log_ratio] > 1e-3 for r in rows)
+    assert all(r[IS_WEIGHT_MEAN] != 1.0 for r in rows)
+
+
+@pytest.mark.parametrize("precision", ["int4", "integer"])
+def test_rloo_shares_the_hook(tmp_path, precision):
+    from grpo_ratio import RatioRLOOConfig
+    from grpo_ratio.rloo import RatioRLOOTrainer
+    from grpo_ratio.testing import letter_reward, tiny_prompts, tiny_tokenizer
+
+    args = RatioRLOOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, per_device_train_batch_size=4,
+                           num_generations=4, max_completion_length=8, max_steps=2, logging_steps=1, beta=0.0,
+                           report_to="none", save_strategy="no", seed=0, disable_tqdm=True,
+                           rollout_precision=precision)
+    trainer = RatioRLOOTrainer(model=tiny_model("qwen2"), reward_funcs=letter_reward, args=args,
+                               train_dataset=tiny_prompts(8), processing_class=tiny_tokenizer())
+    trainer.train()
+    rows = _steps(trainer)
+    assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
+    assert all(r[OLD_SAMPLER.num_tokens] > 0 and r[OLD_SAMPLER.mean_abs_log_ratio] > 1e-4 for r in rows)
+    assert trainer.rollout_copy.num_remakes == 2
