@@ -20,6 +20,8 @@ question (`plan.corrects`, `plan.anchor_is_sampler`, ...) instead of comparing c
 | `sampler_routes` | where the sampler's MoE routes come from: `"generate"` (recorded), `"vllm"` (`routed_experts`), `"none"` | `routing_replay`, `ratio_diagnostics`, backend |
 | `is_correction` | the `ISCorrection` the loss's IS weight comes from, or None (TRL's behaviour) | `is_correction(_*)` |
 | `attribution_rows` | rows per generation batch whose log(new) - log(sampler) is attributed to its causes, or None (off) | `ratio_attribution` |
+| `centering` | `"exact"`, `"top_k"` (`grpo_ratio.corrections.centering`), or None (off: TRL's loss) | `score_centering` |
+| `centering_top_k`, `centering_tail` | `"top_k"`: how many sampler log-probs per token are recorded (0 otherwise), the tail rule | `score_centering_top_k`, `score_centering_tail` |
 
 To add a setting (routing replay, an IS correction): add a field with a default that means "off", resolve it in
 `RunPlan.resolve` (one line, or one `_resolve_*` function), put its refusals in `grpo_ratio.checks` (the plan
@@ -36,6 +38,9 @@ from ._compat import is_rloo, trl_field
 from .corrections.is_correction import ISCorrection
 from .corrections.kept_sets import SamplingSettings
 from .modes import FP32_HEAD, SAMPLER, SAMPLER_MODE, SCORER_MODES
+
+
+DEFAULT_CENTERING_TOP_K = 20  # score_centering_top_k unset
 
 
 # generation backends of TRL 1.16's GRPOTrainer
@@ -84,6 +89,9 @@ class RunPlan:
     sampler_routes: str = "none"
     is_correction: ISCorrection | None = None
     attribution_rows: int | None = None
+    centering: str | None = None
+    centering_top_k: int = 0
+    centering_tail: str = "proportional"
 
     @classmethod
     def resolve(cls, args, sampling: SamplingSettings, backend: str = GENERATE, multi_turn: bool = False,
@@ -112,6 +120,10 @@ class RunPlan:
             sampler_routes=_resolve_sampler_routes(args, sampling, backend, multi_turn),
             is_correction=getattr(args, "is_correction_spec", None),
             attribution_rows=getattr(args, "ratio_attribution_rows", None),
+            centering=getattr(args, "score_centering", None),
+            centering_top_k=(args.score_centering_top_k or DEFAULT_CENTERING_TOP_K)
+            if getattr(args, "score_centering", None) == "top_k" else 0,
+            centering_tail=getattr(args, "score_centering_tail", None) or "proportional",
         )
 
     # -- questions the hooks ask ----------------------------------------------------------------------------------

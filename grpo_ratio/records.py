@@ -70,6 +70,9 @@ class GenerationRecord:
         attribution (`AttributionReference | None`, (n, T) fp32): with `ratio_attribution`, the fp32 reference passes
             of the n sampled rows (their positions go with the batch as `attribution_row`, (B,) int64, -1 = not
             sampled); written by the trainer's `_score_reference` after the old pass, read by the micro-batches.
+        sampler_top_k (`tuple | None`, 2 x (B, T, k)): with `score_centering="top_k"`, the sampler's top-k token ids
+            (int64) and processed log-probs (fp32) of every step, from the `generate` recording's first turn; the rows
+            go with the batch as `centering_row_index` (B,) int64. Read by the training forward.
     """
 
     mode: str
@@ -84,6 +87,7 @@ class GenerationRecord:
     old_logps: torch.Tensor | None = None
     sampler_logprobs: list | None = None
     attribution: AttributionReference | None = None
+    sampler_top_k: tuple | None = None
 
 
 @dataclass

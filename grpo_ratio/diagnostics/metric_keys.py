@@ -118,6 +118,9 @@ FULL_KL = f"{NEW_OLD.prefix}/full_kl"
 FULL_REVERSE_KL = f"{NEW_OLD.prefix}/full_reverse_kl"
 FULL_TV = f"{NEW_OLD.prefix}/full_tv"
 TRUST_REGION_MASKED_FRAC = f"{PREFIX}/trust_region_masked_frac"
+CENTERING_DRIFT_TV = f"{PREFIX}/centering/drift_tv"
+CENTERING_TAIL_MASS = f"{PREFIX}/centering/tail_mass"
+CENTERING_FRESH_FRAC = f"{PREFIX}/centering/centred_token_frac"
 
 _IS_LOSS = "is_correction, or lift_sampler with vLLM's IS correction"
 _IS_ANY = "an IS weight in the loss (vLLM's correction, or is_correction)"
@@ -159,6 +162,14 @@ SINGLE_KEYS = {
                      "tokens"),
     TRUST_REGION_MASKED_FRAC: KeyInfo("trust_region set (GRPO)", "share of valid tokens DPPO's divergence mask took "
                                       "out of the policy loss, over every micro-batch of the update"),
+    CENTERING_DRIFT_TV: KeyInfo("score_centering set", "total variation between the sampler's distribution and the "
+                                "policy's at each centred token, mean over those tokens (half the L1 norm of the "
+                                "subtracted logit gradient q - p; 0: nothing to centre); top_k: over the top-k ids "
+                                "and the tail as one outcome, a lower bound"),
+    CENTERING_TAIL_MASS: KeyInfo('score_centering="top_k"', "the sampler's mass off its recorded top k, mean over "
+                                 "centred tokens: the centred gradient is within twice it (L1) of the exact one"),
+    CENTERING_FRESH_FRAC: KeyInfo("score_centering set (async)", "share of loss terms centred: those of staleness "
+                                  "0, whose sampling weights are the forward's"),
 }
 
 # the mismatch units of NEW_OLD and OLD_SAMPLER, present with their family
