@@ -35,12 +35,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ._compat import is_rloo, trl_field
+from .corrections.centering import DEFAULT_TOP_K
 from .corrections.is_correction import ISCorrection
 from .corrections.kept_sets import SamplingSettings
 from .modes import FP32_HEAD, SAMPLER, SAMPLER_MODE, SCORER_MODES
-
-
-DEFAULT_CENTERING_TOP_K = 20  # score_centering_top_k unset
 
 
 # generation backends of TRL 1.16's GRPOTrainer
@@ -121,7 +119,7 @@ class RunPlan:
             is_correction=getattr(args, "is_correction_spec", None),
             attribution_rows=getattr(args, "ratio_attribution_rows", None),
             centering=getattr(args, "score_centering", None),
-            centering_top_k=(args.score_centering_top_k or DEFAULT_CENTERING_TOP_K)
+            centering_top_k=(args.score_centering_top_k or DEFAULT_TOP_K)
             if getattr(args, "score_centering", None) == "top_k" else 0,
             centering_tail=getattr(args, "score_centering_tail", None) or "proportional",
         )

@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 
 
 VARIANTS = ("exact", "top_k")  # `score_centering`: where the sampler's distribution comes from
+DEFAULT_TOP_K = 20  # `score_centering_top_k` unset
 TAILS = ("proportional", "drop")
 DEFAULT_TILE = 8192  # vocabulary columns per tile
 
@@ -197,6 +198,29 @@ def center_logps(logps: torch.Tensor, term: torch.Tensor) -> torch.Tensor:
     """log p(y_t) - c_t + sg(c_t): the values of `logps` (ratios, clips and metrics unchanged), the centred score as
     their gradient. Shapes: any, `term` broadcastable to `logps` ((B, T) each in a trainer)."""
     return logps - term + term.detach()
+
+
+def centering_source(args) -> str | None:
+    """What the sampler's distribution of a run's `score_centering` is, in words, for its run record (`run.json`):
+    None when off. `args`: any config with `score_centering` (and `truncation_correction`, `top_p`, `top_k`, `min_p`,
+    `score_centering_top_k`, `score_centering_tail`, `trl_trainer` where it has them)."""
+    kind = getattr(args, "score_centering", None)
+    if kind is None:
+        return None
+    if kind == "top_k":
+        k = getattr(args, "score_centering_top_k", None) or DEFAULT_TOP_K
+        tail = getattr(args, "score_centering_tail", None) or "proportional"
+        return f"top_k: the generate recording's top {k} processed log-probs per token, {tail} tail"
+    truncated = ((getattr(args, "top_p", None) or 1.0) < 1.0 or (getattr(args, "top_k", None) or 0) > 0
+                 or (getattr(args, "min_p", None) or 0.0) > 0)
+    if getattr(args, "trl_trainer", None) == "async_grpo":
+        how = "the server's filter re-applied in vLLM's order" if truncated else "untruncated (q = p: a zero term)"
+        return f"exact: recomputed from the training forward at staleness-0 terms, {how}; stale terms not centred"
+    if getattr(args, "truncation_correction", "none") != "none":
+        how = "over the correction's kept sets"
+    else:
+        how = "the sampler's filter re-applied" if truncated else "untruncated (q = p: a zero term)"
+    return f"exact: recomputed from the training forward (the weights that sampled, generate), {how}"
 
 
 def centering_terms(logits: torch.Tensor | HeadLogits, mask: torch.Tensor, temperature: float = 1.0, *,
