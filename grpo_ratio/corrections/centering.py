@@ -254,7 +254,7 @@ def centering_terms(logits: torch.Tensor | HeadLogits, mask: torch.Tensor, tempe
             lower bound of the full TV), of the sampler's mass off its top-k (0 for `"exact"`), and the cell count.
 
     Returns:
-        (B, T) fp32 c_t, 0.0 outside `mask`.
+        (B, T) c_t (fp32; fp64 for fp64 logits), 0.0 outside `mask`.
 
     Raises:
         ValueError: shapes that disagree, temperature <= 0, an unknown `tail`, `on_kept` without `kept`, or `kept` on
@@ -288,7 +288,7 @@ def centering_terms(logits: torch.Tensor | HeadLogits, mask: torch.Tensor, tempe
 
     def value(c: torch.Tensor, raw: torch.Tensor, check: bool = True) -> torch.Tensor:
         """(K,) c_t of the flat cells c (K,) from their raw logits (K, V); `check` is True in the forward only."""
-        z = raw.float() / temperature  # (K, V)
+        z = _up(raw) / temperature  # (K, V) fp32 (fp64 stays fp64)
         if top_k:
             ids, lq = flat_ids[c], flat_lq[c]  # (K, k)
             term = topk_centering_term(z, ids, lq, tail=tail)
@@ -323,7 +323,8 @@ def centering_terms(logits: torch.Tensor | HeadLogits, mask: torch.Tensor, tempe
         values = [value(c, logits.cells(c)) for c in chunks]
     else:
         values = [value(c, logits[c // T, c % T]) for c in chunks]  # (K,) each
-    out = torch.zeros(B * T, dtype=torch.float32, device=logits.device)  # (B*T,)
-    if values:
-        out = out.index_put((cells,), torch.cat(values).float())
+    flat = torch.cat(values) if values else None  # (M,)
+    out = torch.zeros(B * T, dtype=torch.float32 if flat is None else flat.dtype, device=logits.device)  # (B*T,)
+    if flat is not None:
+        out = out.index_put((cells,), flat)
     return out.reshape(B, T)
