@@ -62,7 +62,7 @@ def test_batch_terms_equal_the_per_position_formula_and_its_gradient():
         (grad,) = torch.autograd.grad((q[:, y] * center_logps(logp, c)[mask]).sum(), w)
         total += grad
     assert total.abs().max() < 1e-7  # the fp32 accumulation of the chunks; uncentred it is the drift below
-    assert (q - torch.softmax(z, -1)).abs().sum(-1).min() > 0.05
+    assert (q - torch.softmax(z, -1)).abs().sum(-1).max() > 0.1  # top_p cut 20% of some positions
 
 
 def test_batch_top_k_agrees_with_exact_within_the_tail_mass():
