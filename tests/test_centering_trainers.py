@@ -186,3 +186,18 @@ def test_exact_refuses_a_processor_it_does_not_recompute(tmp_path):
 
     with pytest.raises(ValueError, match="repetition_penalty"):
         tiny_trainer(tmp_path, score_centering="exact", repetition_penalty=1.3)
+
+
+def test_centring_changes_the_gradient_not_the_values(tmp_path):
+    # the same rollouts (same seed) with and without centring: TRL's loss of the first step is the same bit for bit
+    # (center_logps adds c - sg(c) = 0 exactly), its gradient is not (top_p=0.8: q - p is the truncation's drift)
+    from trainer_fixtures import tiny_trainer
+
+    runs = {}
+    for name, kw in (("plain", {}), ("centred", {"score_centering": "exact"})):
+        trainer = tiny_trainer(tmp_path / name, top_p=0.8, max_steps=1, **kw)
+        trainer.train()
+        runs[name] = _rows(trainer)[0]
+    assert runs["plain"]["loss"] == runs["centred"]["loss"]
+    assert runs["plain"]["reward"] == runs["centred"]["reward"]
+    assert abs(runs["plain"]["grad_norm"] - runs["centred"]["grad_norm"]) > 1e-3 * runs["plain"]["grad_norm"]

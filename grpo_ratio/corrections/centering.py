@@ -14,7 +14,8 @@ e_y - q.
 
 As a surrogate: the centring term c_t = sum_v sg(q_v) log p_v (minus the cross-entropy of p under q) has gradient
 E_q[grad log p], so log p(y_t) - c_t has the centred score as its gradient. `center_logps` returns
-log p(y_t) - c_t + sg(c_t): the same values (so ratios, clips and metrics are unchanged), the centred gradient.
+log p(y_t) - (c_t - sg(c_t)): the same values bit for bit (so ratios, clips and metrics are unchanged), the centred
+gradient.
 
 Two ways to get c_t:
 - `exact_centering_term`: the sampler's full next-token distribution is known (the `generate` path, where the sampler
@@ -195,9 +196,9 @@ class _LogSumExp(torch.autograd.Function):
 
 
 def center_logps(logps: torch.Tensor, term: torch.Tensor) -> torch.Tensor:
-    """log p(y_t) - c_t + sg(c_t): the values of `logps` (ratios, clips and metrics unchanged), the centred score as
+    """log p(y_t) - (c_t - sg(c_t)): the values of `logps` bit for bit (ratios, clips and metrics unchanged), the centred score as
     their gradient. Shapes: any, `term` broadcastable to `logps` ((B, T) each in a trainer)."""
-    return logps - term + term.detach()
+    return logps - (term - term.detach())  # term - sg(term) is exactly 0: the values of `logps`, bit for bit
 
 
 def centering_source(args) -> str | None:
