@@ -204,3 +204,23 @@ def test_centring_changes_the_gradient_not_the_values(tmp_path):
     assert runs["plain"]["loss"] == runs["centred"]["loss"]
     assert runs["plain"]["reward"] == runs["centred"]["reward"]
     assert abs(runs["plain"]["grad_norm"] - runs["centred"]["grad_norm"]) > 1e-3 * runs["plain"]["grad_norm"]
+
+
+def test_the_recorder_keeps_each_steps_top_k_of_the_processed_scores():
+    from grpo_ratio.sampler.generate import SamplerLogprobRecorder
+
+    neg = -math.inf
+    rec = SamplerLogprobRecorder(support_size_only=True, top_k=2)
+    rec.attached = True  # driven by hand, as generate would after recording_sampler attaches it
+    s0 = torch.tensor([[2.0, 1.0, neg, neg], [0.5, 0.0, 3.0, 0.0]])  # step 0 processed scores (N=2, V=4)
+    rec(torch.tensor([[5], [6]]), s0)
+    s1 = torch.tensor([[neg, neg, 5.0, neg], [1.0, neg, 2.0, neg]])  # step 1: row 0 kept one token only
+    rec(torch.tensor([[5, 0], [6, 2]]), s1)
+    record = rec.finalize(torch.tensor([[5, 0, 2], [6, 2, 0]]))
+    ids, logq = record.top_k  # (N, T, k) each
+    finite = torch.isfinite(logq)  # beyond the kept set (log q = -inf, q = 0) the id is any of the tied ones
+    assert torch.where(finite, ids, -1).tolist() == [[[0, 1], [2, -1]], [[2, 0], [2, 0]]]
+    lse0 = math.log(math.exp(3) + math.exp(0.5) + 2)
+    expected = torch.tensor([[[-math.log(1 + math.exp(-1)), -math.log(1 + math.exp(1))], [0.0, neg]],
+                             [[3 - lse0, 0.5 - lse0], [-math.log(1 + math.exp(-1)), -math.log(1 + math.exp(1))]]])
+    torch.testing.assert_close(logq, expected, atol=1e-6, rtol=0)
