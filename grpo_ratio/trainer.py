@@ -16,6 +16,8 @@ The only changes w.r.t. `trl.GRPOTrainer` (1.16):
 5. MoE routing replay (`routing_replay`, `grpo_ratio.routing`): the sampler's (R3) or the old pass's (R2) expert
    routes replayed in the trainer's forwards; on an MoE policy the routes are measured (`ratio/route/*`) by default,
    which changes no number TRL computes.
+6. Score centering (`score_centering`, `grpo_ratio.corrections.centering`): the training forward's log-probs keep their
+   values and get the centred score (minus the sampler-expected score) as their gradient.
 
 Wrapped TRL methods (each calls `super()`; none is copied): `_generate_and_score_completions`,
 `_generate_single_turn`, `_get_per_token_logps_and_entropies`, `_compute_loss`. They live in `RatioHooks`, which
