@@ -30,7 +30,7 @@ import torch
 from accelerate.utils import broadcast_object_list
 from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
-from .checks import check_async_config, check_async_server_logprobs
+from .checks import check_async_config, check_async_server_logprobs, check_centering_engine
 from .config import KnownFields, RatioFields
 from .corrections.centering import center_logps, centering_terms
 from .corrections.decoupled import OBJECTIVES, decoupled_inputs, loglinear_proximal, proximal_weights
@@ -276,6 +276,8 @@ class RatioAsyncGRPOTrainer(AsyncGRPOTrainer):
         self.proximal_forwards = 0
         self._proximal = self._kept_mass = None
         precision_pass = args.async_objective == "decoupled" and args.old_logprob_mode != TRL_MODE
+        if args.score_centering is not None and self.is_fsdp_enabled:
+            check_centering_engine(args, "fsdp2")
         if (precision_pass or args.truncation_correction != "none") and self.is_fsdp_enabled:
             raise NotImplementedError(f"old_logprob_mode={args.old_logprob_mode!r} / truncation_correction="
                                       f"{args.truncation_correction!r} run a packed pass on an unsharded policy, and "

@@ -1093,6 +1093,20 @@ def check_engine(accelerator) -> str | None:
     return message
 
 
+def check_centering_engine(args, engine: str) -> None:
+    """Refuse `score_centering` on a sharded policy (FSDP, DeepSpeed ZeRO-3): its centring term projects the hidden
+    states through the LM head's weight outside the model's forward, where those engines hold only a shard of it.
+
+    Raises:
+        NotImplementedError: naming the field, the engine and what works.
+    """
+    kind = getattr(args, "score_centering", None)
+    if kind is not None and engine in ("fsdp1", "fsdp2", "zero3"):
+        raise NotImplementedError(f"score_centering={kind!r} projects the training forward's hidden states through "
+                                  f"the LM head outside the model's forward, where {engine} holds only a shard of its "
+                                  "weight; train unsharded (DDP or one process) or unset score_centering")
+
+
 def check_train_again(engine: str, trained: bool) -> None:
     """Refuse a second `train()` of one trainer under DeepSpeed ZeRO-3 before it starts: it fails in stock TRL too,
     deep inside transformers (accelerate's `deepspeed_engine_wrapped` is None after the first run's engine is torn

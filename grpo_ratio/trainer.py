@@ -39,6 +39,7 @@ from trl import GRPOTrainer
 
 from ._compat import trl_field, trl_is_weight_gate
 from .checks import (
+    check_centering_engine,
     check_old_pass,
     check_run,
     check_sharded_mode,
@@ -146,6 +147,7 @@ class RatioHooks:
             self.add_callback(RatioGateCallback(args.ratio_gate, args.ratio_gate_patience, args.ratio_gate_action))
         self.add_callback(RunRecordCallback())  # run.json + log_history.json in output_dir: what the report reads
         check_sharded_mode(self.accelerator, self.model, args)  # FSDP2/ZeRO-3 combinations that cannot be exact
+        check_centering_engine(args, engine_of(self.accelerator))  # score_centering: an unsharded LM head
         check_old_pass(policy, args)  # layer indices, anatomy, copy storage: here, not at step 1
         self._scorer = None  # built on first use (`scorer`): accelerate wraps FSDP2/ZeRO-3 models inside train()
         self._reference_scorer = None  # ratio_attribution's fp32 reference, built on first use (`reference_scorer`)

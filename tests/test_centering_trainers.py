@@ -224,3 +224,15 @@ def test_the_recorder_keeps_each_steps_top_k_of_the_processed_scores():
     expected = torch.tensor([[[-math.log(1 + math.exp(-1)), -math.log(1 + math.exp(1))], [0.0, neg]],
                              [[3 - lse0, 0.5 - lse0], [-math.log(1 + math.exp(-1)), -math.log(1 + math.exp(1))]]])
     torch.testing.assert_close(logq, expected, atol=1e-6, rtol=0)
+
+
+def test_a_sharded_policy_is_refused():
+    from types import SimpleNamespace
+
+    from grpo_ratio.checks import check_centering_engine
+
+    for engine in ("fsdp1", "fsdp2", "zero3"):
+        with pytest.raises(NotImplementedError, match=f"score_centering='exact' .* {engine} holds only a shard"):
+            check_centering_engine(SimpleNamespace(score_centering="exact"), engine)
+    check_centering_engine(SimpleNamespace(score_centering="exact"), "none")  # unsharded: fine
+    check_centering_engine(SimpleNamespace(score_centering=None), "zero3")  # off: nothing to refuse
