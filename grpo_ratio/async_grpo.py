@@ -30,17 +30,20 @@ import torch
 from accelerate.utils import broadcast_object_list
 from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
-from .checks import check_async_config, check_async_server_logprobs
+from .checks import check_async_config, check_async_server_logprobs, check_centering_engine
 from .config import KnownFields, RatioFields
+from .corrections.centering import center_logps, centering_terms
 from .corrections.decoupled import OBJECTIVES, decoupled_inputs, loglinear_proximal, proximal_weights
 from .corrections.kept_sets import SamplingSettings
 from .diagnostics.console import quiet_console
+from .diagnostics.metric_keys import CENTERING_DRIFT_TV, CENTERING_FRESH_FRAC
 from .diagnostics.run_record_callback import RunRecordCallback
 from .diagnostics.staleness import StalenessStats
 from .diagnostics.trains_nothing_callback import trains_nothing_callback
 from .models import trainer_model_source
 from .modes import MODES, SAMPLER_MODE, SCORING_MODES, TRL_MODE
 from .old_pass.copies import WeightsVersion, WeightsVersionCallback
+from .old_pass.kept_head import capture_last_hidden, head_logits
 from .old_pass.scorer import OldLogprobScorer, scoring_head_arithmetic
 from .old_pass.tree_attention import torch_tree_attention_active
 from .problems import collect
@@ -103,6 +106,17 @@ class RatioAsyncGRPOConfig(KnownFields, AsyncGRPOConfig):
     is_correction_high: float | None = _declared("is_correction_high")
     is_correction_rejection: str | None = _declared("is_correction_rejection")
     is_correction_veto: float | None = _declared("is_correction_veto")
+    score_centering: str | None = _declared(
+        "score_centering",
+        help="Score centering (arXiv 2609.20807): the sampler-expected score E_q[grad log p] subtracted from each "
+        "token's score (values, ratios and metrics unchanged; the gradient centred; with every objective). 'exact': q "
+        "recomputed from the training forward's own logits (detached), with the server's temperature and "
+        "top_k/top_p/min_p re-applied in vLLM's order; that is the sampler's distribution only where the forward runs "
+        "the sampling weights, so loss terms of staleness 0 are centred and stale ones are left as they are "
+        "(ratio/centering/centred_token_frac). 'top_k' is not available here (TRL's rollout worker asks the server "
+        "for the sampled token's log-prob only). Costs one more pass of the LM head over the centred tokens, K at a "
+        "time. Unset: TRL's loss, bit for bit.",
+        choices=["exact"])
     ratio_diagnostics: bool = _declared("ratio_diagnostics")
     ratio_band_low: float = _declared("ratio_band_low")
     ratio_band_high: float = _declared("ratio_band_high")
@@ -264,6 +278,8 @@ class RatioAsyncGRPOTrainer(AsyncGRPOTrainer):
         self.proximal_forwards = 0
         self._proximal = self._kept_mass = None
         precision_pass = args.async_objective == "decoupled" and args.old_logprob_mode != TRL_MODE
+        if args.score_centering is not None and self.is_fsdp_enabled:
+            check_centering_engine(args, "fsdp2")
         if (precision_pass or args.truncation_correction != "none") and self.is_fsdp_enabled:
             raise NotImplementedError(f"old_logprob_mode={args.old_logprob_mode!r} / truncation_correction="
                                       f"{args.truncation_correction!r} run a packed pass on an unsharded policy, and "
@@ -287,6 +303,13 @@ class RatioAsyncGRPOTrainer(AsyncGRPOTrainer):
                                              min_p=float(args.min_p or 0.0), engine="vllm")
             self._kept_mass = self._proximal or OldLogprobScorer(self.model, TRL_MODE,
                                                                  policy_autocast=self.accelerator.autocast)
+        self._centering_filter = None  # score_centering: the server's filter re-applied to the forward's logits
+        if args.score_centering is not None:
+            settings = SamplingSettings(temperature=args.temperature, top_k=int(args.top_k or 0),
+                                        top_p=float(args.top_p if args.top_p is not None else 1.0),
+                                        min_p=float(args.min_p or 0.0), engine="vllm")
+            self._centering_filter = settings if settings.truncated else None
+        self._centering_sums = None  # (tv sum, centred terms, all terms) since the last log, on the device
         self.staleness_stats = None
         if args.ratio_diagnostics:
             # + 1: a sample TRL let through at max_staleness can be trained one sync later (the dispatcher's prefetch)
@@ -339,19 +362,29 @@ class RatioAsyncGRPOTrainer(AsyncGRPOTrainer):
         advantages = inputs["advantages"][selected]  # (M,)
         terms_staleness = (self.staleness_of(versions[selected]) if versions is not None
                            else torch.full_like(advantages, -1, dtype=torch.long))
+        # score_centering: the training forward runs through `_centred_forward` (the same values, the centred
+        # gradient) and its outputs are replayed into TRL's compute_loss
+        centred = None if self.args.score_centering is None else self._centred_forward(
+            model, inputs["token_index"][selected], terms_staleness == 0)
         if not self.args.decoupled:
-            with _forward_outputs(model) as seen:
-                loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            if centred is not None:
+                call = self._forward_call(model, inputs, run=centred)
+                with contextlib.nullcontext([call.outputs]) as seen:
+                    loss = super().compute_loss(_Replay(call.outputs), inputs, return_outputs, num_items_in_batch)
+                self._step_forward_s += call.seconds
+            else:
+                with _forward_outputs(model) as seen:
+                    loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
             new = seen[-1].log_probs.flatten()[inputs["token_index"][selected]]  # (M,)
             self._observe(terms_staleness, new, behaviour, behaviour, advantages, torch.ones_like(advantages))
             return loss
         if self.args.async_objective == "decoupled" and self._proximal is not None:  # a precision mode's pass
-            call = self._forward_call(model, inputs)
+            call = self._forward_call(model, inputs, run=centred)
             prox, log_mass = self._proximal_logprobs(model, call.kwargs, inputs["token_index"][selected])  # (M,) x 2
             behaviour = behaviour if log_mass is None else behaviour + log_mass  # lift_sampler: on the full support
-            outputs, seconds = None, 0.0
+            outputs, seconds = call.outputs, call.seconds
         else:  # the training forward first (the probe runs it), its outputs replayed below: one forward
-            call = self._forward_call(model, inputs, run=model)
+            call = self._forward_call(model, inputs, run=centred or model)
             outputs, seconds = call.outputs, call.seconds
             new = outputs.log_probs.flatten()[inputs["token_index"][selected]]  # (M,)
             if self.args.async_objective == "decoupled":  # bf16: the proximal policy is the training forward's
@@ -373,6 +406,33 @@ class RatioAsyncGRPOTrainer(AsyncGRPOTrainer):
         new = seen[-1].log_probs.flatten()[inputs["token_index"][selected]]  # (M,)
         self._observe(terms_staleness, new, behaviour, prox, advantages, weights)
         return loss
+
+    def _centred_forward(self, model, positions: torch.Tensor, fresh: torch.Tensor):
+        """`score_centering`: a stand-in for the model that runs its forward and returns its outputs with
+        `log_probs` (1, L) centred at the loss terms of staleness 0 (`fresh` (M,) bool, at the flat `positions` (M,)
+        of TRL's `token_index`): the same values, the gradient minus the sampler-expected score, c_t computed from the
+        forward's last hidden states through the LM head (`corrections.centering.centering_terms`, K cells at a time:
+        no (L, V) tensor), q recomputed from the same logits with the server's filter. Counts on the device."""
+        unwrapped = self.accelerator.unwrap_model(model)
+
+        def run(**kwargs):
+            with capture_last_hidden(unwrapped) as hidden:
+                outputs = model(**kwargs)
+            log_probs = outputs.log_probs  # (1, L)
+            rows = positions[fresh]  # (m,) flat positions of the centred terms
+            h = hidden[-1].reshape(-1, hidden[-1].shape[-1])[rows][None]  # (1, m, H)
+            stats: list = []
+            term = centering_terms(head_logits(unwrapped, h, False, self.accelerator.autocast),
+                                   torch.ones(1, rows.numel(), dtype=torch.bool, device=h.device), self.temperature,
+                                   kept=self._centering_filter, stats=stats)  # (1, m)
+            full = torch.zeros(log_probs.numel(), dtype=term.dtype, device=term.device).index_put((rows,), term[0])
+            outputs.log_probs = center_logps(log_probs, full.reshape(log_probs.shape).to(log_probs.dtype))
+            tv = torch.stack(stats).sum(0)[0] if stats else term.new_zeros(())
+            sums = torch.stack([tv, fresh.sum().to(tv.dtype), torch.tensor(float(fresh.numel()), device=tv.device)])
+            self._centering_sums = sums if self._centering_sums is None else self._centering_sums + sums
+            return outputs
+
+        return run
 
     def _forward_call(self, model, inputs, run=None) -> _ForwardCall:
         """The arguments TRL's `compute_loss` passes to the model for this micro-batch (and, with `run`, the outputs
@@ -435,4 +495,12 @@ class RatioAsyncGRPOTrainer(AsyncGRPOTrainer):
         self._check_untagged_terms()
         if self.staleness_stats is not None and self.model.training:
             logs = {**logs, **self.staleness_stats.flush(self.accelerator)}
+        if self._centering_sums is not None and self.model.training:
+            sums, self._centering_sums = self._centering_sums, None
+            if self.accelerator.num_processes > 1:
+                sums = self.accelerator.reduce(sums, reduction="sum")
+            tv, centred, total = sums.tolist()  # one read per log
+            logs = {**logs, CENTERING_FRESH_FRAC: centred / max(total, 1.0)}
+            if centred > 0:
+                logs[CENTERING_DRIFT_TV] = tv / centred
         super().log(logs, start_time)

@@ -29,6 +29,7 @@ from torch import nn
 from trl import GRPOConfig
 
 from ._compat import is_rloo, trl_field
+from .corrections.centering import TAILS, VARIANTS
 from .corrections.decoupled import OBJECTIVES
 from .corrections.is_correction import PRESETS, resolve_correction
 from .corrections.kept_sets import SamplingSettings
@@ -144,8 +145,8 @@ def check_config(args) -> None:
         _check_choices, _check_sampling_fields, _check_vllm_engine, _check_copy_storage, _check_head_operands,
         _resolve_guided_layers, _check_band, _check_switches, _check_truncation,
         _check_is_correction,  # before _check_sampler_mode, which may turn TRL's vLLM correction off
-        _check_trust_region, _check_sampler_mode, _check_routing_replay, _check_gate, _check_attribution, _check_sampler_logprobs,
-        _check_rollout_precision))
+        _check_trust_region, _check_score_centering, _check_sampler_mode, _check_routing_replay, _check_gate,
+        _check_attribution, _check_sampler_logprobs, _check_rollout_precision))
 
 
 def _not_allowed(name: str, value, allowed) -> str:
@@ -284,7 +285,7 @@ def check_async_config(args) -> None:
     collect(partial(check, args) for check in (
         _check_async_objective, _check_copy_storage, _check_head_operands, _resolve_guided_layers,
         _check_async_switches, _check_band,
-        _check_async_correction, _check_async_truncation))
+        _check_async_correction, _check_async_truncation, _check_async_centering))
 
 
 def _check_async_objective(args) -> None:
@@ -567,7 +568,8 @@ def _check_rollout_precision(args) -> None:
     Raises:
         Problems (a `ValueError`): a value outside `ROLLOUT_PRECISIONS`; a copy with vLLM or transformers continuous
             batching (the copy draws on the `generate` path only) or with `routing_replay` (the sampler's routes
-            would be the copy's); `old_logprob_mode="integer"` without `rollout_precision="integer"` (there is no
+            would be the copy's) or with `score_centering="exact"` (its q is the policy's, not the copy's);
+            `old_logprob_mode="integer"` without `rollout_precision="integer"` (there is no
             integer model to re-score with) or on RLOO (not wired there); with `rollout_precision="integer"`, a
             truncation correction (the integer sampler keeps its own kept sets, which are not recorded) or
             `ratio_attribution`.
@@ -595,7 +597,16 @@ def _check_rollout_precision(args) -> None:
         if args.routing_replay != "none":
             problems.append(f"{drawn}, but routing_replay={args.routing_replay!r} replays the policy's routes; set "
                             f"routing_replay='none', or rollout_precision={POLICY_ROLLOUTS!r}")
+        if getattr(args, "score_centering", None) == "exact":
+            problems.append(f"{drawn}, but score_centering='exact' recomputes the sampler's distribution from the "
+                            f"policy's own forward, which is not the copy's; set score_centering='top_k' (the copy's "
+                            f"recorded top-k log-probs), or rollout_precision={POLICY_ROLLOUTS!r}")
     if value == INTEGER_MODE:
+        if getattr(args, "score_centering", None) is not None:
+            problems.append(f"rollout_precision={INTEGER_MODE!r} with score_centering="
+                            f"{args.score_centering!r}: the integer sampler records no top-k log-probs and its "
+                            f"distribution is not the float policy's; unset score_centering, or use a float "
+                            f"rollout_precision")
         if args.truncation_correction != "none":
             problems.append(f"rollout_precision={INTEGER_MODE!r} with truncation_correction="
                             f"{args.truncation_correction!r}: the integer sampler applies top_k / top_p in integers "
@@ -1227,6 +1238,20 @@ def check_engine(accelerator) -> str | None:
     return message
 
 
+def check_centering_engine(args, engine: str) -> None:
+    """Refuse `score_centering` on a sharded policy (FSDP, DeepSpeed ZeRO-3): its centring term projects the hidden
+    states through the LM head's weight outside the model's forward, where those engines hold only a shard of it.
+
+    Raises:
+        NotImplementedError: naming the field, the engine and what works.
+    """
+    kind = getattr(args, "score_centering", None)
+    if kind is not None and engine in ("fsdp1", "fsdp2", "zero3"):
+        raise NotImplementedError(f"score_centering={kind!r} projects the training forward's hidden states through "
+                                  f"the LM head outside the model's forward, where {engine} holds only a shard of its "
+                                  "weight; train unsharded (DDP or one process) or unset score_centering")
+
+
 def check_train_again(engine: str, trained: bool) -> None:
     """Refuse a second `train()` of one trainer under DeepSpeed ZeRO-3 before it starts: it fails in stock TRL too,
     deep inside transformers (accelerate's `deepspeed_engine_wrapped` is None after the first run's engine is torn
@@ -1333,6 +1358,80 @@ def check_old_pass(policy: nn.Module, args) -> None:
             raise type(err)(f"{use.subject}: {err}; or {use.off}") from err
 
 
+def _check_centering_fields(args, variants=VARIANTS) -> str | None:
+    """`score_centering` and its two companions, shared by every trainer: the allowed values, the companions only
+    with `"top_k"`, k >= 1. Returns the variant (None: off). Raises ValueError."""
+    kind = getattr(args, "score_centering", None)
+    companions = {f: getattr(args, f, None) for f in ("score_centering_top_k", "score_centering_tail")}
+    given = [f for f, v in companions.items() if v is not None]
+    if kind is None:
+        if given:
+            raise ValueError(f"{', '.join(given)} only {'applies' if len(given) == 1 else 'apply'} with "
+                             f"score_centering='top_k'")
+        return None
+    if kind not in variants:
+        raise ValueError(_not_allowed("score_centering", kind, variants) + " (or unset)")
+    if kind != "top_k" and given:
+        raise ValueError(f"{', '.join(given)} only {'applies' if len(given) == 1 else 'apply'} with "
+                         f"score_centering='top_k', but score_centering={kind!r}")
+    k = companions["score_centering_top_k"]
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+        raise ValueError(f"score_centering_top_k must be an integer >= 1, got {k!r}")
+    tail = companions["score_centering_tail"]
+    if tail is not None and tail not in TAILS:
+        raise ValueError(_not_allowed("score_centering_tail", tail, TAILS))
+    return kind
+
+
+def _check_score_centering(args) -> None:
+    """`score_centering` on GRPO / RLOO (`grpo_ratio.corrections.centering`): where the sampler's distribution can
+    be had. "exact" recomputes it from the training forward, so that forward must run the weights that sampled, on
+    the sampler's own path: `generate` (not vLLM, whose engine is not the trainer's forward), one optimizer update per
+    generation. "top_k" records the sampler's top-k during `generate` (vLLM's top-k: not yet, TRL asks vLLM for the
+    sampled token's log-prob only).
+
+    Raises:
+        ValueError: an unknown value or companion field (the allowed values named); the combinations above;
+            `"top_k"` with `truncation_correction="renormalize"` (the policy's log-probs are then over the kept sets,
+            which the top-k do not describe) or without `record_sampler_logprobs`.
+    """
+    kind = _check_centering_fields(args)
+    if kind is None:
+        return
+    if args.use_vllm:
+        raise ValueError(f"score_centering={kind!r} needs the sampler's distribution, which vLLM does not hand to "
+                         "TRL (TRL asks it for the sampled token's log-prob only; the exact variant would recompute "
+                         "the trainer's, not vLLM's); use the transformers generate path (use_vllm=False)")
+    if getattr(args, "use_transformers_continuous_batching", False):
+        raise ValueError(f"score_centering={kind!r} needs the generate path's rows and recording, which transformers "
+                         "continuous batching does not give; set use_transformers_continuous_batching=False")
+    if kind == "exact":
+        if args.num_iterations != 1 or args.steps_per_generation != args.gradient_accumulation_steps:
+            raise ValueError(f"score_centering='exact' recomputes the sampler's distribution in the training forward, "
+                             f"which runs the weights that sampled only with one optimizer update per generation, but "
+                             f"num_iterations={args.num_iterations}, steps_per_generation={args.steps_per_generation}, "
+                             f"gradient_accumulation_steps={args.gradient_accumulation_steps}; set num_iterations=1 "
+                             f"and steps_per_generation=gradient_accumulation_steps, or use score_centering='top_k'")
+        return
+    if args.truncation_correction == "renormalize":
+        raise ValueError("score_centering='top_k' centres the full-vocabulary score, but "
+                         "truncation_correction='renormalize' trains the log-probs over the kept sets; use "
+                         "score_centering='exact' (the kept sets known) or truncation_correction='lift_sampler'")
+    if not args.record_sampler_logprobs:
+        raise ValueError("score_centering='top_k' records the sampler's top-k log-probs during generate, but "
+                         "record_sampler_logprobs=False; set record_sampler_logprobs=True")
+
+
+def _check_async_centering(args) -> None:
+    """`score_centering` on the asynchronous trainer: `"exact"` only (the server's filter re-applied to the training
+    forward's logits; centred where a term's staleness is 0, where the forward runs the sampling weights), and not
+    with a repetition penalty on the server. Raises ValueError."""
+    kind = _check_centering_fields(args, variants=("exact",))
+    if kind is not None and args.repetition_penalty not in (None, 1.0):
+        raise ValueError(f"score_centering={kind!r} recomputes the server's distribution without its repetition "
+                         f"penalty ({args.repetition_penalty}); set repetition_penalty=1.0 or unset score_centering")
+
+
 def check_run(args, sampling, backend: str, multi_turn: bool) -> None:
     """What needs the generation backend and the sampling settings generation really uses (on the transformers path
     the model's own `generation_config` fills unset fields), checked before the trainer resolves its
@@ -1369,6 +1468,22 @@ def check_run(args, sampling, backend: str, multi_turn: bool) -> None:
     if args.routing_replay == "R3" and backend != VLLM and why is not None:
         raise ValueError(f"routing_replay='R3' needs the sampler's routes, which are not recorded with {why}; use "
                          f"routing_replay='R2' or generate single-turn rollouts by sampling")
+    _check_centering_run(args, sampling, multi_turn)
+
+
+def _check_centering_run(args, sampling, multi_turn: bool) -> None:
+    """`score_centering` against the sampling settings generation really uses: "exact" re-applies the sampler's
+    temperature and truncation only, so another logits processor (a repetition penalty, ...) is refused; "top_k"
+    records the first generate call only, so tools are refused. Raises ValueError."""
+    kind = getattr(args, "score_centering", None)
+    if kind == "exact" and sampling.processors:
+        names = ", ".join(f"{name}={value!r}" for name, value in sampling.processors)
+        raise ValueError(f"score_centering='exact' recomputes the sampler's distribution from temperature and "
+                         f"top_k/top_p/min_p only, but the sampler also applies {names}; remove it or use "
+                         "score_centering='top_k' (recorded from the sampler's processed scores)")
+    if kind == "top_k" and multi_turn:
+        raise ValueError("score_centering='top_k' records the sampler's top-k in the first generate call only, but "
+                         "tools / environment_factory make each turn a separate call; use score_centering='exact'")
 
 
 def _check_sampled(args, sampling, recording: bool) -> None:
@@ -1384,6 +1499,8 @@ def _check_sampled(args, sampling, recording: bool) -> None:
         needs.append(f"old_logprob_mode={SAMPLER_MODE!r}")
     if recording and getattr(args, "is_correction_spec", None) is not None:
         needs.append(f"is_correction={args.is_correction!r}")
+    if getattr(args, "score_centering", None) is not None:
+        needs.append(f"score_centering={args.score_centering!r}")
     if needs:
         raise ValueError(f"{' / '.join(needs)} need sampled rollouts, but generation uses num_beams="
                          f"{sampling.num_beams}, do_sample={sampling.do_sample} (generation_kwargs); set "

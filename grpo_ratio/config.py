@@ -20,6 +20,7 @@ from .checks import (  # noqa: F401
     check_config,
     check_trl_fields,
 )
+from .corrections.centering import TAILS, VARIANTS
 from .corrections.is_correction import ACTIONS, LEVELS, PRESETS, REJECTION_METRICS
 from .corrections.trust_region import TRUST_REGIONS
 from .diagnostics.gate import GATE_ACTIONS
@@ -192,6 +193,9 @@ class RatioFields(KnownFields):
     trust_region / trust_region_low / trust_region_high (*optional*):
         DPPO's divergence mask on the policy loss (`"dppo_tv"`, `"dppo_kl"`) and its bounds
         (`grpo_ratio.corrections.trust_region`, docs/corrections.md). Unset: TRL's loss, bit for bit.
+    score_centering / score_centering_top_k / score_centering_tail (*optional*):
+        Score centering (arXiv 2609.20807): the sampler-expected score subtracted at each prefix, `"exact"` or
+        `"top_k"` (`grpo_ratio.corrections.centering`, docs/corrections.md). Unset: TRL's loss, bit for bit.
 
     > Parameters that control the ratio diagnostics
 
@@ -418,6 +422,32 @@ class RatioFields(KnownFields):
         default=None,
         metadata={"help": "trust_region: the bound for tokens with A > 0 (> 0); unset: 0.15 for dppo_tv, 0.05 for "
                   "dppo_kl (verl's DPPO examples)."},
+    )
+    score_centering: str | None = field(
+        default=None,
+        metadata={"help": "Score centering (Marek & Ryabinin, arXiv 2609.20807; SkyRL PR #2244, miles PR #3317): the "
+                  "sampler-expected score E_q[grad log p] is subtracted from each token's score, so the persistent "
+                  "trainer/sampler bias cancels without ratios, masks or clipping; values, ratios and metrics are "
+                  "unchanged, only the gradient is centred, and it composes with is_correction and trust_region. "
+                  "'exact': q is the sampler's distribution recomputed from the training forward's own logits "
+                  "(detached; temperature, and the sampler's kept set under top_p/top_k/min_p), which is the "
+                  "sampler's where the sampler is these weights: the transformers generate path with one optimizer "
+                  "update per generation (num_iterations=1, steps_per_generation=gradient_accumulation_steps). "
+                  "'top_k': q from the sampler's own top score_centering_top_k log-probs recorded during generate, "
+                  "the rest by score_centering_tail. Costs one more pass of the LM head over the completion tokens "
+                  "(forward and backward, K cells at a time: no (B, T, V) tensor). Unset: TRL's loss, bit for bit.",
+                  "choices": list(VARIANTS)},
+    )
+    score_centering_top_k: int | None = field(
+        default=None,
+        metadata={"help": "score_centering='top_k': how many of the sampler's top log-probs per token are recorded "
+                  "(>= 1; unset: 20)."},
+    )
+    score_centering_tail: str | None = field(
+        default=None,
+        metadata={"help": "score_centering='top_k': the sampler's mass off its top k, 'proportional' (spread as the "
+                  "policy's, miles' proportional tail; the default) or 'drop' (left out).",
+                  "choices": list(TAILS)},
     )
     ratio_full_vocab: bool = field(
         default=False,

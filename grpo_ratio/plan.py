@@ -21,6 +21,8 @@ question (`plan.corrects`, `plan.anchor_is_sampler`, ...) instead of comparing c
 | `is_correction` | the `ISCorrection` the loss's IS weight comes from, or None (TRL's behaviour) | `is_correction(_*)` |
 | `attribution_rows` | rows per generation batch whose log(new) - log(sampler) is attributed to its causes, or None (off) | `ratio_attribution` |
 | `rollout_precision` | what `generate` draws from: `"policy"` (stock TRL), a float copy (`"bf16"`, `"fp16"`, `"int8"`, `"int4"`) or `"integer"` (`grpo_ratio.sampler.precision`) | `rollout_precision`, backend |
+| `centering` | `"exact"`, `"top_k"` (`grpo_ratio.corrections.centering`), or None (off: TRL's loss) | `score_centering` |
+| `centering_top_k`, `centering_tail` | `"top_k"`: how many sampler log-probs per token are recorded (0 otherwise), the tail rule | `score_centering_top_k`, `score_centering_tail` |
 
 To add a setting (routing replay, an IS correction): add a field with a default that means "off", resolve it in
 `RunPlan.resolve` (one line, or one `_resolve_*` function), put its refusals in `grpo_ratio.checks` (the plan
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ._compat import is_rloo, trl_field
+from .corrections.centering import DEFAULT_TOP_K
 from .corrections.is_correction import ISCorrection
 from .corrections.kept_sets import SamplingSettings
 from .modes import FP32_HEAD, INTEGER, MODES, POLICY_ROLLOUTS, SAMPLER, SAMPLER_MODE, SCORER_MODES
@@ -86,6 +89,9 @@ class RunPlan:
     is_correction: ISCorrection | None = None
     attribution_rows: int | None = None
     rollout_precision: str = POLICY_ROLLOUTS
+    centering: str | None = None
+    centering_top_k: int = 0
+    centering_tail: str = "proportional"
 
     @classmethod
     def resolve(cls, args, sampling: SamplingSettings, backend: str = GENERATE, multi_turn: bool = False,
@@ -117,6 +123,10 @@ class RunPlan:
             attribution_rows=getattr(args, "ratio_attribution_rows", None),
             rollout_precision=getattr(args, "rollout_precision", POLICY_ROLLOUTS) if backend == GENERATE
             else POLICY_ROLLOUTS,
+            centering=getattr(args, "score_centering", None),
+            centering_top_k=(args.score_centering_top_k or DEFAULT_TOP_K)
+            if getattr(args, "score_centering", None) == "top_k" else 0,
+            centering_tail=getattr(args, "score_centering_tail", None) or "proportional",
         )
 
     # -- questions the hooks ask ----------------------------------------------------------------------------------

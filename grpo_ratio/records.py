@@ -74,6 +74,9 @@ class GenerationRecord:
             ones (`RunPlan.reuses_training_forward`: no old pass ran): each micro-batch's training forward computes
             its rows' IS weight and puts it here; once every row is in, the trainer logs their metrics. Written at
             generation (created) and by the training forwards (filled), read by the trainer's `_compute_loss`.
+        sampler_top_k (`tuple | None`, 2 x (B, T, k)): with `score_centering="top_k"`, the sampler's top-k token ids
+            (int64) and processed log-probs (fp32) of every step, from the `generate` recording's first turn; the rows
+            go with the batch as `centering_row_index` (B,) int64. Read by the training forward.
     """
 
     mode: str
@@ -118,6 +121,7 @@ class ReusedISWeights:
         self.weights[rows.to(self.weights.device)] = weights
         self.rows_left -= rows.numel()
         return self.rows_left == 0
+    sampler_top_k: tuple | None = None
 
 
 @dataclass

@@ -16,6 +16,8 @@ The only changes w.r.t. `trl.GRPOTrainer` (1.16):
 5. MoE routing replay (`routing_replay`, `grpo_ratio.routing`): the sampler's (R3) or the old pass's (R2) expert
    routes replayed in the trainer's forwards; on an MoE policy the routes are measured (`ratio/route/*`) by default,
    which changes no number TRL computes.
+6. Score centering (`score_centering`, `grpo_ratio.corrections.centering`): the training forward's log-probs keep their
+   values and get the centred score (minus the sampler-expected score) as their gradient.
 
 Wrapped TRL methods (each calls `super()`; none is copied): `_generate_and_score_completions`,
 `_generate_single_turn`, `_get_per_token_logps_and_entropies`, `_compute_loss`. They live in `RatioHooks`, which
@@ -38,6 +40,7 @@ from trl import GRPOTrainer
 
 from ._compat import trl_field, trl_is_weight_gate
 from .checks import (
+    check_centering_engine,
     check_old_pass,
     check_rollout_copy,
     check_rollout_run,
@@ -49,6 +52,7 @@ from .checks import (
     reference_copy_storage,
 )
 from .config import RatioGRPOConfig
+from .corrections.centering import center_logps, centering_terms
 from .corrections.is_correction import importance_weights
 from .corrections.kept_logprobs import lift_sampler_logprobs
 from .corrections.processors import RepetitionPenalty
@@ -56,7 +60,12 @@ from .corrections.trust_region import trust_region_mask
 from .diagnostics.attribution import AttributionReference, row_positions, sample_rows
 from .diagnostics.console import quiet_console
 from .diagnostics.gate_callback import RatioGateCallback
-from .diagnostics.metric_keys import ROLLOUT_COPY_SECONDS, TRUST_REGION_MASKED_FRAC
+from .diagnostics.metric_keys import (
+    CENTERING_DRIFT_TV,
+    CENTERING_TAIL_MASS,
+    ROLLOUT_COPY_SECONDS,
+    TRUST_REGION_MASKED_FRAC,
+)
 from .diagnostics.ratio_diagnostics import FULL_VOCAB_KEYS, RatioDiagnostics
 from .diagnostics.ratios import importance_sampling_weights
 from .diagnostics.run_record_callback import RunRecordCallback
@@ -67,7 +76,7 @@ from .modes import DEFAULT_HEAD_OPERANDS, FP32_CLONE, FP32_HEAD, INTEGER_MODE
 from .old_pass.copies import WeightsVersion, WeightsVersionCallback
 from .old_pass.fused_head import capture_norm_inputs, fused_head_fallback, fused_old_logps, say_fused_head
 from .old_pass.integer_pass import integer_old_logps
-from .old_pass.kept_head import KeptSetChunks, capture_last_hidden
+from .old_pass.kept_head import KeptSetChunks, capture_last_hidden, head_logits
 from .old_pass.scorer import OldLogprobScorer, check_text_only, scoring_head_arithmetic
 from .old_pass.sharding.engines import engine_of, sharded_policy
 from .old_pass.sharding.fsdp2 import fp32_logprob_output
@@ -153,6 +162,7 @@ class RatioHooks:
         # run.json + log_history.json in output_dir: what the report reads (and what the old pass's fp32 head computed)
         self.add_callback(RunRecordCallback(partial(scoring_head_arithmetic, self.args, self.accelerator.device)))
         check_sharded_mode(self.accelerator, self.model, args)  # FSDP2/ZeRO-3 combinations that cannot be exact
+        check_centering_engine(args, engine_of(self.accelerator))  # score_centering: an unsharded LM head
         check_old_pass(policy, args)  # layer indices, anatomy, copy storage: here, not at step 1
         self._scorer = None  # built on first use (`scorer`): accelerate wraps FSDP2/ZeRO-3 models inside train()
         self._reference_scorer = None  # ratio_attribution's fp32 reference, built on first use (`reference_scorer`)
@@ -162,6 +172,7 @@ class RatioHooks:
         self._micro_batch: MicroBatchRecord | None = None
         self._warned_unrecorded = False  # one warning for generate calls the recorder did not see
         self._trust_region_counts = None  # trust_region: (masked, valid) tokens of this update, on the device
+        self._centering_sums = None  # score_centering: (3,) sums of this update (`centering_terms`' stats), on the device
 
     # ------------------------------------------------------------------------------------------------------------
     # setup checks
@@ -265,6 +276,8 @@ class RatioHooks:
         if self.plan.corrects:
             # a row index that TRL shuffles and splits with the batch: micro-batches find their rows' kept sets
             output["kept_row_index"] = torch.arange(output["completion_ids"].size(0), device=self.accelerator.device)
+        if self.plan.centering_top_k:  # micro-batches find their rows' recorded top-k
+            output["centering_row_index"] = torch.arange(output["completion_ids"].size(0), device=self.accelerator.device)
         if self.routing.active:  # the sampler's routes in TRL's layout; micro-batches find their rows' routes
             generation.routes.finish(output["prompt_mask"], output["completion_mask"])
             output["route_row_index"] = torch.arange(output["completion_ids"].size(0), device=self.accelerator.device)
@@ -356,7 +369,7 @@ class RatioHooks:
             with self._drawing():
                 return self._trl_generate_single_turn(prompt_ids, *args, **kwargs)
         keep_sets = self.plan.records_kept_sets
-        recorder = SamplerLogprobRecorder(support_size_only=not keep_sets)
+        recorder = SamplerLogprobRecorder(support_size_only=not keep_sets, top_k=self.plan.centering_top_k)
         integer = self.rollout_copy is not None and self.rollout_copy.is_integer
         if integer:  # the integer sampler's own fixed-point log-probs (no logits processor runs)
             with self._drawing():
@@ -370,6 +383,7 @@ class RatioHooks:
         if not generation.recorded:  # the first turn; later tool turns only extend the log-probs TRL stitches
             generation.recorded = True
             generation.kept = record.kept if keep_sets else None
+            generation.sampler_top_k = record.top_k
         # TRL pads these into `sampling_per_token_logps` (B, T) and stitches tool turns; NaN = not recorded
         logprobs = record.logprobs.cpu()  # (B, T): TRL takes Python lists here; one copy, not one per row
         return completion_ids, [logprobs[i, : len(ids)].tolist() for i, ids in enumerate(completion_ids)]
@@ -559,9 +573,13 @@ class RatioHooks:
         if fused:
             check_text_only(args, kwargs)
         capture = capture_norm_inputs(self.accelerator.unwrap_model(model)) if fused else contextlib.nullcontext()
-        with routes, capture as norm_inputs:
+        centres = micro_batch is not None and self.plan.centering is not None and torch.is_grad_enabled()
+        last_hidden = capture_last_hidden(self.accelerator.unwrap_model(model)) if centres else contextlib.nullcontext()
+        with routes, capture as norm_inputs, last_hidden as hidden:
             logps, entropies, aux, on_kept = self._policy_logps(model, input_ids, attention_mask, logits_to_keep,
                                                                  batch_size, kept, *args, **kwargs)
+        if centres:  # the same values, the centred gradient: TRL's loss reads them after this call returns
+            logps = self._centre(model, generation, micro_batch, logps, hidden, attention_mask, logits_to_keep)
         if fused:  # TRL's `_compute_loss` reads the micro-batch's old log-probs after this call returns
             micro_batch.inputs["old_per_token_logps"] = fused_old_logps(self.scorer, norm_inputs, input_ids[:, -logits_to_keep:],
                                                                        self.temperature, self.weights_version.value)
@@ -575,6 +593,49 @@ class RatioHooks:
         if micro_batch is not None and self.args.trust_region is not None:  # read by TRL after this call returns
             self._trust_region(micro_batch.inputs, logps)
         return logps, entropies, aux
+
+    def _centre(self, model, generation, micro_batch, logps, hidden, attention_mask, logits_to_keep: int):
+        """`score_centering`: the training forward's log-probs (b, T) with the centred score as their gradient
+        (`corrections.centering`): c_t from the forward's last hidden states through the LM head, K cells at a time
+        (no (b, T, V) tensor), the sampler's distribution recomputed (`"exact"`: temperature and the kept sets or
+        the sampler's filter) or recorded (`"top_k"`); the (3,) statistics summed on the device."""
+        T = logits_to_keep
+        unwrapped = self.accelerator.unwrap_model(model)
+        h = torch.cat([x[:, -T - 1:-1] for x in hidden])  # (b, T, H): the positions predicting the T tokens
+        logits = head_logits(unwrapped, h, bool(trl_field(self.args, "cast_lm_head_to_fp32")), self.accelerator.autocast)
+        mask = attention_mask[:, -T:].bool()  # (b, T)
+        stats: list = []
+        if self.plan.centering_top_k:
+            ids, logq = generation.sampler_top_k  # (B, T_rec, k) each
+            rows = micro_batch.inputs["centering_row_index"]  # (b,)
+            ids, logq = ids[rows.to(ids.device)], logq[rows.to(logq.device)]  # (b, T_rec, k)
+            if ids.size(1) < T:  # TRL pads completions beyond the recording (pad_to_multiple_of): masked cells
+                pad = T - ids.size(1)
+                ids = torch.nn.functional.pad(ids, (0, 0, 0, pad))
+                logq = torch.nn.functional.pad(logq, (0, 0, 0, pad), value=-torch.inf)
+            term = centering_terms(logits, mask, self.temperature, topk_ids=ids[:, :T], topk_logprobs=logq[:, :T],
+                                   tail=self.plan.centering_tail, stats=stats)
+        else:
+            kept = self._kept_rows(generation, micro_batch, h.size(0), T)
+            if kept is None or getattr(kept, "support_size_only", False):  # no sets (or sizes only): the filter
+                kept = self.plan.sampling if self.plan.sampling.truncated else None
+            term = centering_terms(logits, mask, self.temperature, kept=kept,
+                                   on_kept=self.plan.renormalizes and kept is not None, stats=stats)
+        if self.model.training and stats:
+            sums = torch.stack(stats).sum(0)  # (3,)
+            self._centering_sums = sums if self._centering_sums is None else self._centering_sums + sums
+        return center_logps(logps, term.to(logps.dtype))
+
+    def _flush_centering(self) -> None:
+        """At the last micro-step of an update: `ratio/centering/*` (one read per optimizer step)."""
+        if (self._step + 1) % self.current_gradient_accumulation_steps != 0 or self._centering_sums is None:
+            return
+        tv, tail, count = self.accelerator.reduce(self._centering_sums, "sum").tolist()
+        self._centering_sums = None
+        if count > 0:
+            self._metrics["train"][CENTERING_DRIFT_TV].append(tv / count)
+            if self.plan.centering_top_k:
+                self._metrics["train"][CENTERING_TAIL_MASS].append(tail / count)
 
     def _routes(self, generation, micro_batch, attention_mask, logits_to_keep: int, old_pass: bool):
         """The routing session of one forward (`RoutingReplay.old_pass` / `update_forward`): an old pass over the
@@ -710,6 +771,8 @@ class RatioHooks:
             self._log_reused_weights(micro_batch, generation)
         if trust and self.model.training:
             self._flush_trust_region()
+        if self.plan.centering is not None and self.model.training:
+            self._flush_centering()
         if self.diagnostics is not None and self.model.training:
             self._update_diagnostics(micro_batch)
         return loss

@@ -688,3 +688,38 @@ def test_a_model_id_is_resolved_as_the_other_trainers_resolve_it(model_dir, tmp_
     trainer = make_trainer(models.DEFAULT_MODEL, tmp_path)
     assert trainer.model.config.name_or_path == str(cache / "SmolLM2-135M-Instruct")
     assert trainer.args.output_dir == str(tmp_path / "RatioAsyncGRPOTrainer")
+
+
+@pytest.mark.parametrize("objective", ["coupled", "decoupled"])
+def test_score_centering_trains_the_async_trainer(model_dir, tmp_path, objective):
+    """`score_centering="exact"` (issue 43 item 1): two steps through the real queue, loss finite; the terms of
+    staleness 0 are centred (their share logged), with q the server's top_p re-applied: TV(q, p) = 1 - kept mass."""
+    samples = samples_of(shift=-0.2)
+    trainer = make_trainer(model_dir, tmp_path, samples=samples, staleness=(0, 1, 2, 1), max_steps=2,
+                           async_objective=objective, score_centering="exact", top_p=0.8)
+    with async_grpo_on_cpu():
+        trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2 and all(math.isfinite(h["loss"]) for h in logs)
+    fracs = [h["ratio/centering/centred_token_frac"] for h in logs]
+    assert all(0.0 <= f <= 1.0 for f in fracs) and fracs[0] > 0  # the first step has staleness-0 terms
+    assert 0.1 < logs[0]["ratio/centering/drift_tv"] < 0.3
+
+
+def test_score_centering_leaves_the_async_loss_values_and_refuses_top_k(model_dir, tmp_path):
+    """Centred, the coupled loss of a micro-batch is TRL's bit for bit (the gradient changes); "top_k" is refused."""
+    samples = samples_of(shift=-0.2)
+    batch = packed_batch(samples, staleness=[0, 0, 0, 0])
+    losses, grads = [], []
+    for centring in (None, "exact"):
+        trainer = make_trainer(model_dir, tmp_path / str(centring), score_centering=centring, top_p=0.8)
+        trainer.model.zero_grad()
+        with async_grpo_on_cpu():
+            loss = trainer.compute_loss(trainer.model, dict(batch))
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append(torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None]))
+    assert torch.equal(losses[0], losses[1])
+    assert not torch.allclose(grads[0], grads[1])
+    with pytest.raises(ValueError, match="score_centering='top_k' is not allowed; allowed: exact"):
+        RatioAsyncGRPOConfig(str(tmp_path / "x"), use_cpu=True, score_centering="top_k")

@@ -59,7 +59,7 @@ def test_the_table_and_the_docs_list_the_same_keys():
                         keys.BY_POSITION_PREFIX}
     assert len(keys.TABLE) == (3 * len(keys.FAMILY_STATS) + 2 * len(keys.MISMATCH_STATS) + len(keys.SINGLE_KEYS)
                                + len(keys.ROUTE_KEYS) + len(keys.ATTRIBUTION_KEYS)
-                               + len(keys.BY_POSITION_SEQ_KEYS)) == 72 + 20 + 13
+                               + len(keys.BY_POSITION_SEQ_KEYS)) == 75 + 20 + 13  # 75: with ratio/centering/*
 
 
 def test_route_keys_of_an_moe_run_are_in_the_table_and_the_docs(tmp_path):

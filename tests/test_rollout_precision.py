@@ -251,3 +251,13 @@ def test_rloo_shares_the_hook(tmp_path, precision):
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
     assert all(r[OLD_SAMPLER.num_tokens] > 0 and r[OLD_SAMPLER.mean_abs_log_ratio] > 1e-4 for r in rows)
     assert trainer.rollout_copy.num_remakes == 2
+
+
+@pytest.mark.parametrize("precision, centering", [("int8", "exact"), ("integer", "top_k"), ("integer", "exact")])
+def test_score_centering_with_a_rollout_copy_is_refused_where_q_would_not_be_the_copys(tmp_path, precision, centering):
+    """score_centering='exact' recomputes q from the policy's forward (not the copy's); the integer sampler records
+    no top-k: both refused early, naming both fields."""
+    with pytest.raises(ValueError, match=r"score_centering") as err:
+        RatioGRPOConfig(output_dir=str(tmp_path), use_cpu=True, rollout_precision=precision,
+                        score_centering=centering, report_to="none")
+    assert "rollout_precision" in str(err.value)

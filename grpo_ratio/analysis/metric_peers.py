@@ -105,6 +105,9 @@ _SINGLE = {
     keys.TRUST_REGION_MASKED_FRAC: ("`actor/pg_clipfrac` (dppo_tv / dppo_kl: the masked share)", _,
                                     "`is_masked` (its DPPO mask, against the sampler)", _),
     keys.ROLLOUT_COPY_SECONDS: (_, _, _, _),
+    keys.CENTERING_DRIFT_TV: (_, _, _, _),
+    keys.CENTERING_TAIL_MASS: (_, _, _, _),
+    keys.CENTERING_FRESH_FRAC: (_, _, _, _),
 }
 
 

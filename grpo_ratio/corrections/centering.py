@@ -14,7 +14,8 @@ e_y - q.
 
 As a surrogate: the centring term c_t = sum_v sg(q_v) log p_v (minus the cross-entropy of p under q) has gradient
 E_q[grad log p], so log p(y_t) - c_t has the centred score as its gradient. `center_logps` returns
-log p(y_t) - c_t + sg(c_t): the same values (so ratios, clips and metrics are unchanged), the centred gradient.
+log p(y_t) - (c_t - sg(c_t)): the same values bit for bit (so ratios, clips and metrics are unchanged), the centred
+gradient.
 
 Two ways to get c_t:
 - `exact_centering_term`: the sampler's full next-token distribution is known (the `generate` path, where the sampler
@@ -27,13 +28,33 @@ Two ways to get c_t:
   sg(1 - Q_K) log(1 - P_K) (its gradient is that tail's score expectation exactly under that assumption); `"drop"`
   leaves the tail out. Either way the centred gradient differs from the exact one by at most 2 (1 - Q_K) in L1 over
   the logits (`tests/test_centering.py`), Q_K = the sampler's top-k mass.
+
+In a trainer (`score_centering`, docs/corrections.md): `centering_terms` computes c_t for every completion token of a
+(B, T) batch from the logits, or from hidden states through the LM head (`kept_logprobs.HeadLogits`), K cells at a
+time, each chunk recomputed in backward (`kept_logprobs.RecomputedCells`): the memory is one chunk's (K, V) tensors,
+never (B, T, V). The sampler's distribution of a cell is either given as its top-k log-probs (`"top_k"`) or recomputed
+from the same logits (`"exact"`: q = softmax of the detached logits / temperature, over the sampler's kept set when it
+truncated), which is the sampler's own distribution where the sampler is these weights (transformers `generate` at the
+first inner step; an asynchronous sample of staleness 0).
 """
 
 from __future__ import annotations
 
+import math
+from typing import TYPE_CHECKING
+
 import torch
 
+from .kept_logprobs import DEFAULT_CHUNK_CELLS, HeadLogits, RecomputedCells
+from .kept_sets import KeptSets
 
+
+if TYPE_CHECKING:
+    from .kept_sets import SamplingSettings
+
+
+VARIANTS = ("exact", "top_k")  # `score_centering`: where the sampler's distribution comes from
+DEFAULT_TOP_K = 20  # `score_centering_top_k` unset
 TAILS = ("proportional", "drop")
 DEFAULT_TILE = 8192  # vocabulary columns per tile
 
@@ -175,6 +196,136 @@ class _LogSumExp(torch.autograd.Function):
 
 
 def center_logps(logps: torch.Tensor, term: torch.Tensor) -> torch.Tensor:
-    """log p(y_t) - c_t + sg(c_t): the values of `logps` (ratios, clips and metrics unchanged), the centred score as
+    """log p(y_t) - (c_t - sg(c_t)): the values of `logps` bit for bit (ratios, clips and metrics unchanged), the centred score as
     their gradient. Shapes: any, `term` broadcastable to `logps` ((B, T) each in a trainer)."""
-    return logps - term + term.detach()
+    return logps - (term - term.detach())  # term - sg(term) is exactly 0: the values of `logps`, bit for bit
+
+
+def centering_source(args) -> str | None:
+    """What the sampler's distribution of a run's `score_centering` is, in words, for its run record (`run.json`):
+    None when off. `args`: any config with `score_centering` (and `truncation_correction`, `top_p`, `top_k`, `min_p`,
+    `score_centering_top_k`, `score_centering_tail`, `trl_trainer` where it has them)."""
+    kind = getattr(args, "score_centering", None)
+    if kind is None:
+        return None
+    if kind == "top_k":
+        k = getattr(args, "score_centering_top_k", None) or DEFAULT_TOP_K
+        tail = getattr(args, "score_centering_tail", None) or "proportional"
+        return f"top_k: the generate recording's top {k} processed log-probs per token, {tail} tail"
+    truncated = ((getattr(args, "top_p", None) or 1.0) < 1.0 or (getattr(args, "top_k", None) or 0) > 0
+                 or (getattr(args, "min_p", None) or 0.0) > 0)
+    if getattr(args, "trl_trainer", None) == "async_grpo":
+        how = "the server's filter re-applied in vLLM's order" if truncated else "untruncated (q = p: a zero term)"
+        return f"exact: recomputed from the training forward at staleness-0 terms, {how}; stale terms not centred"
+    if getattr(args, "truncation_correction", "none") != "none":
+        how = "over the correction's kept sets"
+    else:
+        how = "the sampler's filter re-applied" if truncated else "untruncated (q = p: a zero term)"
+    return f"exact: recomputed from the training forward (the weights that sampled, generate), {how}"
+
+
+def centering_terms(logits: torch.Tensor | HeadLogits, mask: torch.Tensor, temperature: float = 1.0, *,
+                    kept: KeptSets | SamplingSettings | None = None, on_kept: bool = False,
+                    topk_ids: torch.Tensor | None = None, topk_logprobs: torch.Tensor | None = None,
+                    tail: str = "proportional", chunk_cells: int | None = None,
+                    stats: list | None = None) -> torch.Tensor:
+    """The centring term c_t of every completion token of a batch, (B, T) fp32, differentiable in the logits (or in
+    the hidden states and the LM head's parameters of a `HeadLogits`); `center_logps(logps, term)` then gives the
+    centred score. Without `topk_ids`: the `"exact"` variant, the sampler's distribution recomputed from these logits
+    (detached; `exact_centering_term`); with them: the `"top_k"` variant (`topk_centering_term`).
+
+    Args:
+        logits (`torch.Tensor` (B, T, V), any float dtype, or `HeadLogits`): the policy's raw logits at the completion
+            positions (divided by `temperature` here). A `HeadLogits` under autograd is projected K cells at a time and
+            each chunk recomputed in backward (`RecomputedCells`): never a (B, T, V) tensor.
+        mask (`torch.Tensor` (B, T) bool): the tokens to centre; other cells get 0.0 and no computation.
+        temperature (`float`): the sampler's temperature (> 0), TRL's `temperature`.
+        kept (`KeptSets` (B, T), `SamplingSettings` or None): `"exact"` only: the sampler's kept set of every cell
+            (recorded), or the sampler's filter re-applied to these logits (`SamplingSettings.keep_mask`), or None
+            (no truncation: q = p at these weights, the term's gradient q - p is 0).
+        on_kept (`bool`): `"exact"` only: the policy's log-probs are taken over the kept sets (`renormalize`), so the
+            policy side of c is log p_S too.
+        topk_ids, topk_logprobs (`torch.Tensor` (B, T, k), int64 / float): `"top_k"`: the sampler's top-k token ids and
+            their processed log-probs per cell (-inf for ids beyond its kept set).
+        tail (`str`): `"top_k"`: one of `TAILS`.
+        chunk_cells (`int`, *optional*): cells per chunk (`kept_logprobs.DEFAULT_CHUNK_CELLS`); memory K x V x 4 B a
+            few times over.
+        stats (`list`, *optional*): when given, one (3,) fp32 tensor per call is appended, on the device, no grad:
+            the sums over the centred cells of TV(q, p) (`"top_k"`: over the top-k ids and the tail as one outcome, a
+            lower bound of the full TV), of the sampler's mass off its top-k (0 for `"exact"`), and the cell count.
+
+    Returns:
+        (B, T) c_t (fp32; fp64 for fp64 logits), 0.0 outside `mask`.
+
+    Raises:
+        ValueError: shapes that disagree, temperature <= 0, an unknown `tail`, `on_kept` without `kept`, or `kept` on
+            the `"top_k"` variant.
+
+    Source: Marek & Ryabinin, "Score Centering Stabilizes Off-policy RL", arXiv 2609.20807; top-k as in SkyRL PR #2244
+    and miles PR #3317 ("proportional-tail").
+    """
+    B, T, V = logits.shape
+    if tuple(mask.shape) != (B, T):
+        raise ValueError(f"mask must be (B, T) = {(B, T)}, got {tuple(mask.shape)}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    top_k = topk_ids is not None
+    if top_k:
+        if tail not in TAILS:
+            raise ValueError(f"tail={tail!r} is not allowed; allowed: {', '.join(TAILS)}")
+        if topk_logprobs is None or topk_ids.dim() != 3 or tuple(topk_ids.shape[:2]) != (B, T) or \
+                tuple(topk_logprobs.shape) != tuple(topk_ids.shape):
+            raise ValueError(f"topk_ids and topk_logprobs must both be (B, T, k) with (B, T) = {(B, T)}, got "
+                             f"{tuple(topk_ids.shape)} and {None if topk_logprobs is None else tuple(topk_logprobs.shape)}")
+        if kept is not None or on_kept:
+            raise ValueError("kept / on_kept apply to the exact variant only (top_k centres the full-vocabulary score)")
+        flat_ids = topk_ids.reshape(B * T, -1).to(device=logits.device, dtype=torch.long)  # (B*T, k)
+        flat_lq = topk_logprobs.reshape(B * T, -1).to(logits.device)  # (B*T, k)
+    elif on_kept and kept is None:
+        raise ValueError("on_kept needs the kept sets (kept=KeptSets or SamplingSettings)")
+    chunk_cells = DEFAULT_CHUNK_CELLS if chunk_cells is None else chunk_cells
+    cells = mask.to(logits.device).reshape(-1).nonzero().squeeze(1)  # (M,)
+    chunks = list(cells.split(chunk_cells)) if cells.numel() else []
+
+    def value(c: torch.Tensor, raw: torch.Tensor, check: bool = True) -> torch.Tensor:
+        """(K,) c_t of the flat cells c (K,) from their raw logits (K, V); `check` is True in the forward only."""
+        z = _up(raw) / temperature  # (K, V) fp32 (fp64 stays fp64)
+        if top_k:
+            ids, lq = flat_ids[c], flat_lq[c]  # (K, k)
+            term = topk_centering_term(z, ids, lq, tail=tail)
+            if check and stats is not None:
+                with torch.no_grad():
+                    q_k = torch.exp(lq.float())  # (K, k)
+                    p_k = torch.softmax(z.detach(), -1).gather(1, ids)  # (K, k)
+                    tail_q, tail_p = (1 - q_k.sum(-1)).clamp(min=0), (1 - p_k.sum(-1)).clamp(min=0)  # (K,)
+                    tv = 0.5 * ((q_k - p_k).abs().sum(-1) + (tail_q - tail_p).abs())
+                    stats.append(torch.stack([tv.sum(), tail_q.sum(), torch.tensor(float(c.numel()), device=z.device)]))
+            return term
+        if kept is None:
+            keep = None
+        elif isinstance(kept, KeptSets):
+            keep = kept.dense_cells(c, z.shape[-1]).to(z.device)  # (K, V)
+        else:
+            keep = kept.keep_mask(raw.detach()).to(z.device)  # (K, V): the sampler's filter on these logits
+        zq = z.detach() if keep is None else z.detach().masked_fill(~keep, -math.inf)  # (K, V) the sampler's
+        zp = z.masked_fill(~keep, -math.inf) if on_kept else z  # (K, V) the policy's (over S under `renormalize`)
+        if check and stats is not None:
+            with torch.no_grad():
+                tv = 0.5 * (torch.softmax(zq, -1) - torch.softmax(zp.detach(), -1)).abs().sum(-1)  # (K,)
+                stats.append(torch.stack([tv.sum(), tv.new_zeros(()), torch.tensor(float(c.numel()), device=z.device)]))
+        return exact_centering_term(zp, zq, tile=z.shape[-1])
+
+    if isinstance(logits, HeadLogits) and logits.requires_grad and chunks:
+        def from_hidden(c, h, *params, check):  # (K,) from the cells' hidden states (K, H) and the head's parameters
+            return value(c, logits.project(h, *params), check)
+
+        values = [RecomputedCells.apply(from_hidden, chunks, logits.flat, *logits.params)]
+    elif isinstance(logits, HeadLogits):
+        values = [value(c, logits.cells(c)) for c in chunks]
+    else:
+        values = [value(c, logits[c // T, c % T]) for c in chunks]  # (K,) each
+    flat = torch.cat(values) if values else None  # (M,)
+    out = torch.zeros(B * T, dtype=torch.float32 if flat is None else flat.dtype, device=logits.device)  # (B*T,)
+    if flat is not None:
+        out = out.index_put((cells,), flat)
+    return out.reshape(B, T)

@@ -119,6 +119,9 @@ FULL_REVERSE_KL = f"{NEW_OLD.prefix}/full_reverse_kl"
 FULL_TV = f"{NEW_OLD.prefix}/full_tv"
 TRUST_REGION_MASKED_FRAC = f"{PREFIX}/trust_region_masked_frac"
 ROLLOUT_COPY_SECONDS = f"{PREFIX}/rollout_copy_seconds"
+CENTERING_DRIFT_TV = f"{PREFIX}/centering/drift_tv"
+CENTERING_TAIL_MASS = f"{PREFIX}/centering/tail_mass"
+CENTERING_FRESH_FRAC = f"{PREFIX}/centering/centred_token_frac"
 
 _IS_LOSS = "is_correction, or lift_sampler with vLLM's IS correction"
 _IS_ANY = "an IS weight in the loss (vLLM's correction, or is_correction)"
@@ -163,6 +166,14 @@ SINGLE_KEYS = {
     ROLLOUT_COPY_SECONDS: KeyInfo("rollout_precision other than 'policy', a generation that re-made the copy",
                                   "wall seconds spent re-making the rollout copy from the policy's weights (re-cast, "
                                   "re-quantized or re-converted), mean over the logged generations"),
+    CENTERING_DRIFT_TV: KeyInfo("score_centering set", "total variation between the sampler's distribution and the "
+                                "policy's at each centred token, mean over those tokens (half the L1 norm of the "
+                                "subtracted logit gradient q - p; 0: nothing to centre); top_k: over the top-k ids "
+                                "and the tail as one outcome, a lower bound"),
+    CENTERING_TAIL_MASS: KeyInfo('score_centering="top_k"', "the sampler's mass off its recorded top k, mean over "
+                                 "centred tokens: the centred gradient is within twice it (L1) of the exact one"),
+    CENTERING_FRESH_FRAC: KeyInfo("score_centering set (async)", "share of loss terms centred: those of staleness "
+                                  "0, whose sampling weights are the forward's"),
 }
 
 # the mismatch units of NEW_OLD and OLD_SAMPLER, present with their family

@@ -43,6 +43,8 @@ import json
 import os
 from pathlib import Path
 
+from ..corrections.centering import centering_source
+
 
 __all__ = ["GATE_STOP", "GATE_STOP_EXIT_CODE", "HEAD_ARITHMETIC", "LOG_HISTORY_FILE", "PER_TRAIN_KEYS", "RUN_FIELDS", "RUN_FILE",
            "STOPPED_BY_GATE", "TRAINS_NOTHING", "exit_status", "read_run_record", "run_config", "run_finished",
@@ -68,14 +70,17 @@ RUN_FIELDS = ("old_logprob_mode", "guided_fp32_layers", "truncation_correction",
               "routing_replay", "ratio_attribution", "is_correction", "is_correction_level", "is_correction_action",
               "is_correction_low", "is_correction_high", "is_correction_rejection", "is_correction_veto",
               "vllm_importance_sampling_mode", "async_objective", "max_staleness", "trl_trainer", "trust_region",
-              "ratio_by_position", "fp32_head_operands")
+              "ratio_by_position", "fp32_head_operands", "score_centering", "score_centering_top_k",
+              "score_centering_tail", "score_centering_source")
 
 
 def run_config(args) -> dict:
     """`RUN_FIELDS` of a `RatioGRPOConfig` or `RatioRLOOConfig` (None where the config lacks one: RLOO has no
     `vllm_importance_sampling_correction`); `trl_trainer` says which TRL trainer ran ("grpo", "rloo"): what
     `findings` reads of a run."""
-    return {k: getattr(args, k, None) for k in RUN_FIELDS}
+    config = {k: getattr(args, k, None) for k in RUN_FIELDS}
+    config["score_centering_source"] = centering_source(args)
+    return config
 
 
 def read_run_record(run_dir: str | Path) -> dict:

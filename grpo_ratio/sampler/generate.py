@@ -37,10 +37,14 @@ class SamplerRecord:
             completion mask; -inf for a forced pad outside the kept set when no mask is given.
         kept (`KeptSets | None`): the kept set of every cell (empty outside the completion mask); None when the
             generate call was not recorded (its log-probs are then NaN).
+        top_k (`tuple | None`): with a recorder's `top_k`: (ids (N, T, k) int64, log-probs (N, T, k) fp32), the k
+            most probable tokens of every step's processed distribution (-inf beyond its kept set), for
+            `score_centering="top_k"`; None otherwise.
     """
 
     logprobs: torch.Tensor
     kept: KeptSets | None
+    top_k: tuple | None = None
 
 
 class SamplerLogprobRecorder(LogitsProcessor):
@@ -61,14 +65,18 @@ class SamplerLogprobRecorder(LogitsProcessor):
         support_size_only (`bool`, defaults to `False`): record only |S| (no `nonzero`, no ids).
         storage_device (`torch.device | str`, *optional*): where recorded ids / log-probs live (default: the device
             of the scores). `"cpu"` moves them off the accelerator each step.
+        top_k (`int`, defaults to 0): also record the k most probable tokens of each step's processed distribution
+            and their log-probs ((N, k) per step; `score_centering="top_k"`, arXiv 2609.20807); 0: none.
 
     Source: the batch-logprob-gap report's `grpo_effect.py` takes the rollout log-probs from
     `generate(output_scores=True)`;
     this computes the same `log_softmax(scores)[g]` streaming.
     """
 
-    def __init__(self, support_size_only: bool = False, storage_device: torch.device | str | None = None):
+    def __init__(self, support_size_only: bool = False, storage_device: torch.device | str | None = None,
+                 top_k: int = 0):
         self.support_size_only = support_size_only
+        self.top_k = top_k
         self.storage_device = storage_device
         self.attached = False
         self.reset()
@@ -80,6 +88,7 @@ class SamplerLogprobRecorder(LogitsProcessor):
         self._logps: list[torch.Tensor] = []  # (N,) fp32 per step, one step behind
         self._sizes: list[torch.Tensor] = []  # (N,) int32 per step
         self._ids: list[torch.Tensor] = []  # (nnz_t,) int32 per step, row-major within the step
+        self._top: list[tuple[torch.Tensor, torch.Tensor]] = []  # (N, k) int64 ids, (N, k) fp32 log-probs per step
 
     @property
     def prompt_length(self) -> int | None:
@@ -105,6 +114,9 @@ class SamplerLogprobRecorder(LogitsProcessor):
         else:  # the token drawn from the previous step's distribution is now the last input id
             self._logps.append(self._store(self._prev_logsm.gather(1, input_ids[:, -1:]).squeeze(1)))  # (N,)
         self._prev_logsm = torch.log_softmax(scores.float(), dim=-1)  # (N, V)
+        if self.top_k:
+            values, ids = self._prev_logsm.topk(min(self.top_k, scores.shape[-1]), dim=-1)  # (N, k) each
+            self._top.append((self._store(ids), self._store(values)))
         keep = scores != -math.inf  # (N, V) the kept set: every processor writes -inf outside it
         self._sizes.append(self._store(keep.sum(-1, dtype=torch.int32)))  # (N,)
         if not self.support_size_only:
@@ -140,7 +152,14 @@ class SamplerLogprobRecorder(LogitsProcessor):
             mask = completion_mask.to(device=logprobs.device, dtype=torch.bool)  # (N, T)
             logprobs = torch.where(mask, logprobs, 0.0)
             kept = kept.masked(mask.to(kept.sizes.device))
-        return SamplerRecord(logprobs=logprobs.float(), kept=kept)
+        return SamplerRecord(logprobs=logprobs.float(), kept=kept, top_k=self._top_k(T))
+
+    def _top_k(self, T: int) -> tuple | None:
+        """(ids (N, T, k), log-probs (N, T, k)) of the first T steps, or None without `top_k`."""
+        if not self.top_k or not T:
+            return None
+        ids = torch.stack([i for i, _ in self._top[:T]], 1)  # (N, T, k)
+        return ids, torch.stack([v for _, v in self._top[:T]], 1)
 
     def _kept_sets(self, T: int) -> KeptSets:
         """Reorder the step-major recording of the first T steps into row-major CSR."""
