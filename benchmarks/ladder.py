@@ -24,7 +24,7 @@ uncorrected arm its baseline) under `OUTPUT_ROOT/NAME/<setting>/` (NAME: the sou
 that reproduces the cell, its CPU and wall seconds); then `ladder.json` (`grpo_ratio.ladder.outcomes`: held-out reward,
 AUC, collapse signals, verdicts, step-1 diagnostics, cost) and the reward-curve figure. A finished cell is read back,
 not trained again; a cell folder of another configuration is an error. At the reference setting (no mismatch) only
-the uncorrected arm runs unless `--corrections` names others (the corrections have nothing to act on there).
+the uncorrected arm runs (the corrections have nothing to act on there), unless `--corrections` leaves it out.
 """
 
 from __future__ import annotations
@@ -245,8 +245,8 @@ def run_ladder(source: str, testbed: str = "tiny", settings=None, corrections=No
     Args:
         source: a key of `grpo_ratio.ladder.LADDERS`.
         testbed: a key of `TESTBEDS`.
-        settings, corrections: subsets (names) of the ladder's; None: all (at the reference setting, only the
-            uncorrected arm unless `corrections` is given).
+        settings, corrections: subsets (names) of the ladder's; None: all (at the reference setting only the
+            uncorrected arm runs, unless `corrections` leaves it out).
         seeds: training seeds (data order and sampling).
         max_steps: overrides the testbed's steps (eval_steps follows).
         sets: extra config values for every cell (`--set KEY=VALUE`).
@@ -269,7 +269,9 @@ def run_ladder(source: str, testbed: str = "tiny", settings=None, corrections=No
     folder_name = name or (source if testbed == "tiny" else f"{source}-{testbed}")
     folder = Path(output_root) / folder_name
     for setting in chosen:
-        arms = asked or ([lad.uncorrected.name] if setting == lad.reference else [c.name for c in lad.corrections])
+        arms = asked or [c.name for c in lad.corrections]
+        if setting == lad.reference and lad.uncorrected.name in arms:  # nothing for a correction to act on there
+            arms = [lad.uncorrected.name]
         prints = {c: json.dumps({"testbed": testbed, "config": cell_config(source, testbed, setting, c, max_steps, sets),
                                  "arch": lad.arch}, sort_keys=True, default=str) for c in arms}
         run_comparison(arms, list(seeds), _builder(source, testbed, setting, max_steps, sets, output_root, name),
@@ -314,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--testbed", default="tiny", choices=list(TESTBEDS))
     parser.add_argument("--settings", nargs="+", help="setting names (default: all)")
     parser.add_argument("--corrections", nargs="+", help="correction names (default: all; the reference setting "
-                                                        "runs the uncorrected arm only)")
+                                                        "runs the uncorrected arm only, unless they leave it out)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="training seeds")
     parser.add_argument("--max_steps", type=int, help="steps per run (default: the testbed's)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

@@ -74,6 +74,14 @@ def test_staleness_dial_is_trls_steps_per_generation_and_the_uncorrected_arm_ope
     assert config_staleness({"gradient_accumulation_steps": 2, "steps_per_generation": 8, "num_iterations": 2}) == 7
     assert config_staleness({"max_staleness": 2}) == 2
     assert config_staleness(None) is None
+    # what the report reads of a run: its run.json carries the staleness dial's fields
+    from grpo_ratio.diagnostics.run_record import run_config
+    from grpo_ratio.ladder.rule import run_distance
+
+    config = run_config(RatioGRPOConfig(output_dir="unused", use_cpu=True, steps_per_generation=4,
+                                        gradient_accumulation_steps=2, per_device_train_batch_size=4,
+                                        num_generations=4))
+    assert run_distance(lad, [], config) == 1.0
 
 
 def test_a_cell_config_builds_and_a_dial_override_is_refused(tmp_path):

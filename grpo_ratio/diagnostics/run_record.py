@@ -63,7 +63,7 @@ RUN_FIELDS = ("old_logprob_mode", "guided_fp32_layers", "truncation_correction",
               "routing_replay", "ratio_attribution", "is_correction", "is_correction_level", "is_correction_action",
               "is_correction_low", "is_correction_high", "is_correction_rejection", "is_correction_veto",
               "vllm_importance_sampling_mode", "async_objective", "max_staleness", "trl_trainer", "trust_region",
-              "ratio_by_position")
+              "ratio_by_position", "steps_per_generation", "gradient_accumulation_steps", "epsilon")
 
 
 def run_config(args) -> dict:
