@@ -16,7 +16,7 @@ testbeds are `TESTBEDS` below, the one place their learning rate, steps and batc
   pass; truncation: the same `generate` filter and kept sets; precision: the same lower-precision copy), so a
   distance logged at step 1 means the same on both; what differs is how much reward a given distance costs;
 - `smollm2`: SmolLM2-135M-Instruct (`grpo_ratio.models.resolve_model`, offline: the converted GGUF) on the built-in
-  arithmetic task; 16 problems held out of the training set.
+  arithmetic task; 8 problems held out of the training set.
 
 Each setting is one `grpo-ratio compare` (arms = the corrections, matched data order and sampling seeds per seed, the
 uncorrected arm its baseline) under `OUTPUT_ROOT/NAME/<setting>/` (NAME: the source, `<source>-smollm2` on SmolLM2):
@@ -81,9 +81,9 @@ TESTBEDS = {
             per_device_eval_batch_size=16,
             ratio_attribution="8",
         ),
-        "eval_points": 8,
+        "eval_points": 5,  # each evaluation generates eval_prompts x num_generations completions: the costly part
         "train_examples": 1000,
-        "eval_prompts": 16,
+        "eval_prompts": 8,
         "model": "HuggingFaceTB/SmolLM2-135M-Instruct",
     },
 }
