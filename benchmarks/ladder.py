@@ -60,7 +60,6 @@ TESTBEDS = {
             max_completion_length=12, temperature=1.0,
             max_steps=60, learning_rate=3e-3, lr_scheduler_type="constant", beta=0.0,
             logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
-            gradient_checkpointing=False,  # TRL turns it on by default; it only slows a CPU step
             per_device_eval_batch_size=16,  # 4 held-out prompts x 4 completions per evaluation batch
             ratio_attribution="true",  # the attribution's terms at step 1 (one fp32 reference pass per batch)
         ),
@@ -77,7 +76,7 @@ TESTBEDS = {
             max_completion_length=16, temperature=1.0,
             max_steps=40, learning_rate=1e-5, lr_scheduler_type="constant", beta=0.0,
             logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
-            gradient_checkpointing=False,
+            gradient_checkpointing=False,  # TRL turns it on by default; it only slows a CPU step
             per_device_eval_batch_size=16,
             ratio_attribution="8",
         ),
