@@ -16,7 +16,7 @@ testbeds are `TESTBEDS` below, the one place their learning rate, steps and batc
   pass; truncation: the same `generate` filter and kept sets; precision: the same lower-precision copy), so a
   distance logged at step 1 means the same on both; what differs is how much reward a given distance costs;
 - `smollm2`: SmolLM2-135M-Instruct (`grpo_ratio.models.resolve_model`, offline: the converted GGUF) on the built-in
-  arithmetic task; 16 problems held out of the training set.
+  arithmetic task; 8 problems held out of the training set.
 
 Each setting is one `grpo-ratio compare` (arms = the corrections, matched data order and sampling seeds per seed, the
 uncorrected arm its baseline) under `OUTPUT_ROOT/NAME/<setting>/` (NAME: the source, `<source>-smollm2` on SmolLM2):
@@ -24,7 +24,7 @@ uncorrected arm its baseline) under `OUTPUT_ROOT/NAME/<setting>/` (NAME: the sou
 that reproduces the cell, its CPU and wall seconds); then `ladder.json` (`grpo_ratio.ladder.outcomes`: held-out reward,
 AUC, collapse signals, verdicts, step-1 diagnostics, cost) and the reward-curve figure. A finished cell is read back,
 not trained again; a cell folder of another configuration is an error. At the reference setting (no mismatch) only
-the uncorrected arm runs unless `--corrections` names others (the corrections have nothing to act on there).
+the uncorrected arm runs (the corrections have nothing to act on there), unless `--corrections` leaves it out.
 """
 
 from __future__ import annotations
@@ -81,12 +81,13 @@ TESTBEDS = {
             max_completion_length=16, temperature=1.0,
             max_steps=40, learning_rate=1e-5, lr_scheduler_type="constant", beta=0.0,
             logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
+            gradient_checkpointing=False,  # TRL turns it on by default; it only slows a CPU step
             per_device_eval_batch_size=16,
             ratio_attribution="8",
         ),
-        "eval_points": 8,
+        "eval_points": 5,  # each evaluation generates eval_prompts x num_generations completions: the costly part
         "train_examples": 1000,
-        "eval_prompts": 16,
+        "eval_prompts": 8,
         "model": "HuggingFaceTB/SmolLM2-135M-Instruct",
     },
 }
@@ -250,8 +251,8 @@ def run_ladder(source: str, testbed: str = "tiny", settings=None, corrections=No
     Args:
         source: a key of `grpo_ratio.ladder.LADDERS`.
         testbed: a key of `TESTBEDS`.
-        settings, corrections: subsets (names) of the ladder's; None: all (at the reference setting, only the
-            uncorrected arm unless `corrections` is given).
+        settings, corrections: subsets (names) of the ladder's; None: all (at the reference setting only the
+            uncorrected arm runs, unless `corrections` leaves it out).
         seeds: training seeds (data order and sampling).
         max_steps: overrides the testbed's steps (eval_steps follows).
         sets: extra config values for every cell (`--set KEY=VALUE`).
@@ -279,7 +280,9 @@ def run_ladder(source: str, testbed: str = "tiny", settings=None, corrections=No
     folder_name = name or (source if testbed == "tiny" else f"{source}-{testbed}")
     folder = Path(output_root) / folder_name
     for setting in chosen:
-        arms = asked or ([lad.uncorrected.name] if setting == lad.reference else [c.name for c in lad.corrections])
+        arms = asked or [c.name for c in lad.corrections]
+        if setting == lad.reference and lad.uncorrected.name in arms:  # nothing for a correction to act on there
+            arms = [lad.uncorrected.name]
         prints = {c: json.dumps({"testbed": testbed, "config": cell_config(source, testbed, setting, c, max_steps, sets),
                                  "arch": lad.arch}, sort_keys=True, default=str) for c in arms}
         run_comparison(arms, list(seeds), _builder(source, testbed, setting, max_steps, sets, output_root, name),
@@ -324,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--testbed", default="tiny", choices=list(TESTBEDS))
     parser.add_argument("--settings", nargs="+", help="setting names (default: all)")
     parser.add_argument("--corrections", nargs="+", help="correction names (default: all; the reference setting "
-                                                        "runs the uncorrected arm only)")
+                                                        "runs the uncorrected arm only, unless they leave it out)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="training seeds")
     parser.add_argument("--max_steps", type=int, help="steps per run (default: the testbed's)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

@@ -19,7 +19,14 @@ from grpo_ratio.diagnostics import metric_keys as keys
 from grpo_ratio.ladder import LADDERS, ladder
 from grpo_ratio.ladder.definitions import OPEN_CLIP, config_staleness, staleness_overrides
 from grpo_ratio.ladder.outcomes import area_under_curve, run_outcome, summarize_ladder
-from grpo_ratio.ladder.render import render_grid, render_headline, render_rule, render_thresholds
+from grpo_ratio.ladder.render import (
+    render_figures,
+    render_grid,
+    render_headline,
+    render_rule,
+    render_thresholds,
+    write_figures,
+)
 from grpo_ratio.ladder.rule import load_summaries, rule_for_run, rule_sentence, threshold_text
 from grpo_ratio.modes import MODES
 
@@ -74,6 +81,14 @@ def test_staleness_dial_is_trls_steps_per_generation_and_the_uncorrected_arm_ope
     assert config_staleness({"gradient_accumulation_steps": 2, "steps_per_generation": 8, "num_iterations": 2}) == 7
     assert config_staleness({"max_staleness": 2}) == 2
     assert config_staleness(None) is None
+    # what the report reads of a run: its run.json carries the staleness dial's fields
+    from grpo_ratio.diagnostics.run_record import run_config
+    from grpo_ratio.ladder.rule import run_distance
+
+    config = run_config(RatioGRPOConfig(output_dir="unused", use_cpu=True, steps_per_generation=4,
+                                        gradient_accumulation_steps=2, per_device_train_batch_size=4,
+                                        num_generations=4))
+    assert run_distance(lad, [], config) == 1.0
 
 
 def test_a_cell_config_builds_and_a_dial_override_is_refused(tmp_path):
@@ -207,17 +222,31 @@ def test_docs_blocks_render_from_the_folder_and_say_so_when_nothing_is_committed
     assert "lost held-out reward on the truncation ladder" in render_headline(summaries)
     assert render_grid([]) == "No ladder results committed yet (results/ladders/).\n"
     assert "No threshold sweep committed yet" in render_thresholds(tmp_path / "absent")
+    # the reward curves: one panel per setting, drawn into the ladder folder, linked relative to docs/
+    assert render_figures(written_ladder.parent, tmp_path).startswith("(truncation: no figure yet")
+    figure = write_figures(written_ladder, written_ladder)
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert render_figures(written_ladder.parent, tmp_path) == "![truncation: reward curves](" \
+        "ladders/truncation/reward_curves.png)\n"
 
 
 def test_the_committed_ladders_render_and_their_rule_holds_on_their_own_cells():
-    """The committed results (once they exist): every ladder summarizes, and the rule at a cell's own distance names
-    that cell."""
+    """The committed results (once they exist): every ladder summarizes; the rule at a cell's own distance names that
+    cell (or one at the same distance) and says "lost" exactly where the cell's loss verdict excludes 0 below."""
+    from grpo_ratio.ladder.rule import lost
+
     summaries = load_summaries(ROOT / "results" / "ladders")
     for summary in summaries:
+        distances = {}
         for setting, entry in summary["settings"].items():
             if entry["distance"] is not None and not math.isnan(entry["distance"]):
-                assert f"`{setting}`" in rule_sentence(summary, entry["distance"]) or any(
-                    other["distance"] == entry["distance"] for s, other in summary["settings"].items() if s != setting)
+                distances.setdefault(entry["distance"], []).append(setting)
+        for distance, settings in distances.items():
+            sentence = rule_sentence(summary, distance)
+            assert any(f"nearest committed cell is `{s}`" in sentence for s in settings), sentence
+            loss = summary["settings"][settings[0]]["corrections"].get(summary["uncorrected"], {}).get("loss")
+            if len(settings) == 1:
+                assert ("uncorrected runs there lost" in sentence) == lost(loss), sentence
 
 
 # ---------------------------------------------------------------------------------------------------------------------

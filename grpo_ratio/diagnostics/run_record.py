@@ -71,7 +71,8 @@ RUN_FIELDS = ("old_logprob_mode", "guided_fp32_layers", "truncation_correction",
               "is_correction_low", "is_correction_high", "is_correction_rejection", "is_correction_veto",
               "vllm_importance_sampling_mode", "async_objective", "max_staleness", "trl_trainer", "trust_region",
               "ratio_by_position", "fp32_head_operands", "score_centering", "score_centering_top_k",
-              "score_centering_tail", "score_centering_source")
+              "score_centering_tail", "score_centering_source", "steps_per_generation", "gradient_accumulation_steps",
+              "epsilon")
 
 
 def run_config(args) -> dict:

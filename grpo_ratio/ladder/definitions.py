@@ -211,7 +211,7 @@ PRECISION_LADDER = Ladder(
         Correction("icepop", {"is_correction": "icepop"}, "IcePop: token weights masked outside [0.5, 5]"),
         Correction("geometric_mask", {"is_correction": "geometric_mask"},
                    "sequences whose geometric-mean ratio leaves [0.99, 1.01] masked"),
-        Correction("sampler", {"old_logprob_mode": SAMPLER_MODE},
+        Correction(SAMPLER_MODE, {"old_logprob_mode": SAMPLER_MODE},
                    "old log-probs = the sampler's: PPO's ratio becomes policy / sampler",
                    extra_passes="one fewer: no old pass"),
     ),
