@@ -70,8 +70,8 @@ TESTBEDS = {
         # ~1.0 in 20-40 steps at this learning rate; 50 collapses onto a 0.667 plateau within 5 steps (pilot runs,
         # 2-core CPU, 2026-12-06), which leaves no reward for a mismatch to lose
         "head_scale": 10.0,
-        "never_eos": True,
-        "threads": 1,  # torch threads per run: two ladders run side by side on a 2-core machine  # every completion runs to max_completion_length: a continuous letter share
+        "never_eos": True,  # every completion runs to max_completion_length: a continuous letter share
+        "threads": 1,  # torch threads per run: two ladders run side by side on a 2-core machine
     },
     "smollm2": {
         "kind": "smollm2",
