@@ -119,7 +119,7 @@ def _staleness_settings() -> tuple[Setting, ...]:
     return tuple(Setting(f"k{k}", k, {"staleness": k},
                          f"steps_per_generation = {k + 1} x gradient_accumulation_steps: the last update of each "
                          f"generation batch trains on rollouts {k} optimizer step{'s' * (k != 1)} old")
-                 for k in (0, 1, 3, 7))
+                 for k in (0, 1, 3, 7, 15))
 
 
 def staleness_overrides(overrides: dict, gradient_accumulation_steps: int) -> dict:
@@ -174,6 +174,7 @@ TRUNCATION_LADDER = Ladder(
         Setting("top_p_0.95", 0.95, {"top_p": 0.95}, "nucleus 0.95"),
         Setting("top_p_0.8", 0.8, {"top_p": 0.8}, "nucleus 0.8"),
         Setting("top_p_0.5", 0.5, {"top_p": 0.5}, "nucleus 0.5"),
+        Setting("top_p_0.2", 0.2, {"top_p": 0.2}, "nucleus 0.2: past what users set, to push the dial"),
         Setting("top_k_5", 5, {"top_k": 5}, "the 5 most likely tokens"),
     ),
     corrections=(
