@@ -11,7 +11,7 @@ only: `benchmarks/ladder.py` runs the cells). The preset names are checked again
 Sources:
 - `staleness`: the synchronous trainer's own dial. `steps_per_generation = (k + 1) x gradient_accumulation_steps`
   with `num_iterations=1`: each generation batch feeds k + 1 optimizer steps, so its last update trains on rollouts k
-  optimizer steps behind the policy (k = 0, 1, 3, 7). TRL then runs its old pass at generation time, so new/old is the
+  optimizer steps behind the policy (k = 0, 1, 3, 7; 15 pushes the dial past what users meet). TRL then runs its old pass at generation time, so new/old is the
   honest staleness ratio. Uncorrected: that ratio unclipped (TRL's `epsilon` very large: plain importance sampling,
   no trust region); PPO's clip (TRL's default, epsilon 0.2); DPPO's trust region (`trust_region="dppo_tv"`, the clip
   opened as in the uncorrected arm so the mask alone acts). The `is_correction` presets do not apply here: they weigh
@@ -114,7 +114,7 @@ class Ladder:
 
 
 def _staleness_settings() -> tuple[Setting, ...]:
-    """k = 0, 1, 3, 7 optimizer steps behind; `steps_per_generation` is in units of gradient_accumulation_steps
+    """k = 0, 1, 3, 7, 15 optimizer steps behind; `steps_per_generation` is in units of gradient_accumulation_steps
     (the runner multiplies, `staleness_overrides`)."""
     return tuple(Setting(f"k{k}", k, {"staleness": k},
                          f"steps_per_generation = {k + 1} x gradient_accumulation_steps: the last update of each "
@@ -237,8 +237,41 @@ ROUTING_LADDER = Ladder(
     applies_key=keys.route_key("sampler_old", "any_layer"),
 )
 
+# Threshold sweeps (issue 41, item 5): at the staleness ladder's worst setting (k = 7) one knob per ladder, each
+# value a setting; `none` (the clip opened, no trust region) is the baseline at every value. Run with
+# `--name thresholds/<source>`, so that they sit apart from the ladders (docs/when_it_matters.md, "Thresholds").
+_SWEPT = Correction("swept", {}, "the correction at the setting's value of the knob")
+_NO_TRUST_REGION = {**_OPEN, "trust_region": None, "trust_region_low": None, "trust_region_high": None}
+PPO_EPSILON_SWEEP = Ladder(
+    source="ppo_epsilon",
+    description="PPO's clip width at rollouts 7 optimizer steps behind",
+    dial="epsilon (TRL's clip [1 - eps, 1 + eps]) at staleness k = 7",
+    settings=tuple(Setting(f"eps_{e}", e, {"staleness": 7, "epsilon": e},
+                           f"clip at [{1 - e:g}, {1 + e:g}]" + (" (TRL's default)" if e == 0.2 else ""))
+                   for e in (0.1, 0.2, 0.5, 1.0)),
+    corrections=(Correction("none", _OPEN, "new/old unclipped (epsilon 1e9)", uncorrected=True), _SWEPT),
+    reference="eps_0.2",
+    distance=Distance(STALENESS, "staleness (optimizer steps between a rollout and its last update)"),
+)
+DPPO_TV_SWEEP = Ladder(
+    source="dppo_tv_delta",
+    description="DPPO's binary-TV trust region width at rollouts 7 optimizer steps behind",
+    dial="trust_region_low = trust_region_high (delta) with trust_region='dppo_tv', the clip opened, at k = 7",
+    settings=tuple(Setting(f"delta_{d}", d, {"staleness": 7, **_OPEN, "trust_region": "dppo_tv",
+                                               "trust_region_low": d, "trust_region_high": d},
+                           f"tokens whose |p_new - p_old| leaves {d:g} on the advantage's side masked"
+                           + (" (the default)" if d == 0.15 else ""))
+                   for d in (0.05, 0.15, 0.3, 0.6)),
+    corrections=(Correction("none", _NO_TRUST_REGION, "no trust region, the clip opened", uncorrected=True),
+                 _SWEPT),
+    reference="delta_0.15",
+    distance=Distance(STALENESS, "staleness (optimizer steps between a rollout and its last update)"),
+)
+SWEEPS: dict[str, Ladder] = {lad.source: lad for lad in (PPO_EPSILON_SWEEP, DPPO_TV_SWEEP)}
+
 LADDERS: dict[str, Ladder] = {lad.source: lad for lad in
-                              (STALENESS_LADDER, TRUNCATION_LADDER, PRECISION_LADDER, ROUTING_LADDER)}
+                              (STALENESS_LADDER, TRUNCATION_LADDER, PRECISION_LADDER, ROUTING_LADDER,
+                               *SWEEPS.values())}
 
 
 def ladder(source: str) -> Ladder:
