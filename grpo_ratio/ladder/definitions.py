@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..diagnostics import metric_keys as keys
-from ..modes import SAMPLER_MODE
+from ..modes import INTEGER_MODE, SAMPLER_MODE
 
 
 OPEN_CLIP = 1e9  # TRL's `epsilon` that makes the PPO clip [1 - eps, 1 + eps] inactive: the plain IS ratio
@@ -203,7 +203,7 @@ PRECISION_LADDER = Ladder(
         Setting("fp16", 2, {"rollout_precision": "fp16"}, "an fp16 copy draws them"),
         Setting("int8", 3, {"rollout_precision": "int8"}, "an int8 copy draws them"),
         Setting("int4", 4, {"rollout_precision": "int4"}, "an int4 copy draws them"),
-        Setting("integer", 5, {"rollout_precision": "integer"}, "the integer-only sampler (docs/integer.md)"),
+        Setting(INTEGER_MODE, 5, {"rollout_precision": INTEGER_MODE}, "the integer-only sampler (docs/integer.md)"),
     ),
     corrections=(
         Correction("none", {}, "no correction: the trainer's old pass, sampler log-probs only measured",
