@@ -305,3 +305,37 @@ def test_report_states_the_rule_for_a_run_from_the_ladders(real_ladder, capsys, 
     assert "the nearest committed cell is `top_p_0.5`" in out
     assert report.main([str(run), "--ladders", str(tmp_path / "none")]) == 0
     assert "No committed ladder results under" in capsys.readouterr().out
+
+
+def test_the_rule_names_a_correction_that_cost_reward_against_the_uncorrected_run():
+    """A correction whose paired verdict against the uncorrected run excludes 0 below (PPO's clip on stale rollouts
+    in the committed staleness ladder) is named in the ladder's sentence, the user's rule and the README headline,
+    from the first setting it lost at, with its interval and how many settings it lost at."""
+    from grpo_ratio.ladder.rule import cost_text_per_correction
+
+    def verdict(estimate, lo, hi):
+        beyond = lo > 0 or hi < 0
+        return {"verdict": "beyond noise" if beyond else "within noise", "estimate": estimate, "interval": [lo, hi],
+                "method": "t-interval over 3 seeds", "seeds": [0, 1, 2]}
+
+    def entry(distance, clip_gain):
+        corrections = {"none": {"loss": verdict(0.01, -0.1, 0.12), "cost": {}}}
+        if clip_gain is not None:
+            corrections["ppo_clip"] = {"gain": clip_gain, "cost": {}}
+        return {"distance": distance, "corrections": corrections}
+
+    summary = {"source": "staleness", "testbed": "tiny", "uncorrected": "none", "settings": {
+        "k0": entry(0.0, None), "k1": entry(1.0, verdict(0.05, -0.2, 0.3)),
+        "k3": entry(3.0, verdict(-0.2, -0.3, -0.1)), "k7": entry(7.0, verdict(-0.47, -0.85, -0.08))}}
+    assert cost_text_per_correction(summary) == [
+        "`ppo_clip` lost held-out reward against the uncorrected run from staleness (optimizer steps between a "
+        "rollout and its last update) = 3 on (setting k3: -0.2 [-0.3, -0.1], beyond noise (t-interval over 3 "
+        "seeds); at 2 of the 3 settings it ran at)"]
+    assert threshold_text(summary).startswith("staleness (tiny): no loss measured up to")
+    assert "A correction cost reward: `ppo_clip` lost" in threshold_text(summary)
+    sentence = rule_sentence(summary, 6.0)  # nearest cell k7
+    assert "nearest committed cell is `k7`" in sentence
+    assert "There, `ppo_clip` lost -0.47 [-0.85, -0.08]" in sentence
+    assert "ppo_clip" not in rule_sentence(summary, 1.0)  # at k1 the clip was within noise
+    assert "a correction itself cost reward on the staleness ladder(s)" in render_headline([summary, summary])
+    assert render_headline([summary, summary]).count("staleness") == 2  # each source once per clause

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .definitions import LADDERS
 from .outcomes import find_ladders, read_cells
-from .rule import fmt, load_summaries, lost, recoveries, threshold_text, verdict_text
+from .rule import cost_text_per_correction, fmt, load_summaries, lost, recoveries, threshold_text, verdict_text
 
 
 FIGURE = "reward_curves.png"
@@ -92,16 +92,23 @@ def render_headline(summaries: list[dict], link: str = "docs/when_it_matters.md"
     if not summaries:
         return (f"Whether a correction changes what is learned is measured on mismatch ladders (staleness, truncation, "
                 f"sampler precision): [{link}]({link}), filled in as their results are committed.\n")
+    def names(found: list[str]) -> str:  # each source once, in order (a SmolLM2 confirmation is the same source)
+        return ", ".join(dict.fromkeys(found))
+
     losing = [s["source"] for s in summaries if any(lost((e["corrections"].get(s["uncorrected"]) or {}).get("loss"))
                                                      for e in s["settings"].values())]
     quiet = [s["source"] for s in summaries if s["source"] not in losing]
+    costly = [s["source"] for s in summaries if cost_text_per_correction(s)]
     parts = []
     if losing:
-        parts.append(f"uncorrected runs lost held-out reward on the {', '.join(losing)} ladder(s)")
+        parts.append(f"uncorrected runs lost held-out reward on the {names(losing)} ladder(s)")
     if quiet:
-        parts.append(f"no loss was measured on the {', '.join(quiet)} ladder(s)")
-    return (f"On the committed mismatch ladders {' and '.join(parts)}; at which step-1 distance, and which correction "
-            f"recovered it at what cost: [{link}]({link}).\n")
+        parts.append(f"no loss was measured on the {names(quiet)} ladder(s)")
+    if costly:
+        parts.append(f"a correction itself cost reward on the {names(costly)} ladder(s)")
+    return (f"On the committed mismatch ladders {', '.join(parts[:-1]) + ' and ' if len(parts) > 1 else ''}"
+            f"{parts[-1]}; at which step-1 distance, which correction recovered what, and at what cost: "
+            f"[{link}]({link}).\n")
 
 
 def write_figures(folder: str | Path, out_dir: str | Path) -> Path | None:

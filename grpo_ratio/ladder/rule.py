@@ -96,6 +96,35 @@ def recoveries(lad: Ladder, summary: dict, setting: str) -> list[str]:
     return out
 
 
+def costs(summary: dict, setting: str) -> list[str]:
+    """Sentences for the corrections whose `gain` at `setting` excludes 0 below: the correction lost reward against
+    the uncorrected run; [] when none did."""
+    return [f"`{name}` lost {verdict_text(item['gain'])} against the uncorrected run"
+            for name, item in summary["settings"][setting]["corrections"].items()
+            if name != summary["uncorrected"] and lost(item.get("gain"))]
+
+
+def cost_text_per_correction(summary: dict) -> list[str]:
+    """Per correction that lost reward against the uncorrected run at some setting: from which distance on, and at
+    how many of the settings it ran at (e.g. PPO's clip on stale rollouts, docs/when_it_matters.md)."""
+    lad = LADDERS[summary["source"]]
+    ordered = _ordered(summary)
+    out = []
+    for correction in lad.corrections:
+        if correction.uncorrected:
+            continue
+        ran = [(s, d) for s, d in ordered if correction.name in summary["settings"][s]["corrections"]]
+        losing = [(s, d) for s, d in ran
+                  if lost(summary["settings"][s]["corrections"][correction.name].get("gain"))]
+        if losing:
+            s1, d1 = losing[0]
+            gain = summary["settings"][s1]["corrections"][correction.name]["gain"]
+            out.append(f"`{correction.name}` lost held-out reward against the uncorrected run from "
+                       f"{lad.distance.label} = {fmt(d1)} on (setting {s1}: {verdict_text(gain)}; at {len(losing)} of "
+                       f"the {len(ran)} settings it ran at)")
+    return out
+
+
 def _ordered(summary: dict) -> list[tuple[str, float]]:
     """(setting, distance) of the settings with a distance, by distance."""
     pairs = [(s, e["distance"]) for s, e in summary["settings"].items() if e["distance"] is not None]
@@ -114,10 +143,12 @@ def threshold_text(summary: dict) -> str:
     if not ordered:
         return f"{lad.source}: no setting with a measured distance ({lad.distance.label})."
     losing = [(s, d) for s, d in ordered if lost(_loss(summary, s))]
+    costly = cost_text_per_correction(summary)
+    cost_tail = f" A correction cost reward: {'; '.join(costly)}." if costly else ""
     if not losing:
         s, d = ordered[-1]
         return (f"{lad.source} ({summary['testbed']}): no loss measured up to {lad.distance.label} = {fmt(d)} "
-                f"(setting {s}, the largest tried).")
+                f"(setting {s}, the largest tried).{cost_tail}")
     s1, d1 = losing[0]
     below = [(s, d) for s, d in ordered if d < d1 and not lost(_loss(summary, s))]
     text = (f"{lad.source} ({summary['testbed']}): uncorrected runs lost held-out reward from {lad.distance.label} = "
@@ -125,7 +156,7 @@ def threshold_text(summary: dict) -> str:
     if below:
         text += f"; no loss measured at {fmt(below[-1][1])} (setting {below[-1][0]})"
     fixes = recoveries(lad, summary, s1)
-    return text + (f". There: {'; '.join(fixes)}." if fixes else ". No correction recovered it there.")
+    return text + (f". There: {'; '.join(fixes)}." if fixes else ". No correction recovered it there.") + cost_tail
 
 
 def run_distance(lad: Ladder, history: list[dict], config: dict | None) -> float | None:
@@ -160,8 +191,11 @@ def rule_sentence(summary: dict, distance: float) -> str:
         return f"{head}: uncorrected runs there lost {verdict_text(loss)}; {tail}."
     losing = [(s, d) for s, d in ordered if lost(_loss(summary, s))]
     there = f" (at `{setting}`: {verdict_text(loss)})" if loss else ""
+    paid = costs(summary, setting)
+    paid_tail = f" There, {'; '.join(paid)}." if paid else ""
     if not losing:
-        return f"{head}. No loss measured up to distance {fmt(ordered[-1][1])}, the largest tried{there}."
+        return (f"{head}. No loss measured up to distance {fmt(ordered[-1][1])}, the largest tried{there}."
+                f"{paid_tail}")
     first, d1 = losing[0]
     first_text = f"the first loss is at `{first}` ({fmt(d1)}): {verdict_text(_loss(summary, first))}"
     if distance < d1:
