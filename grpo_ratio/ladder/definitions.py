@@ -184,6 +184,10 @@ TRUNCATION_LADDER = Ladder(
                    "trainer log-probs over the kept set: the truncated policy becomes the target"),
         Correction("tis", {"is_correction": "tis"},
                    "token TIS (cap 2) on raw old/sampler: the weight reads the kept mass as mismatch"),
+        Correction("score_centering", {"score_centering": "exact"},
+                   "score centering: the sampler-expected score subtracted at each prefix, q the truncated "
+                   "distribution recomputed from the training forward (Marek & Ryabinin, arXiv 2609.20807)",
+                   extra_passes="none; one more LM-head pass forward and backward per training forward, in chunks"),
         Correction("lift_sampler", {"truncation_correction": "lift_sampler", "is_correction": "tis"},
                    "token TIS on old/sampler with the sampler's log-probs lifted by the kept mass",
                    extra_passes="one no-grad old pass per generation batch (on-policy bf16)"),
