@@ -281,7 +281,7 @@ def run_ladder(source: str, testbed: str = "tiny", settings=None, corrections=No
     folder = Path(output_root) / folder_name
     for setting in chosen:
         arms = asked or [c.name for c in lad.corrections]
-        if setting == lad.reference and lad.uncorrected.name in arms:  # nothing for a correction to act on there
+        if asked is None and setting == lad.reference:  # nothing for a correction to act on there, unless asked
             arms = [lad.uncorrected.name]
         prints = {c: json.dumps({"testbed": testbed, "config": cell_config(source, testbed, setting, c, max_steps, sets),
                                  "arch": lad.arch}, sort_keys=True, default=str) for c in arms}
