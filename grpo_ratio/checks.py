@@ -1078,13 +1078,15 @@ def check_mode_precision(args, trainer_dtype: torch.dtype) -> None:
 
 def sampler_logprob_uses(args) -> list[str]:
     """The settings that compute with the sampler's per-token log-probs beyond the diagnostics, as `field=value`: the
-    sampler arm (they are the old log-probs), `lift_sampler` (they are lifted by log M_old) and an `is_correction`
-    (they are the weight's denominator)."""
+    sampler arm (they are the old log-probs), `lift_sampler` (they are lifted by log M_old), an `is_correction`
+    (they are the weight's denominator) and `score_centering="top_k"` (the sampler's top-k are q)."""
     uses = [f"old_logprob_mode={SAMPLER_MODE!r}"] if MODES[args.old_logprob_mode].is_sampler else []
     if args.truncation_correction == "lift_sampler":
         uses.append("truncation_correction='lift_sampler'")
     if getattr(args, "is_correction_spec", None) is not None:
         uses.append(f"is_correction={args.is_correction!r}")
+    if getattr(args, "score_centering", None) == "top_k":
+        uses.append("score_centering='top_k'")
     return uses
 
 
@@ -1387,21 +1389,23 @@ def _check_score_centering(args) -> None:
     """`score_centering` on GRPO / RLOO (`grpo_ratio.corrections.centering`): where the sampler's distribution can
     be had. "exact" recomputes it from the training forward, so that forward must run the weights that sampled, on
     the sampler's own path: `generate` (not vLLM, whose engine is not the trainer's forward), one optimizer update per
-    generation. "top_k" records the sampler's top-k during `generate` (vLLM's top-k: not yet, TRL asks vLLM for the
-    sampled token's log-prob only).
+    generation. "top_k" records the sampler's top-k during `generate`, or asks vLLM for them (`logprobs=k`,
+    `sampler.vllm.VLLMLogprobCapture`; a server must allow k: `trl vllm-serve` passes `--max-logprobs -1`).
 
     Raises:
         ValueError: an unknown value or companion field (the allowed values named); the combinations above;
-            `"top_k"` with `truncation_correction="renormalize"` (the policy's log-probs are then over the kept sets,
-            which the top-k do not describe) or without `record_sampler_logprobs`.
+            `"exact"` with vLLM (it would recompute the trainer's distribution, not vLLM's); `"top_k"` with
+            `truncation_correction="renormalize"` (the policy's log-probs are then over the kept sets, which the
+            top-k do not describe), with vLLM and a multi-turn `vllm_generation` (not here: `check_run`), or on the
+            generate path without `record_sampler_logprobs`.
     """
     kind = _check_centering_fields(args)
     if kind is None:
         return
-    if args.use_vllm:
-        raise ValueError(f"score_centering={kind!r} needs the sampler's distribution, which vLLM does not hand to "
-                         "TRL (TRL asks it for the sampled token's log-prob only; the exact variant would recompute "
-                         "the trainer's, not vLLM's); use the transformers generate path (use_vllm=False)")
+    if args.use_vllm and kind == "exact":
+        raise ValueError("score_centering='exact' recomputes the sampler's distribution from the training forward, "
+                         "which with vLLM is the trainer's, not vLLM's; use score_centering='top_k' (vLLM's own top-k "
+                         "log-probs, logprobs=k) or the transformers generate path (use_vllm=False)")
     if getattr(args, "use_transformers_continuous_batching", False):
         raise ValueError(f"score_centering={kind!r} needs the generate path's rows and recording, which transformers "
                          "continuous batching does not give; set use_transformers_continuous_batching=False")
@@ -1417,7 +1421,7 @@ def _check_score_centering(args) -> None:
         raise ValueError("score_centering='top_k' centres the full-vocabulary score, but "
                          "truncation_correction='renormalize' trains the log-probs over the kept sets; use "
                          "score_centering='exact' (the kept sets known) or truncation_correction='lift_sampler'")
-    if not args.record_sampler_logprobs:
+    if not args.record_sampler_logprobs and not args.use_vllm:
         raise ValueError("score_centering='top_k' records the sampler's top-k log-probs during generate, but "
                          "record_sampler_logprobs=False; set record_sampler_logprobs=True")
 

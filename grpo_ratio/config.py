@@ -433,15 +433,17 @@ class RatioFields(KnownFields):
                   "(detached; temperature, and the sampler's kept set under top_p/top_k/min_p), which is the "
                   "sampler's where the sampler is these weights: the transformers generate path with one optimizer "
                   "update per generation (num_iterations=1, steps_per_generation=gradient_accumulation_steps). "
-                  "'top_k': q from the sampler's own top score_centering_top_k log-probs recorded during generate, "
-                  "the rest by score_centering_tail. Costs one more pass of the LM head over the completion tokens "
+                  "'top_k': q from the sampler's own top score_centering_top_k log-probs, recorded during generate "
+                  "or asked of vLLM (logprobs=k; TRL's loss still reads the sampled token's), the rest by "
+                  "score_centering_tail. Costs one more pass of the LM head over the completion tokens "
                   "(forward and backward, K cells at a time: no (B, T, V) tensor). Unset: TRL's loss, bit for bit.",
                   "choices": list(VARIANTS)},
     )
     score_centering_top_k: int | None = field(
         default=None,
         metadata={"help": "score_centering='top_k': how many of the sampler's top log-probs per token are recorded "
-                  "(>= 1; unset: 20)."},
+                  "(>= 1; unset: 20). With vLLM the colocate engine is started to allow k; a server must be (`trl vllm-serve` "
+                  "passes --max-logprobs -1; a plain `vllm serve` allows 20)."},
     )
     score_centering_tail: str | None = field(
         default=None,

@@ -95,11 +95,11 @@ class RatioRLOOTrainer(RatioHooks, RLOOTrainer):
     _tag_names = ["trl", "rloo", "grpo-ratio"]
     config_class = RatioRLOOConfig
 
-    def __init__(self, model, reward_funcs=None, args: RatioRLOOConfig | None = None, *pargs, **kwargs):
-        super().__init__(model, reward_funcs, args, *pargs, **kwargs)
-        # RLOO asks vLLM for no log-probs; ask (processed, the sampled token's) where a setting computes with them
-        wants = self.use_vllm and (sampler_logprob_uses(self.args) or self.plan.corrects)
-        self._vllm_logprobs = VLLMLogprobCapture(self.vllm_generation) if wants else None
+    def _vllm_logprob_capture(self):
+        # RLOO asks vLLM for no log-probs; ask (processed, the sampled token's, and the top-k for score centering)
+        # where a setting computes with them
+        wants = self.use_vllm and (sampler_logprob_uses(self.args) or self.plan.corrects or self.plan.centering_top_k)
+        return VLLMLogprobCapture(self.vllm_generation, top_k=self.plan.centering_top_k) if wants else None
 
     def _generate_single_turn(self, prompt_ids, *args, **kwargs):
         # RLOO's `_generate` wants the completion ids only; the hooks answer in GRPO's contract (adapter 1)

@@ -86,7 +86,7 @@ from .routing.replay import RoutingReplay
 from .sampler.generate import SamplerLogprobRecorder, SamplerRecord, finish_recording, recording_sampler
 from .sampler.precision import IntegerRollouts, RolloutCopy
 from .sampler.settings import sampler_anchor, sampler_logps_key, settings_from_config, settings_from_generation_config
-from .sampler.vllm import VLLMOutputCapture, colocate_engine_kwargs, vllm_engine_kwargs
+from .sampler.vllm import VLLMLogprobCapture, VLLMOutputCapture, colocate_engine_kwargs, vllm_engine_kwargs
 
 
 class RatioHooks:
@@ -148,6 +148,7 @@ class RatioHooks:
         self.routing = RoutingReplay(policy, args.routing_replay, measure=args.ratio_diagnostics)
         capture = self.plan.vllm_masks or self.plan.sampler_routes == VLLM
         self._vllm_capture = VLLMOutputCapture(self.vllm_generation.llm, self.accelerator.device) if capture else None
+        self._vllm_logprobs = self._vllm_logprob_capture()  # vLLM log-probs TRL does not keep (top-k, RLOO's)
         lint_trainer(self, policy)  # start-up checks that need the model (config-only ones ran in the config)
         # copies are refreshed whenever the policy's weights may have changed (copies.WeightsVersion)
         self.weights_version = WeightsVersion()
@@ -238,6 +239,14 @@ class RatioHooks:
     def sampling(self):
         """The `SamplingSettings` the rollouts really use (`self.plan.sampling`)."""
         return self.plan.sampling
+
+    def _vllm_logprob_capture(self) -> VLLMLogprobCapture | None:
+        """What this run asks TRL's vLLM generation for beyond TRL's own request: the sampler's top-k log-probs of
+        every step with `score_centering="top_k"` (GRPOTrainer keeps the sampled token's itself). `RatioRLOOTrainer`
+        also asks for the sampled tokens' log-probs, which RLOOTrainer drops."""
+        if not self.use_vllm or not self.plan.centering_top_k:
+            return None
+        return VLLMLogprobCapture(self.vllm_generation, top_k=self.plan.centering_top_k)
 
     def _backend(self) -> str:
         """TRL's generation backend: vLLM, transformers continuous batching, or `generate`."""
@@ -364,10 +373,13 @@ class RatioHooks:
                 self.routing.expect_vllm(generation.routes, *self._vllm_capture.routed_experts(len(completion_ids)))
             if self.plan.vllm_masks:
                 generation.kept = self._vllm_capture.kept_sets(len(completion_ids))
+            self._keep_vllm_top_k(generation, len(completion_ids))
             return completion_ids, logprobs
         if not self.plan.record_generate:
             with self._drawing():
-                return self._trl_generate_single_turn(prompt_ids, *args, **kwargs)
+                completion_ids, logprobs = self._trl_generate_single_turn(prompt_ids, *args, **kwargs)
+            self._keep_vllm_top_k(generation, len(completion_ids))
+            return completion_ids, logprobs
         keep_sets = self.plan.records_kept_sets
         recorder = SamplerLogprobRecorder(support_size_only=not keep_sets, top_k=self.plan.centering_top_k)
         integer = self.rollout_copy is not None and self.rollout_copy.is_integer
@@ -387,6 +399,12 @@ class RatioHooks:
         # TRL pads these into `sampling_per_token_logps` (B, T) and stitches tool turns; NaN = not recorded
         logprobs = record.logprobs.cpu()  # (B, T): TRL takes Python lists here; one copy, not one per row
         return completion_ids, [logprobs[i, : len(ids)].tolist() for i, ids in enumerate(completion_ids)]
+
+    def _keep_vllm_top_k(self, generation, num_rows: int) -> None:
+        """`score_centering="top_k"` on vLLM: the top-k log-probs vLLM returned for this call (B, T, k), as the
+        generate recorder's (`generation.sampler_top_k`); nothing otherwise."""
+        if self._vllm_logprobs is not None and self.plan.centering_top_k:
+            generation.sampler_top_k = self._vllm_logprobs.take_top(num_rows, self.accelerator.device)
 
     def _finish_recording(self, recorder, completion_ids) -> SamplerRecord:
         """The recording of one generate call (`rollouts.finish_recording`); warns once when it saw none."""

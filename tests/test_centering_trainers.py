@@ -175,7 +175,7 @@ def test_refusals_name_the_field_and_the_allowed_values(tmp_path):
         (dict(score_centering="top_k", score_centering_tail="uniform"),
          "score_centering_tail='uniform' is not allowed; allowed: proportional, drop"),
         (dict(score_centering="exact", num_iterations=2), "one optimizer update per generation"),
-        (dict(score_centering="exact", use_vllm=True), "use_vllm=False"),
+        (dict(score_centering="exact", use_vllm=True), "score_centering='top_k' (vLLM's own top-k"),
         (dict(score_centering="top_k", truncation_correction="renormalize", top_p=0.8), "lift_sampler"),
         (dict(score_centering="top_k", record_sampler_logprobs=False), "record_sampler_logprobs=True"),
     ]
@@ -236,3 +236,66 @@ def test_a_sharded_policy_is_refused():
             check_centering_engine(SimpleNamespace(score_centering="exact"), engine)
     check_centering_engine(SimpleNamespace(score_centering="exact"), "none")  # unsharded: fine
     check_centering_engine(SimpleNamespace(score_centering=None), "zero3")  # off: nothing to refuse
+
+
+def test_vllm_top_k_is_accepted_and_asks_the_colocate_engine_for_k_log_probs(tmp_path):
+    from trainer_fixtures import tiny_grpo_args
+
+    from grpo_ratio.sampler.vllm import colocate_engine_kwargs
+
+    args = tiny_grpo_args(tmp_path, score_centering="top_k", score_centering_top_k=32, use_vllm=True,
+                          vllm_mode="colocate", record_sampler_logprobs=False)
+    assert colocate_engine_kwargs(args, sampling_masks=False)["max_logprobs"] == 32
+    args = tiny_grpo_args(tmp_path, score_centering="top_k", use_vllm=True, vllm_mode="colocate")
+    assert colocate_engine_kwargs(args, sampling_masks=False)["max_logprobs"] == 20
+
+
+def _vllm_answer():
+    # TRL's extract_logprobs with logprobs=2, two completions: rank order, the sampled token appended third when it
+    # is not in the top 2 (row 0, step 1), NaN as None, -inf outside a kept set (row 1, step 0)
+    completion_ids = [[5, 9], [3]]
+    logprobs = [[[-0.1, -2.5], [-0.3, -1.6, -4.0]], [[-0.05, -math.inf]]]
+    token_ids = [[[5, 7], [2, 4, 9]], [[3, 8]]]
+    return completion_ids, logprobs, token_ids
+
+
+def test_split_top_logprobs_gives_trl_the_sampled_tokens_and_keeps_the_top_k():
+    from grpo_ratio.sampler.vllm import split_top_logprobs
+
+    sampled, (ids, logq) = split_top_logprobs(*_vllm_answer(), k=2)
+    assert sampled == [[-0.1, -4.0], [-0.05]]
+    assert ids.shape == logq.shape == (2, 2, 2) and ids.dtype == torch.int64 and logq.dtype == torch.float32
+    assert ids[0].tolist() == [[5, 7], [2, 4]] and ids[1, 0].tolist() == [3, 8]
+    torch.testing.assert_close(logq[0], torch.tensor([[-0.1, -2.5], [-0.3, -1.6]]), rtol=0, atol=0)
+    assert logq[1, 0, 0].item() == pytest.approx(-0.05) and logq[1, 0, 1].item() == -math.inf
+    assert ids[1, 1].unique().numel() == 2 and (logq[1, 1] == -math.inf).all()  # padding: distinct ids, q = 0
+    # fewer entries than k (a vocabulary under k): distinct unused ids with q = 0
+    _, (ids, logq) = split_top_logprobs([[1]], [[[-0.2, None]]], [[[1, 0]]], k=4)
+    assert sorted(ids[0, 0].tolist()) == [0, 1, 2, 3] and logq[0, 0, 1].item() == -math.inf
+    with pytest.raises(RuntimeError, match="do not contain the sampled token 6"):
+        split_top_logprobs([[6]], [[[-0.1, -2.0]]], [[[5, 7]]], k=2)
+
+
+def test_vllm_logprob_capture_answers_trl_as_logprobs_0_and_keeps_the_top_k():
+    # TRL's VLLMGeneration stand-in: the real one needs an engine (the vLLM lane trains through it); this one answers
+    # generate(...) with its 4-tuple contract for the `logprobs` it was asked
+    from grpo_ratio.sampler.vllm import VLLMLogprobCapture
+
+    class Generation:
+        logprobs = 0
+
+        def generate(self, prompts, *args, **kwargs):
+            completion_ids, logprobs, token_ids = _vllm_answer()
+            assert self.logprobs == 2
+            return [[1]] * 2, completion_ids, logprobs, token_ids
+
+    generation = Generation()
+    capture = VLLMLogprobCapture(generation, top_k=2)
+    _, completion_ids, logprobs, token_ids = generation.generate(["a", "b"])
+    assert [[lp[0] for lp in seq] for seq in logprobs] == [[-0.1, -4.0], [-0.05]]  # GRPOTrainer's read
+    assert token_ids == [[[5], [9]], [[3]]]
+    assert capture.take(2) == [[-0.1, -4.0], [-0.05]]
+    ids, logq = capture.take_top(2)
+    assert ids.shape == (2, 2, 2) and capture.top is None
+    with pytest.raises(RuntimeError, match="no vLLM top-k"):
+        capture.take_top(2)

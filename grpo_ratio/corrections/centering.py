@@ -211,7 +211,8 @@ def centering_source(args) -> str | None:
     if kind == "top_k":
         k = getattr(args, "score_centering_top_k", None) or DEFAULT_TOP_K
         tail = getattr(args, "score_centering_tail", None) or "proportional"
-        return f"top_k: the generate recording's top {k} processed log-probs per token, {tail} tail"
+        where = "vLLM's (logprobs=k)" if getattr(args, "use_vllm", False) else "the generate recording's"
+        return f"top_k: {where} top {k} processed log-probs per token, {tail} tail"
     truncated = ((getattr(args, "top_p", None) or 1.0) < 1.0 or (getattr(args, "top_k", None) or 0) > 0
                  or (getattr(args, "min_p", None) or 0.0) > 0)
     if getattr(args, "trl_trainer", None) == "async_grpo":

@@ -1,6 +1,7 @@
 """vLLM: what TRL's vLLM path does not give the corrections: the kept sets of each sampled token (vLLM's
 `CompletionOutput.sampling_mask`, `kept_sets_from_vllm`), the engine's outputs of TRL's colocate call
-(`VLLMOutputCapture`: sampling masks, routed experts) and the engine flags TRL does not pass (`colocate_engine_kwargs`,
+(`VLLMOutputCapture`: sampling masks, routed experts), the log-probs TRL does not keep (`VLLMLogprobCapture`: RLOO's
+sampled tokens', the top-k of score centering) and the engine flags TRL does not pass (`colocate_engine_kwargs`,
 `vllm_engine_kwargs`).
 
 Shapes: N = sequences (rows), T = completion tokens (generation steps), V = vocabulary.
@@ -11,9 +12,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import math
 
 import numpy as np
 
+from ..corrections.centering import DEFAULT_TOP_K
 from ..corrections.kept_sets import KeptSets
 
 
@@ -99,8 +102,10 @@ def colocate_engine_kwargs(args, sampling_masks: bool) -> dict:
     """The `vllm.LLM(...)` arguments of TRL's colocate engine that TRL does not pass, from a `RatioGRPOConfig`:
     `return_sampling_mask` (the kept sets, `sampling_masks`), `enable_return_routed_experts` (R3's sampler routes,
     vLLM #28284), `dtype` (`vllm_dtype`) and `hf_overrides={"head_dtype": "float32"}` (`vllm_lm_head_fp32`, vLLM's
-    `ModelConfig.head_dtype`). Needed before TRL builds the engine, hence read from the config, not the plan."""
+    `ModelConfig.head_dtype`), `max_logprobs` (`score_centering="top_k"`: k top log-probs per step). Needed before TRL builds the engine, hence read from the config, not the plan."""
     kwargs = {"return_sampling_mask": True} if sampling_masks else {}
+    if args.use_vllm and getattr(args, "score_centering", None) == "top_k":  # vLLM allows 20 log-probs by default
+        kwargs["max_logprobs"] = max(20, args.score_centering_top_k or DEFAULT_TOP_K)
     if args.use_vllm and args.routing_replay == "R3":
         kwargs["enable_return_routed_experts"] = True
     if args.vllm_dtype is not None:
@@ -173,24 +178,84 @@ class VLLMOutputCapture:
         return kept
 
 
+def split_top_logprobs(completion_ids, logprobs, token_ids, k: int):
+    """The sampled tokens' log-probs and the top-k of each step, from TRL's `VLLMGeneration.generate` answer with
+    `logprobs=k` (`extract_logprobs`: per token up to k + 1 entries sorted by vLLM's rank; the sampled token is among
+    the first k, or appended as entry k + 1 when it is not in the top k).
+
+    Args:
+        completion_ids (`list[list[int]]`): N completions, T_n tokens each.
+        logprobs, token_ids (`list[list[list]]`): N x T_n x (k or k + 1) processed log-probs (float, `None` for NaN,
+            `-inf` outside the sampler's kept set) and their token ids, rank order.
+        k (`int`): how many of the top entries make the top k (>= 1).
+
+    Returns:
+        sampled (`list[list[float | None]]`): N x T_n, the sampled token's log-prob (TRL's `logprobs=0` answer,
+            entry 0 of each step); top (`tuple`): ids (N, T, k) int64 and log-probs (N, T, k) fp32 CPU tensors, T = the
+            longest completion; padding steps and missing entries (fewer than k returned) get distinct unused ids
+            and log-prob -inf (q = 0), NaN read as -inf.
+
+    Raises:
+        RuntimeError: a step whose entries do not contain the sampled token, or row counts that differ.
+    """
+    import torch
+
+    if not (len(completion_ids) == len(logprobs) == len(token_ids)):
+        raise RuntimeError(f"grpo_ratio: vLLM returned {len(logprobs)} log-prob rows and {len(token_ids)} id rows "
+                           f"for {len(completion_ids)} completions")
+    T = max((len(c) for c in completion_ids), default=0)
+    ids = torch.arange(k, dtype=torch.int64).repeat(len(completion_ids), T, 1)  # (N, T, k) padding: distinct ids
+    logq = torch.full((len(completion_ids), T, k), -math.inf)  # (N, T, k)
+    sampled = []
+    for n, (comp, row_lp, row_ids) in enumerate(zip(completion_ids, logprobs, token_ids)):
+        row = []
+        for t, (token, lps, tids) in enumerate(zip(comp, row_lp, row_ids)):
+            try:
+                row.append(lps[list(tids).index(token)])
+            except ValueError:
+                raise RuntimeError(f"grpo_ratio: vLLM's top log-probs of completion {n}, step {t} do not contain the "
+                                   f"sampled token {token}") from None
+            top_ids, top_lp = list(tids[:k]), lps[:k]
+            if len(top_ids) < k:  # fewer returned (a vocabulary under k): distinct unused ids, q = 0
+                used = set(top_ids)
+                top_ids += [i for i in range(k + len(used)) if i not in used][: k - len(top_ids)]
+            ids[n, t] = torch.tensor(top_ids, dtype=torch.int64)
+            logq[n, t, : len(top_lp)] = torch.tensor([-math.inf if x is None else x for x in top_lp])
+        sampled.append(row)
+    return sampled, (ids, logq)
+
+
 class VLLMLogprobCapture:
-    """Keeps the sampled tokens' log-probs of the last `VLLMGeneration.generate` call (wraps it on the instance), for
-    a TRL trainer that drops them (RLOOTrainer: `_, completion_ids, _, _ = self.vllm_generation.generate(...)`), and
-    asks for them: `vllm_generation.logprobs = 0`, the sampled token's log-prob only, which TRL's colocate engine
-    computes as `processed_logprobs` (after temperature, penalties and top_k/top_p/min_p; a server must run with
-    `--logprobs-mode processed_logprobs`, `checks.check_server_logprobs`).
+    """Asks TRL's vLLM generation for log-probs and keeps those of the last `VLLMGeneration.generate` call (wraps it on
+    the instance).
+
+    - The sampled tokens' log-probs, for a TRL trainer that drops them (RLOOTrainer: `_, completion_ids, _, _ =
+      self.vllm_generation.generate(...)`): `vllm_generation.logprobs = 0`, the sampled token's log-prob only, which
+      TRL's colocate engine computes as `processed_logprobs` (after temperature, penalties and top_k/top_p/min_p; a
+      server must run with `--logprobs-mode processed_logprobs`, `checks.check_server_logprobs`).
+    - With `top_k`: the sampler's top-k log-probs of every step (`score_centering="top_k"`, arXiv 2609.20807, as SkyRL
+      PR #2244 and miles PR #3317 read vLLM's `logprobs=k`): `vllm_generation.logprobs = top_k`; the caller (TRL's
+      trainer) still gets the `logprobs=0` answer, the sampled token's log-prob as entry 0 (`split_top_logprobs`), so
+      TRL's own IS correction reads what it reads without us, bit for bit.
 
     Args:
         vllm_generation: TRL's `VLLMGeneration` (`trainer.vllm_generation`).
+        top_k (`int`, defaults to 0): how many top log-probs per step to keep (0: none).
     """
 
-    def __init__(self, vllm_generation):
+    def __init__(self, vllm_generation, top_k: int = 0):
         self.logprobs = None
-        vllm_generation.logprobs = 0
+        self.top = None
+        self.top_k = top_k
+        vllm_generation.logprobs = top_k
         generate = vllm_generation.generate
 
         def capturing_generate(*args, **kwargs):
             prompt_ids, completion_ids, logprobs, token_ids = generate(*args, **kwargs)
+            if top_k and logprobs is not None:
+                logprobs, self.top = split_top_logprobs(completion_ids, logprobs, token_ids, top_k)
+                logprobs = [[[lp] for lp in row] for row in logprobs]  # (N, T_n, 1) as with logprobs=0
+                token_ids = [[[tok] for tok in row] for row in completion_ids]
             self.logprobs = logprobs
             return prompt_ids, completion_ids, logprobs, token_ids
 
@@ -205,7 +270,22 @@ class VLLMLogprobCapture:
         """
         if self.logprobs is None:
             raise RuntimeError("grpo_ratio: no vLLM log-probs captured for this generation batch")
-        rows, self.logprobs = [[top[0] for top in row] for row in self.logprobs], None  # top-1 = the sampled token
+        rows, self.logprobs = [[top[0] for top in row] for row in self.logprobs], None  # entry 0 = the sampled token
         if len(rows) != num_rows:
             raise RuntimeError(f"grpo_ratio: vLLM returned log-probs for {len(rows)} completions, TRL kept {num_rows}")
         return rows
+
+    def take_top(self, num_rows: int, device=None) -> tuple:
+        """The top-k of the last call: ids (N, T, k) int64 and log-probs (N, T, k) fp32 on `device`; cleared after.
+
+        Raises:
+            RuntimeError: nothing captured (no `top_k`, or vLLM returned no log-probs), or the row count differs from
+                TRL's completions.
+        """
+        if self.top is None:
+            raise RuntimeError("grpo_ratio: no vLLM top-k log-probs captured for this generation batch")
+        (ids, logq), self.top = self.top, None
+        if ids.size(0) != num_rows:
+            raise RuntimeError(f"grpo_ratio: vLLM returned top-k log-probs for {ids.size(0)} completions, TRL kept "
+                               f"{num_rows}")
+        return ids.to(device), logq.to(device)
