@@ -208,6 +208,20 @@ def test_rule_states_the_nearest_cell_its_loss_and_the_recovery_with_its_cost(wr
     assert len(lines) == 1 and "your step-1 truncated mass (1 - mean old/sampler ratio) is 0.38" in lines[0]
 
 
+def test_a_ladder_run_with_set_values_says_so_in_its_summary_and_rule(written_ladder):
+    # every cell's command carries `--set learning_rate=0.003` (a ladder on a changed testbed): the summary keeps the
+    # values all cells share, and the rule names them with the testbed
+    for cell_file in written_ladder.glob("*/*/cell.json"):
+        cell = json.loads(cell_file.read_text())
+        extra = " --set top_k=3" if "top_p_0.5/none-s0" in str(cell_file) else ""  # not shared: left out
+        cell["command"] += " --set learning_rate=0.003" + extra
+        cell_file.write_text(json.dumps(cell))
+    summary = summarize_ladder(written_ladder)
+    assert summary["sets"] == {"learning_rate": "0.003"}
+    assert threshold_text(summary).startswith("truncation (tiny, learning_rate=0.003): uncorrected runs lost")
+    assert "(0.4, tiny, learning_rate=0.003 testbed)" in rule_sentence(summary, 0.35)
+
+
 def _within(summary) -> str:
     from grpo_ratio.ladder.rule import verdict_text
 

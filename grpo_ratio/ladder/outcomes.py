@@ -28,6 +28,7 @@ t-interval over seeds of the per-seed mean difference over the last `END_POINTS`
 from __future__ import annotations
 
 import json
+import shlex
 import statistics
 from dataclasses import asdict
 from pathlib import Path
@@ -246,8 +247,18 @@ def summarize_ladder(folder: str | Path) -> dict:
                 item["gap"] = _verdict(runs, by[(ref, none)], c)
             entry["corrections"][c] = item
         settings[s] = entry
-    return {"source": lad.source, "testbed": next(iter(testbeds)), "uncorrected": none, "reference": ref,
-            "distance": asdict(lad.distance), "end_points": END_POINTS, "settings": settings}
+    return {"source": lad.source, "testbed": next(iter(testbeds)), "sets": common_sets(cells), "uncorrected": none,
+            "reference": ref, "distance": asdict(lad.distance), "end_points": END_POINTS, "settings": settings}
+
+
+def common_sets(cells: list[dict]) -> dict:
+    """The `--set KEY=VALUE` values every cell's command carries (the testbed changed for the whole ladder, e.g. a
+    learning rate), as {KEY: VALUE} strings; {} when none."""
+    found = []
+    for o in cells:
+        argv = shlex.split(o["cell"].get("command") or "")
+        found.append({a.split("=", 1)[0]: a.split("=", 1)[1] for flag, a in zip(argv, argv[1:]) if flag == "--set"})
+    return {k: v for k, v in found[0].items() if all(f.get(k) == v for f in found)} if found else {}
 
 
 def find_ladders(root: str | Path) -> list[Path]:

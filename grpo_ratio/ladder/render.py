@@ -9,7 +9,16 @@ from pathlib import Path
 
 from .definitions import LADDERS
 from .outcomes import find_ladders, read_cells
-from .rule import cost_text_per_correction, fmt, load_summaries, lost, recoveries, threshold_text, verdict_text
+from .rule import (
+    cost_text_per_correction,
+    fmt,
+    load_summaries,
+    lost,
+    recoveries,
+    testbed_label,
+    threshold_text,
+    verdict_text,
+)
 
 
 FIGURE = "reward_curves.png"
@@ -48,7 +57,7 @@ def render_grid(summaries: list[dict]) -> str:
                                                         for e in summary["settings"].values())]
         seeds = sorted({s for e in summary["settings"].values() for i in e["corrections"].values() for s in i["seeds"]})
         metric = next(i["metric"] for e in summary["settings"].values() for i in e["corrections"].values())
-        out += [f"**{lad.source}** ({summary['folder']}: {summary['testbed']} testbed, seeds {seeds}; {metric} over "
+        out += [f"**{lad.source}** ({summary['folder']}: {testbed_label(summary)} testbed, seeds {seeds}; {metric} over "
                 f"the last {summary['end_points']} evaluations; distance: {lad.distance.label}; under each "
                 f"correction its end reward and its verdict against `{summary['uncorrected']}` at the same setting)",
                 "", "| setting | distance | " + " | ".join(f"`{n}`" for n in names) + " | uncorrected vs reference |",

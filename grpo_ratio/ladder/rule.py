@@ -135,6 +135,11 @@ def _loss(summary: dict, setting: str) -> dict | None:
     return (summary["settings"][setting]["corrections"].get(summary["uncorrected"]) or {}).get("loss")
 
 
+def testbed_label(summary: dict) -> str:
+    """The testbed in words, with the `--set` values the whole ladder ran with: "tiny", "tiny, learning_rate=0.003"."""
+    return summary["testbed"] + "".join(f", {k}={v}" for k, v in (summary.get("sets") or {}).items())
+
+
 def threshold_text(summary: dict) -> str:
     """One sentence for a ladder: the smallest distance at which uncorrected runs lost reward (and the largest
     without a loss below it), or that none lost up to the largest distance tried."""
@@ -147,11 +152,11 @@ def threshold_text(summary: dict) -> str:
     cost_tail = f" A correction cost reward: {'; '.join(costly)}." if costly else ""
     if not losing:
         s, d = ordered[-1]
-        return (f"{lad.source} ({summary['testbed']}): no loss measured up to {lad.distance.label} = {fmt(d)} "
+        return (f"{lad.source} ({testbed_label(summary)}): no loss measured up to {lad.distance.label} = {fmt(d)} "
                 f"(setting {s}, the largest tried).{cost_tail}")
     s1, d1 = losing[0]
     below = [(s, d) for s, d in ordered if d < d1 and not lost(_loss(summary, s))]
-    text = (f"{lad.source} ({summary['testbed']}): uncorrected runs lost held-out reward from {lad.distance.label} = "
+    text = (f"{lad.source} ({testbed_label(summary)}): uncorrected runs lost held-out reward from {lad.distance.label} = "
             f"{fmt(d1)} on (setting {s1}: {verdict_text(_loss(summary, s1))})")
     if below:
         text += f"; no loss measured at {fmt(below[-1][1])} (setting {below[-1][0]})"
@@ -181,7 +186,7 @@ def rule_sentence(summary: dict, distance: float) -> str:
         return f"{lad.source}: the committed ladder has no measured distance."
     setting, at = min(ordered, key=lambda p: (abs(p[1] - distance), -p[1]))
     head = (f"your {lad.distance.label} is {fmt(distance)}: the nearest committed cell is `{setting}` "
-            f"({fmt(at)}, {summary['testbed']} testbed)")
+            f"({fmt(at)}, {testbed_label(summary)} testbed)")
     if distance > ordered[-1][1]:
         head += ", the ladder's largest; yours is beyond it"
     loss = _loss(summary, setting)
