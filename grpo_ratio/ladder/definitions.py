@@ -241,8 +241,8 @@ ROUTING_LADDER = Ladder(
     applies_key=keys.route_key("sampler_old", "any_layer"),
 )
 
-# Threshold sweeps (issue 41, item 5): at the staleness ladder's worst setting (k = 7) one knob per ladder, each
-# value a setting; `none` (the clip opened, no trust region) is the baseline at every value. Run with
+# Threshold sweeps (issue 41, item 5): at the staleness ladder's worst setting (k = 7; k = 15 where DPPO-TV recovered
+# a loss at learning rate 1e-2) one knob per ladder, each value a setting; `none` (the clip opened, no trust region) is the baseline at every value. Run with
 # `--name thresholds/<source>`, so that they sit apart from the ladders (docs/when_it_matters.md, "Thresholds").
 _SWEPT = Correction("swept", {}, "the correction at the setting's value of the knob")
 _NO_TRUST_REGION = {**_OPEN, "trust_region": None, "trust_region_low": None, "trust_region_high": None}
@@ -257,21 +257,28 @@ PPO_EPSILON_SWEEP = Ladder(
     reference="eps_0.2",
     distance=Distance(STALENESS, "staleness (optimizer steps between a rollout and its last update)"),
 )
-DPPO_TV_SWEEP = Ladder(
-    source="dppo_tv_delta",
-    description="DPPO's binary-TV trust region width at rollouts 7 optimizer steps behind",
-    dial="trust_region_low = trust_region_high (delta) with trust_region='dppo_tv', the clip opened, at k = 7",
-    settings=tuple(Setting(f"delta_{d}", d, {"staleness": 7, **_OPEN, "trust_region": "dppo_tv",
-                                               "trust_region_low": d, "trust_region_high": d},
-                           f"tokens whose |p_new - p_old| leaves {d:g} on the advantage's side masked"
-                           + (" (the default)" if d == 0.15 else ""))
-                   for d in (0.05, 0.15, 0.3, 0.6)),
-    corrections=(Correction("none", _NO_TRUST_REGION, "no trust region, the clip opened", uncorrected=True),
-                 _SWEPT),
-    reference="delta_0.15",
-    distance=Distance(STALENESS, "staleness (optimizer steps between a rollout and its last update)"),
-)
-SWEEPS: dict[str, Ladder] = {lad.source: lad for lad in (PPO_EPSILON_SWEEP, DPPO_TV_SWEEP)}
+def _dppo_tv_sweep(k: int) -> Ladder:
+    """DPPO-TV's bound swept at staleness k (the source `dppo_tv_delta`, `dppo_tv_delta_k<k>` off k = 7)."""
+    return Ladder(
+        source="dppo_tv_delta" if k == 7 else f"dppo_tv_delta_k{k}",
+        description=f"DPPO's binary-TV trust region width at rollouts {k} optimizer steps behind",
+        dial=f"trust_region_low = trust_region_high (delta) with trust_region='dppo_tv', the clip opened, at k = {k}",
+        settings=tuple(Setting(f"delta_{d}", d, {"staleness": k, **_OPEN, "trust_region": "dppo_tv",
+                                                   "trust_region_low": d, "trust_region_high": d},
+                               f"tokens whose |p_new - p_old| leaves {d:g} on the advantage's side masked"
+                               + (" (the default)" if d == 0.15 else ""))
+                       for d in (0.05, 0.15, 0.3, 0.6)),
+        corrections=(Correction("none", _NO_TRUST_REGION, "no trust region, the clip opened", uncorrected=True),
+                     _SWEPT),
+        reference="delta_0.15",
+        distance=Distance(STALENESS, "staleness (optimizer steps between a rollout and its last update)"),
+    )
+
+
+DPPO_TV_SWEEP = _dppo_tv_sweep(7)
+# where DPPO-TV recovered an uncorrected loss: k = 15 at learning rate 1e-2 (run with --set learning_rate=1e-2)
+DPPO_TV_SWEEP_K15 = _dppo_tv_sweep(15)
+SWEEPS: dict[str, Ladder] = {lad.source: lad for lad in (PPO_EPSILON_SWEEP, DPPO_TV_SWEEP, DPPO_TV_SWEEP_K15)}
 
 LADDERS: dict[str, Ladder] = {lad.source: lad for lad in
                               (STALENESS_LADDER, TRUNCATION_LADDER, PRECISION_LADDER, ROUTING_LADDER,
