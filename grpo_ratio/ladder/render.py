@@ -110,7 +110,9 @@ def render_headline(summaries: list[dict], link: str = "docs/when_it_matters.md"
     costly = [s["source"] for s in summaries if cost_text_per_correction(s)]
     parts = []
     if losing:
-        parts.append(f"uncorrected runs lost held-out reward on the {names(losing)} ladder(s)")
+        where = names([testbed_label(s) for s in summaries if s["source"] in losing and any(
+            lost((e["corrections"].get(s["uncorrected"]) or {}).get("loss")) for e in s["settings"].values())])
+        parts.append(f"uncorrected runs lost held-out reward on the {names(losing)} ladder(s) (testbed: {where})")
     if quiet:
         parts.append(f"no loss was measured on the {names(quiet)} ladder(s)")
     if costly:
