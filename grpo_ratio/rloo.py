@@ -98,7 +98,7 @@ class RatioRLOOTrainer(RatioHooks, RLOOTrainer):
     def _vllm_logprob_capture(self):
         # RLOO asks vLLM for no log-probs; ask (processed, the sampled token's, and the top-k for score centering)
         # where a setting computes with them
-        wants = self.use_vllm and (sampler_logprob_uses(self.args) or self.plan.corrects or self.plan.centering_top_k)
+        wants = self.use_vllm and (sampler_logprob_uses(self.args) or self.plan.corrects)  # incl. top-k centering
         return VLLMLogprobCapture(self.vllm_generation, top_k=self.plan.centering_top_k) if wants else None
 
     def _generate_single_turn(self, prompt_ids, *args, **kwargs):

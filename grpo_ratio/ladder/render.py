@@ -104,14 +104,14 @@ def render_headline(summaries: list[dict], link: str = "docs/when_it_matters.md"
     def names(found: list[str]) -> str:  # each source once, in order (a SmolLM2 confirmation is the same source)
         return ", ".join(dict.fromkeys(found))
 
-    losing = [s["source"] for s in summaries if any(lost((e["corrections"].get(s["uncorrected"]) or {}).get("loss"))
-                                                     for e in s["settings"].values())]
+    lost_in = [s for s in summaries if any(lost((e["corrections"].get(s["uncorrected"]) or {}).get("loss"))
+                                           for e in s["settings"].values())]
+    losing = [s["source"] for s in lost_in]
     quiet = [s["source"] for s in summaries if s["source"] not in losing]
     costly = [s["source"] for s in summaries if cost_text_per_correction(s)]
     parts = []
     if losing:
-        where = names([testbed_label(s) for s in summaries if s["source"] in losing and any(
-            lost((e["corrections"].get(s["uncorrected"]) or {}).get("loss")) for e in s["settings"].values())])
+        where = names([testbed_label(s) for s in lost_in])
         parts.append(f"uncorrected runs lost held-out reward on the {names(losing)} ladder(s) (testbed: {where})")
     if quiet:
         parts.append(f"no loss was measured on the {names(quiet)} ladder(s)")

@@ -204,24 +204,30 @@ def split_top_logprobs(completion_ids, logprobs, token_ids, k: int):
         raise RuntimeError(f"grpo_ratio: vLLM returned {len(logprobs)} log-prob rows and {len(token_ids)} id rows "
                            f"for {len(completion_ids)} completions")
     T = max((len(c) for c in completion_ids), default=0)
-    ids = torch.arange(k, dtype=torch.int64).repeat(len(completion_ids), T, 1)  # (N, T, k) padding: distinct ids
-    logq = torch.full((len(completion_ids), T, k), -math.inf)  # (N, T, k)
-    sampled = []
+    pad_ids, pad_lp = list(range(k)), [-math.inf] * k  # padding steps: distinct ids, q = 0
+    sampled, top_ids, top_lps = [], [], []
     for n, (comp, row_lp, row_ids) in enumerate(zip(completion_ids, logprobs, token_ids)):
-        row = []
+        row, row_top_ids, row_top_lps = [], [], []
         for t, (token, lps, tids) in enumerate(zip(comp, row_lp, row_ids)):
             try:
                 row.append(lps[list(tids).index(token)])
             except ValueError:
                 raise RuntimeError(f"grpo_ratio: vLLM's top log-probs of completion {n}, step {t} do not contain the "
                                    f"sampled token {token}") from None
-            top_ids, top_lp = list(tids[:k]), lps[:k]
-            if len(top_ids) < k:  # fewer returned (a vocabulary under k): distinct unused ids, q = 0
-                used = set(top_ids)
-                top_ids += [i for i in range(k + len(used)) if i not in used][: k - len(top_ids)]
-            ids[n, t] = torch.tensor(top_ids, dtype=torch.int64)
-            logq[n, t, : len(top_lp)] = torch.tensor([-math.inf if x is None else x for x in top_lp])
+            cell_ids, cell_lps = list(tids[:k]), [-math.inf if x is None else x for x in lps[:k]]
+            if len(cell_ids) < k:  # fewer returned (a vocabulary under k): distinct unused ids, q = 0
+                used = set(cell_ids)
+                cell_ids += [i for i in range(k + len(used)) if i not in used][: k - len(cell_ids)]
+                cell_lps += [-math.inf] * (k - len(cell_lps))
+            row_top_ids.append(cell_ids)
+            row_top_lps.append(cell_lps)
+        pad = T - len(row_top_ids)
+        top_ids.append(row_top_ids + [pad_ids] * pad)
+        top_lps.append(row_top_lps + [pad_lp] * pad)
         sampled.append(row)
+    # one tensor per batch from the nested lists (N, T, k), not one per step
+    ids = torch.tensor(top_ids, dtype=torch.int64).reshape(len(completion_ids), T, k)
+    logq = torch.tensor(top_lps, dtype=torch.float32).reshape(len(completion_ids), T, k)
     return sampled, (ids, logq)
 
 
