@@ -667,13 +667,13 @@ def check_rollout_copy(engine: str, policy: nn.Module, args) -> None:
     if has_adapters(policy):
         raise NotImplementedError(f"rollout_precision={INTEGER_MODE!r} with a PEFT adapter is not supported (the "
                                   f"integer conversion reads plain weights); merge the adapter, or use "
-                                  f"rollout_precision='bf16', 'fp16', 'int8' or 'int4'")
+                                  f"rollout_precision='bf16', 'fp16', 'int8', 'int4' or 'int2'")
     config = policy.config
     if config.model_type not in FAMILIES or getattr(config, "hidden_act", "silu") != "silu":
         raise NotImplementedError(f"rollout_precision={INTEGER_MODE!r}: the integer forward implements "
                                   f"{', '.join(FAMILIES)} with SiLU, not model_type={config.model_type!r} "
                                   f"(hidden_act={getattr(config, 'hidden_act', None)!r}); use rollout_precision="
-                                  f"'bf16', 'fp16', 'int8' or 'int4'")
+                                  f"'bf16', 'fp16', 'int8', 'int4' or 'int2'")
 
 
 def _check_routing_replay(args) -> None:

@@ -20,7 +20,7 @@ question (`plan.corrects`, `plan.anchor_is_sampler`, ...) instead of comparing c
 | `sampler_routes` | where the sampler's MoE routes come from: `"generate"` (recorded), `"vllm"` (`routed_experts`), `"none"` | `routing_replay`, `ratio_diagnostics`, backend |
 | `is_correction` | the `ISCorrection` the loss's IS weight comes from, or None (TRL's behaviour) | `is_correction(_*)` |
 | `attribution_rows` | rows per generation batch whose log(new) - log(sampler) is attributed to its causes, or None (off) | `ratio_attribution` |
-| `rollout_precision` | what `generate` draws from: `"policy"` (stock TRL), a float copy (`"bf16"`, `"fp16"`, `"int8"`, `"int4"`) or `"integer"` (`grpo_ratio.sampler.precision`) | `rollout_precision`, backend |
+| `rollout_precision` | what `generate` draws from: `"policy"` (stock TRL), a float copy (`"bf16"`, `"fp16"`, `"int8"`, `"int4"`, `"int2"`) or `"integer"` (`grpo_ratio.sampler.precision`) | `rollout_precision`, backend |
 | `centering` | `"exact"`, `"top_k"` (`grpo_ratio.corrections.centering`), or None (off: TRL's loss) | `score_centering` |
 | `centering_top_k`, `centering_tail` | `"top_k"`: how many sampler log-probs per token are recorded (0 otherwise), the tail rule | `score_centering_top_k`, `score_centering_tail` |
 

@@ -28,7 +28,7 @@ from grpo_ratio.sampler.precision import (
 from grpo_ratio.testing import tiny_model
 
 
-FLOAT_COPIES = ("bf16", "fp16", "int8", "int4")
+FLOAT_COPIES = ("bf16", "fp16", "int8", "int4", "int2")
 
 
 def _steps(trainer):
@@ -88,7 +88,7 @@ def _recorded(copy: RolloutCopy, policy, prompts: torch.Tensor, new_tokens: int 
 
 # the recorded log-probs against a direct forward of the copy: the fp32-stored fake-quantized copies agree to fp32
 # rounding (cached decode vs one full forward); bf16 / fp16 copies to their own rounding of that difference
-TOLERANCE = {"bf16": 5e-2, "fp16": 1e-2, "int8": 1e-4, "int4": 1e-4}
+TOLERANCE = {"bf16": 5e-2, "fp16": 1e-2, "int8": 1e-4, "int4": 1e-4, "int2": 1e-4}
 
 
 @pytest.mark.parametrize("precision", FLOAT_COPIES)
@@ -126,7 +126,7 @@ def test_the_copy_is_remade_only_when_the_weights_moved():
     assert torch.allclose(first.lm_head.weight.abs().amax(1), policy.lm_head.weight.abs().amax(1), rtol=1e-6)
 
 
-def test_float_copies_train_and_int4_moves_old_sampler_more_than_bf16(tmp_path):
+def test_float_copies_train_and_coarser_copies_move_old_sampler_more(tmp_path):
     # 2 steps per value on a peaked tiny model (a trained model's peaked distributions, where a tiny random one is
     # nearly uniform): finite loss, the copy's re-make cost logged at each generation, and old/sampler off 1 in the
     # order of the copy's precision
@@ -140,7 +140,7 @@ def test_float_copies_train_and_int4_moves_old_sampler_more_than_bf16(tmp_path):
         assert trainer.rollout_copy.num_remakes == 2  # once per generation (weights moved between them)
         moved[precision] = sum(r[OLD_SAMPLER.mean_abs_log_ratio] for r in rows) / len(rows)
     assert moved["int4"] > 5 * moved["bf16"], moved
-    assert moved["int4"] > moved["int8"], moved
+    assert moved["int2"] > moved["int4"] > moved["int8"], moved
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -149,7 +149,7 @@ def test_float_copies_train_and_int4_moves_old_sampler_more_than_bf16(tmp_path):
 
 @pytest.mark.parametrize("overrides, match", [
     ({"rollout_precision": "fp8"}, "rollout_precision='fp8' is not allowed; allowed: policy, bf16, fp16, int8, int4, "
-                                   "integer"),
+                                   "int2, integer"),
     ({"rollout_precision": "int8", "use_vllm": True}, "rollout_precision='int8' draws .* use_vllm=True"),
     ({"rollout_precision": "bf16", "routing_replay": "R3"}, "routing_replay='R3'"),
     ({"old_logprob_mode": "integer"}, "old_logprob_mode='integer' re-scores .* rollout_precision='policy'"),

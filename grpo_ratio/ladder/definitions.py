@@ -21,7 +21,7 @@ Sources:
   lift_sampler. `lift_sampler` alone changes only the diagnostics (docs/truncation.md), so it runs with the `tis`
   IS correction, next to `tis` without it: the case where an IS weight reads the kept mass as mismatch.
 - `precision`: rollouts drawn by a lower-precision copy of the policy (`rollout_precision`: policy / bf16 / fp16 /
-  int8 / int4 / integer), against none / `is_correction` tis / icepop / geometric_mask / the `sampler` arm.
+  int8 / int4 / int2 / integer), against none / `is_correction` tis / icepop / geometric_mask / the `sampler` arm.
 - `routing`: a tiny MoE policy at the staleness dial's settings, `routing_replay` none / R2 / R3.
 """
 
@@ -207,7 +207,9 @@ PRECISION_LADDER = Ladder(
         Setting("fp16", 2, {"rollout_precision": "fp16"}, "an fp16 copy draws them"),
         Setting("int8", 3, {"rollout_precision": "int8"}, "an int8 copy draws them"),
         Setting("int4", 4, {"rollout_precision": "int4"}, "an int4 copy draws them"),
-        Setting(INTEGER_MODE, 5, {"rollout_precision": INTEGER_MODE}, "the integer-only sampler (docs/integer.md)"),
+        Setting("int2", 5, {"rollout_precision": "int2"},
+                "an int2 (ternary) copy draws them: past the coarsest copy users run, to push the dial"),
+        Setting(INTEGER_MODE, 6, {"rollout_precision": INTEGER_MODE}, "the integer-only sampler (docs/integer.md)"),
     ),
     corrections=(
         Correction("none", {}, "no correction: the trainer's old pass, sampler log-probs only measured",

@@ -7,10 +7,11 @@ of it, re-made from the policy's weights once per generation after they changed 
 - `"policy"`: no copy; TRL's own `generate` on the policy, bit for bit (the default).
 - `"bf16"`, `"fp16"`: the whole policy in that dtype (`old_pass.copies.ModuleCopy`: built from the config on the
   policy's device, PEFT adapters merged by PEFT, eval mode), run without the trainer's autocast.
-- `"int8"`, `"int4"`: the policy in its own parameter dtype with every `nn.Linear` weight (the LM head included; a
-  tied head shares its tensor with the input embedding, which is then quantized too) fake-quantized weight-only,
-  symmetric, per output channel: w -> round(w / s) s, s = max|w_row| / L, L = 127 (int8) or 7 (int4), the rounding in
-  fp32. int4 is there to push the mismatch beyond what users meet.
+- `"int8"`, `"int4"`, `"int2"`: the policy in its own parameter dtype with every `nn.Linear` weight (the LM head
+  included; a tied head shares its tensor with the input embedding, which is then quantized too) fake-quantized
+  weight-only, symmetric, per output channel: w -> round(w / s) s, s = max|w_row| / L, L = 127 (int8), 7 (int4) or 1
+  (int2: the three levels -s, 0, s, ternary weights as in BitNet b1.58, arXiv 2402.17764), the rounding in fp32. int4
+  and int2 are there to push the mismatch beyond what users meet.
 - `"integer"`: the DetLLM integer model of the policy (`grpo_ratio.integer.convert`, calibrated once on the first
   generation batch's first prompts, re-converted from the current weights), drawn by the integer sampler
   (`grpo_ratio.integer.sample.generate`: counter-based noise, so a row's tokens depend only on its prompt, its
@@ -48,7 +49,7 @@ from .generate import SamplerLogprobRecorder, SamplerRecord, recording_sampler
 
 POLICY = POLICY_ROLLOUTS
 FLOAT_COPIES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # a whole copy in that dtype
-FAKE_QUANT = {"int8": 127, "int4": 7}  # weight-only levels per sign, per output channel
+FAKE_QUANT = {"int8": 127, "int4": 7, "int2": 1}  # weight-only levels per sign, per output channel (int2: -s, 0, s)
 CALIBRATION_PROMPTS = 4  # prompts of the first generation batch that calibrate the integer model, kept for the run
 
 
