@@ -354,3 +354,7 @@ def test_the_rule_names_a_correction_that_cost_reward_against_the_uncorrected_ru
     assert "ppo_clip" not in rule_sentence(summary, 1.0)  # at k1 the clip was within noise
     assert "a correction itself cost reward on the staleness ladder(s)" in render_headline([summary, summary])
     assert render_headline([summary, summary]).count("staleness") == 2  # each source once per clause
+    lost_k7 = {**summary, "settings": {**summary["settings"], "k7": {"distance": 7.0, "corrections": {
+        "none": {"loss": verdict(-0.3, -0.4, -0.1), "cost": {}}}}}}
+    pushed = {**lost_k7, "sets": {"learning_rate": 0.01}}
+    assert "(testbed: tiny; tiny, learning_rate=0.01)" in render_headline([lost_k7, pushed, pushed])

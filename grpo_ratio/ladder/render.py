@@ -111,7 +111,7 @@ def render_headline(summaries: list[dict], link: str = "docs/when_it_matters.md"
     costly = [s["source"] for s in summaries if cost_text_per_correction(s)]
     parts = []
     if losing:
-        where = names([testbed_label(s) for s in lost_in])
+        where = "; ".join(dict.fromkeys(testbed_label(s) for s in lost_in))  # a label may hold commas itself
         parts.append(f"uncorrected runs lost held-out reward on the {names(losing)} ladder(s) (testbed: {where})")
     if quiet:
         parts.append(f"no loss was measured on the {names(quiet)} ladder(s)")
