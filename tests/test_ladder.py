@@ -220,6 +220,12 @@ def test_a_ladder_run_with_set_values_says_so_in_its_summary_and_rule(written_la
     assert summary["sets"] == {"learning_rate": "0.003"}
     assert threshold_text(summary).startswith("truncation (tiny, learning_rate=0.003): uncorrected runs lost")
     assert "(0.4, tiny, learning_rate=0.003 testbed)" in rule_sentence(summary, 0.35)
+    # a user's run at another learning rate is told so, next to the cell it is compared with
+    history = _history(0.3, [1, 1, 1, 1, 1, 1], 0.62)
+    (line,) = rule_for_run(history, {"top_p": 0.5, "learning_rate": 1e-6}, [summary])
+    assert line.endswith("(that ladder ran with learning_rate=0.003; this run has learning_rate=1e-06)")
+    (line,) = rule_for_run(history, {"top_p": 0.5, "learning_rate": 0.003}, [summary])
+    assert "that ladder ran with" not in line
 
 
 def _within(summary) -> str:

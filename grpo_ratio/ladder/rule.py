@@ -221,8 +221,24 @@ def rule_for_run(history: list[dict], config: dict | None, summaries: list[dict]
         if distance is None:
             lines.append(f"- **{lad.source}**: this run did not log its {lad.distance.label}.")
         else:
-            lines.append(f"- **{lad.source}**: {rule_sentence(summary, distance)}")
+            lines.append(f"- **{lad.source}**: {rule_sentence(summary, distance)}{_other_settings(summary, config)}")
     return lines
+
+
+def _other_settings(summary: dict, config: dict | None) -> str:
+    """" (that ladder ran with epsilon=1e9; this run has epsilon=0.2)" where the run's config differs from a `--set`
+    value the whole ladder ran with (compared as numbers where both are), else ""."""
+    def same(a, b) -> bool:
+        try:
+            return float(a) == float(b)
+        except (TypeError, ValueError):
+            return str(a) == str(b)
+
+    differ = [k for k, v in (summary.get("sets") or {}).items() if config and k in config and not same(v, config[k])]
+    if not differ:
+        return ""
+    theirs = ", ".join(f"{k}={summary['sets'][k]}" for k in differ)
+    return f" (that ladder ran with {theirs}; this run has {', '.join(f'{k}={config[k]}' for k in differ)})"
 
 
 def render_rule_section(history: list[dict], config: dict | None, root: str | Path = DEFAULT_ROOT) -> str:
