@@ -168,9 +168,9 @@ def render(path: str) -> str:
                          f"{remake} | {mb} | {x['mean_abs_log_ratio']:.2e} |")
         lines.append("")
     lines.append(f"{r['threads']} threads, eager, {describe_machine(r['machine'])}; one run of {r['total_s']:.0f} s. "
-                 f"The fp32 policy and the fake-quantized copies (int8 / int4 / int2, computing in fp32, the policy's dtype) "
-                 f"do the same work: the spread of their speeds is this machine's noise. The integer sampler runs the "
-                 f"eager integer forward (docs/integer.md).")
+                 f"The fp32 policy and the fake-quantized copies (int8 / int4 / int2, computing in fp32, the "
+                 f"policy's dtype) do the same work: the spread of their speeds is this machine's noise. The integer "
+                 f"sampler runs the eager integer forward (docs/integer.md).")
     return "\n".join(lines) + "\n"
 
 

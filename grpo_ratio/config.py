@@ -139,10 +139,10 @@ class RatioFields(KnownFields):
     rollout_precision (`str`, *optional*, defaults to `"policy"`):
         What the rollouts are drawn from on the transformers `generate` path (`grpo_ratio.sampler.precision`,
         docs/rollout_precision.md): `"policy"` (the policy itself: stock TRL), `"bf16"` / `"fp16"` (a copy in that
-        dtype), `"int8"` / `"int4"` / `"int2"` (the policy with every linear weight fake-quantized per output channel), or
-        `"integer"` (the integer model of grpo_ratio.integer and its batch-independent sampler). The copy is re-made
-        after every optimizer step; the recorded sampler log-probs are the copy's. The CPU analogue of FP8 rollouts
-        (arXiv 2601.18150).
+        dtype), `"int8"` / `"int4"` / `"int2"` (the policy with every linear weight fake-quantized per output
+        channel), or `"integer"` (the integer model of grpo_ratio.integer and its batch-independent sampler). The
+        copy is re-made after every optimizer step; the recorded sampler log-probs are the copy's. The CPU analogue
+        of FP8 rollouts (arXiv 2601.18150).
 
     > Parameters that control truncated-sampling correction
 
@@ -248,10 +248,11 @@ class RatioFields(KnownFields):
             "help": "What the rollouts are drawn from on the transformers generate path (no vLLM): 'policy' (the "
             "policy itself, stock TRL), 'bf16' or 'fp16' (a copy of the policy in that dtype), 'int8', 'int4' or "
             "'int2' (the policy with every nn.Linear weight, the LM head included, fake-quantized weight-only, "
-            "symmetric, per output channel, 127 / 7 / 1 levels a sign, in the policy's dtype) or 'integer' (the integer-only model of grpo_ratio.integer "
-            "and its batch-independent integer sampler). The copy is re-made from the policy after every optimizer "
-            "step (once per generation); the recorded sampler log-probs are the copy's, under the processed "
-            "distribution. The CPU analogue of FP8 rollouts (arXiv 2601.18150); docs/rollout_precision.md.",
+            "symmetric, per output channel, 127 / 7 / 1 levels a sign, in the policy's dtype) or 'integer' (the "
+            "integer-only model of grpo_ratio.integer and its batch-independent integer sampler). The copy is "
+            "re-made from the policy after every optimizer step (once per generation); the recorded sampler "
+            "log-probs are the copy's, under the processed distribution. The CPU analogue of FP8 rollouts (arXiv "
+            "2601.18150); docs/rollout_precision.md.",
             "choices": list(ROLLOUT_PRECISIONS),
         },
     )

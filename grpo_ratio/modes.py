@@ -120,8 +120,8 @@ SAMPLER_MODE = SAMPLER.name
 INTEGER_MODE = INTEGER.name  # also the `rollout_precision` that draws from the integer model
 
 # `rollout_precision`: what the rollouts are drawn from on the `generate` path (`grpo_ratio.sampler.precision`): the
-# policy itself (stock TRL), a copy in bf16 / fp16, the policy with int8 / int4 / int2 weight-only fake-quantized linears,
-# or the integer model
+# policy itself (stock TRL), a copy in bf16 / fp16, the policy with int8 / int4 / int2 weight-only fake-quantized
+# linears, or the integer model
 POLICY_ROLLOUTS = "policy"
 ROLLOUT_PRECISIONS = (POLICY_ROLLOUTS, "bf16", "fp16", "int8", "int4", "int2", INTEGER_MODE)
 
