@@ -59,16 +59,36 @@ def test_every_ladder_is_a_dial_of_at_least_four_settings_with_one_uncorrected_a
 
 @pytest.mark.parametrize("source", list(LADDERS))
 def test_every_override_is_a_config_field_with_an_allowed_value(source):
+    from grpo_ratio.corrections.is_correction import CUSTOM_FIELDS, resolve_correction
+
     lad = ladder(source)
     for item in (*lad.settings, *lad.corrections):
         for key, value in staleness_overrides(item.overrides, 1).items():
             assert key in FIELDS or key == lad.needs_field, (source, item.name, key)
             if key == "is_correction":
-                assert value in PRESETS
+                assert value is None or value in PRESETS or value == "custom"
             if key == "trust_region":
                 assert value is None or value in TRUST_REGIONS
             if key == "old_logprob_mode":
                 assert value in MODES
+    for setting in lad.settings:  # each cell's IS fields resolve as the config resolves them (raises otherwise)
+        for correction in lad.corrections:
+            cell = lad.overrides(setting.name, correction.name)
+            if "is_correction" in cell:
+                resolve_correction(cell["is_correction"], *(cell.get(f) for f in CUSTOM_FIELDS))
+
+
+def test_the_geometric_mask_sweep_reproduces_the_preset_at_its_default_band():
+    from grpo_ratio.corrections.is_correction import CUSTOM_FIELDS, resolve_correction
+
+    lad = ladder("geometric_mask_band")
+    cell = lad.overrides("band_1.01", "swept")
+    assert cell["rollout_precision"] == "int2"
+    swept, preset = resolve_correction("custom", *(cell.get(f) for f in CUSTOM_FIELDS)), PRESETS["geometric_mask"]
+    assert swept.level == preset.correction.level == "none"  # no IS weight, so the action is moot
+    assert swept.rejections == preset.correction.rejections
+    assert resolve_correction(*(lad.overrides("band_5", "none").get(f) for f in ("is_correction", *CUSTOM_FIELDS))) \
+        is None  # the baseline: no IS correction at any band
 
 
 def test_staleness_dial_is_trls_steps_per_generation_and_the_uncorrected_arm_opens_the_clip():

@@ -244,7 +244,8 @@ ROUTING_LADDER = Ladder(
 )
 
 # Threshold sweeps (issue 41, item 5): at the staleness ladder's worst setting (k = 7; k = 15 where DPPO-TV recovered
-# a loss at learning rate 1e-2) one knob per ladder, each value a setting; `none` (the clip opened, no trust region) is the baseline at every value. Run with
+# a loss at learning rate 1e-2), and at the precision ladder's int2 for the geometric mask, one knob per ladder, each
+# value a setting; the uncorrected arm (`none`) is the baseline at every value. Run with
 # `--name thresholds/<source>`, so that they sit apart from the ladders (docs/when_it_matters.md, "Thresholds").
 _SWEPT = Correction("swept", {}, "the correction at the setting's value of the knob")
 _NO_TRUST_REGION = {**_OPEN, "trust_region": None, "trust_region_low": None, "trust_region_high": None}
@@ -280,7 +281,29 @@ def _dppo_tv_sweep(k: int) -> Ladder:
 DPPO_TV_SWEEP = _dppo_tv_sweep(7)
 # where DPPO-TV recovered an uncorrected loss: k = 15 at learning rate 1e-2 (run with --set learning_rate=1e-2)
 DPPO_TV_SWEEP_K15 = _dppo_tv_sweep(15)
-SWEEPS: dict[str, Ladder] = {lad.source: lad for lad in (PPO_EPSILON_SWEEP, DPPO_TV_SWEEP, DPPO_TV_SWEEP_K15)}
+# where the geometric_mask preset's band over-masked: int2 rollouts (run with --set learning_rate=1e-2); each band as
+# the preset's own rule (`is_correction="custom"`, no IS weight, sequences whose geometric-mean old/sampler ratio
+# leaves [low, high] dropped)
+_NO_IS = {"is_correction": None, "is_correction_level": None, "is_correction_rejection": None}
+GEOMETRIC_MASK_SWEEP = Ladder(
+    source="geometric_mask_band",
+    description="the geometric-mask band at rollouts drawn by an int2 copy of the policy",
+    dial="is_correction='custom', is_correction_level='none', rejection low <= seq_mean_ratio <= high, at "
+         "rollout_precision='int2'",
+    settings=tuple(Setting(f"band_{high:g}", high,
+                           {"rollout_precision": "int2", "is_correction": "custom", "is_correction_level": "none",
+                            "is_correction_rejection": f"{low:g}<=seq_mean_ratio<={high:g}"},
+                           f"sequences whose geometric-mean ratio leaves [{low:g}, {high:g}] masked"
+                           + (" (the geometric_mask preset)" if high == 1.01 else ""))
+                   for low, high in ((0.99, 1.01), (0.9, 1.1), (0.5, 2.0), (0.2, 5.0))),
+    corrections=(Correction("none", _NO_IS, "no IS correction (int2 rollouts, the trainer's old pass)",
+                            uncorrected=True), _SWEPT),
+    reference="band_1.01",
+    distance=Distance(keys.mismatch_key(keys.OLD_SAMPLER, "kl_k3"), "step-1 old/sampler k3"),
+    needs_field="rollout_precision",
+)
+SWEEPS: dict[str, Ladder] = {lad.source: lad for lad in (PPO_EPSILON_SWEEP, DPPO_TV_SWEEP, DPPO_TV_SWEEP_K15,
+                                                         GEOMETRIC_MASK_SWEEP)}
 
 LADDERS: dict[str, Ladder] = {lad.source: lad for lad in
                               (STALENESS_LADDER, TRUNCATION_LADDER, PRECISION_LADDER, ROUTING_LADDER,
