@@ -73,6 +73,27 @@ TESTBEDS = {
         "never_eos": True,  # every completion runs to max_completion_length: a continuous letter share
         "threads": 1,  # torch threads per run: two ladders run side by side on a 2-core machine
     },
+    "tiny_async": {  # the asynchronous ladder's: the tiny policy as a LoRA, sampled by a real `vllm serve` on CPU
+        "kind": "tiny_async",
+        "config": dict(
+            use_cpu=True, bf16=False, gradient_checkpointing=False,  # fp32 trainer and server: no engine gap
+            per_device_train_batch_size=8, gradient_accumulation_steps=4, num_generations=8,  # 4 prompts x 8 / step
+            max_completion_length=16, temperature=1.0,
+            max_steps=30, learning_rate=5e-3, lr_scheduler_type="constant",
+            weight_sync_steps=1,  # the policy reaches the server as a new adapter after every optimizer step
+            token_budget=0,  # FixedCountBatcher: per_device_train_batch_size samples per micro-batch
+            vllm_server_timeout=120,
+            logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
+        ),
+        "eval_points": 8,  # held-out evaluations over the run (HeldOutReward), plus one at step 0
+        "eval_generations": 8,
+        "train_prompts": 64,
+        "eval_prompts": 8,
+        "head_scale": 10.0,
+        "never_eos": True,
+        "lora_rank": 8,  # every linear layer of the blocks (vLLM serves it as an adapter; no head: TRL's sync rule)
+        "threads": 1,
+    },
     "smollm2": {
         "kind": "smollm2",
         "config": dict(
@@ -106,6 +127,8 @@ def testbed_config(testbed: str, max_steps: int | None = None, sets: dict | None
     config = {**bed["config"], **(sets or {})}
     if max_steps is not None:
         config["max_steps"] = max_steps
+    if bed["kind"] == "tiny_async":  # TRL's async trainer has no evaluation loop: HeldOutReward evaluates
+        return config
     config.setdefault("eval_strategy", "steps")
     config.setdefault("eval_on_start", True)
     config.setdefault("eval_steps", max(1, config["max_steps"] // bed["eval_points"]))
@@ -117,8 +140,9 @@ def cell_config(source: str, testbed: str, setting: str, correction: str, max_st
     """The config values of one cell: the testbed's, then the setting's and the correction's overrides (`staleness: k`
     made TRL's steps_per_generation), then the `--set` values again (they win)."""
     base = testbed_config(testbed, max_steps, sets)
-    cell = staleness_overrides(ladder(source).overrides(setting, correction),
-                               base.get("gradient_accumulation_steps", 1))
+    ga = base.get("gradient_accumulation_steps", 1)
+    cell = staleness_overrides(ladder(source).overrides(setting, correction), ga,
+                               samples_per_step=ga * base["per_device_train_batch_size"])
     return {**base, **cell, **(sets or {})}
 
 
@@ -227,17 +251,19 @@ def check_fields(source: str, sets: dict) -> None:
     Raises:
         ValueError: naming the field; also a `--set` of a field the ladder's settings or corrections set.
     """
-    from grpo_ratio import RatioGRPOConfig
+    from grpo_ratio import RatioAsyncGRPOConfig, RatioGRPOConfig
 
-    fields = set(RatioGRPOConfig.__dataclass_fields__)
+    config_cls = RatioAsyncGRPOConfig if ladder(source).trainer == "async" else RatioGRPOConfig
+    fields = set(config_cls.__dataclass_fields__)
     need = ladder(source).needs_field
     if need and need not in fields:
         raise ValueError(f"the {source} ladder needs the config field {need!r}, which this checkout does not have yet")
     unknown = sorted(set(sets) - fields)
     if unknown:
-        raise ValueError(f"--set {unknown[0]}: RatioGRPOConfig has no such field")
+        raise ValueError(f"--set {unknown[0]}: {config_cls.__name__} has no such field")
     lad = ladder(source)
     dial = {k for x in (*lad.settings, *lad.corrections) for k in staleness_overrides(x.overrides, 1)}
+    dial |= {k for x in (*lad.settings, *lad.corrections) for k in x.overrides}
     if set(sets) & dial:
         raise ValueError(f"--set {sorted(set(sets) & dial)[0]}: the {source} ladder's settings or corrections set "
                          f"it; a cell's label would name what did not run")
@@ -275,19 +301,38 @@ def run_ladder(source: str, testbed: str = "tiny", settings=None, corrections=No
         import torch
 
         torch.set_num_threads(threads)
+    if (lad.trainer == "async") != (TESTBEDS[testbed]["kind"] == "tiny_async"):
+        raise ValueError(f"the {source} ladder runs on " + ("the tiny_async testbed" if lad.trainer == "async" else
+                         f"a synchronous testbed ({', '.join(t for t in TESTBEDS if t != 'tiny_async')})")
+                         + f", not {testbed!r}")
     chosen = [lad.setting(s).name for s in settings] if settings else [s.name for s in lad.settings]
     asked = [lad.correction(c).name for c in corrections] if corrections else None
-    folder_name = name or (source if testbed == "tiny" else f"{source}-{testbed}")
+    folder_name = name or (source if testbed in ("tiny", "tiny_async") else f"{source}-{testbed}")
     folder = Path(output_root) / folder_name
-    for setting in chosen:
-        arms = asked or [c.name for c in lad.corrections]
+
+    def arms_at(setting: str) -> list[str]:
         if asked is None and setting == lad.reference:  # nothing for a correction to act on there, unless asked
-            arms = [lad.uncorrected.name]
-        prints = {c: json.dumps({"testbed": testbed, "config": cell_config(source, testbed, setting, c, max_steps, sets),
-                                 "arch": lad.arch}, sort_keys=True, default=str) for c in arms}
+            return [lad.uncorrected.name]
+        return asked or [c.name for c in lad.corrections]
+
+    def fingerprint(setting: str, correction: str) -> str:
+        return json.dumps({"testbed": testbed, "config": cell_config(source, testbed, setting, correction, max_steps,
+                                                                     sets), "arch": lad.arch},
+                          sort_keys=True, default=str)
+
+    if lad.trainer == "async":
+        sys.path.insert(0, str(ROOT / "benchmarks"))  # its sibling module, wherever this file was loaded from
+        from async_ladder import run_async_cells
+
+        run_async_cells(lad, testbed, TESTBEDS[testbed], [(s, arms_at(s)) for s in chosen], list(seeds), folder, fingerprint,
+                        lambda setting, c: cell_config(source, testbed, setting, c, max_steps, sets),
+                        lambda setting, c, seed: cell_command(source, testbed, setting, c, seed, max_steps, sets,
+                                                              output_root, name))
+    for setting in chosen if lad.trainer == "sync" else ():
+        arms = arms_at(setting)
         run_comparison(arms, list(seeds), _builder(source, testbed, setting, max_steps, sets, output_root, name),
                        name=setting, output_root=folder, last_k=10, baseline=lad.uncorrected.name, show=show,
-                       fingerprints=prints)
+                       fingerprints={c: fingerprint(setting, c) for c in arms})
     path = write_summary(folder)
     if figures:
         write_figures(folder, folder)

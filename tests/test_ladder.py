@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_ratio import RatioGRPOConfig
+from grpo_ratio import RatioAsyncGRPOConfig, RatioGRPOConfig
 from grpo_ratio.analysis import report
 from grpo_ratio.corrections.is_correction import PRESETS
 from grpo_ratio.corrections.trust_region import TRUST_REGIONS
@@ -33,6 +33,7 @@ from grpo_ratio.modes import MODES
 
 ROOT = Path(__file__).parents[1]
 FIELDS = set(RatioGRPOConfig.__dataclass_fields__)
+ASYNC_FIELDS = set(RatioAsyncGRPOConfig.__dataclass_fields__)
 
 
 def load_runner():
@@ -62,9 +63,10 @@ def test_every_override_is_a_config_field_with_an_allowed_value(source):
     from grpo_ratio.corrections.is_correction import CUSTOM_FIELDS, resolve_correction
 
     lad = ladder(source)
+    fields = ASYNC_FIELDS if lad.trainer == "async" else FIELDS
     for item in (*lad.settings, *lad.corrections):
         for key, value in staleness_overrides(item.overrides, 1).items():
-            assert key in FIELDS or key == lad.needs_field, (source, item.name, key)
+            assert key in fields or key == lad.needs_field, (source, item.name, key)
             if key == "is_correction":
                 assert value is None or value in PRESETS or value == "custom"
             if key == "trust_region":
@@ -110,6 +112,26 @@ def test_staleness_dial_is_trls_steps_per_generation_and_the_uncorrected_arm_ope
                                         gradient_accumulation_steps=2, per_device_train_batch_size=4,
                                         num_generations=4))
     assert run_distance(lad, [], config) == 1.0
+
+
+def test_async_staleness_dial_is_max_staleness_with_a_queue_deep_enough_to_reach_it(tmp_path):
+    lad = ladder("async_staleness")
+    assert lad.trainer == "async" and [s.value for s in lad.settings] == [0, 1, 3, 7]
+    assert lad.uncorrected.overrides == {"async_objective": "coupled"}  # TRL's loss is what is left uncorrected
+    runner = load_runner()
+    values = runner.cell_config("async_staleness", "tiny_async", "k3", "decoupled_tis")
+    samples = values["per_device_train_batch_size"] * values["gradient_accumulation_steps"]
+    assert values["max_staleness"] == 3 and values["queue_maxsize"] == 4 * samples
+    assert "eval_strategy" not in values  # TRL's async trainer has no evaluation loop (HeldOutReward logs it)
+    args = RatioAsyncGRPOConfig(output_dir=str(tmp_path), vllm_server_base_url="http://127.0.0.1:1", **values)
+    assert args.async_objective == "decoupled" and args.is_correction_spec is not None
+    assert config_staleness(values) == 3  # the rule reads the cap as the run's distance
+    with pytest.raises(ValueError, match="tiny_async testbed"):
+        runner.run_ladder("async_staleness", "tiny", ["k0"], None, [0], output_root=str(tmp_path), show=False)
+    with pytest.raises(ValueError, match="--set max_staleness"):
+        runner.check_fields("async_staleness", {"max_staleness": 2})
+    with pytest.raises(ValueError, match="RatioAsyncGRPOConfig has no such field"):
+        runner.check_fields("async_staleness", {"ratio_attribution": "true"})
 
 
 def test_a_cell_config_builds_and_a_dial_override_is_refused(tmp_path):

@@ -23,6 +23,9 @@ Sources:
 - `precision`: rollouts drawn by a lower-precision copy of the policy (`rollout_precision`: policy / bf16 / fp16 /
   int8 / int4 / int2 / integer), against none / `is_correction` tis / icepop / geometric_mask / the `sampler` arm.
 - `routing`: a tiny MoE policy at the staleness dial's settings, `routing_replay` none / R2 / R3.
+- `async_staleness`: the asynchronous trainer's own dial (`RatioAsyncGRPOTrainer` against a vLLM server,
+  `max_staleness` 0, 1, 3, 7 syncs, the rollout queue sized so that rollouts wait that long), against
+  `async_objective` coupled (TRL's loss) / decoupled (AReaL's decoupled PPO) / decoupled with `tis`.
 """
 
 from __future__ import annotations
@@ -76,7 +79,9 @@ class Ladder:
     """A source's dial and corrections. `reference` names the setting without mismatch; `distance` what the rule
     reads; `needs_field` a config field the ladder cannot run without (None: any checkout); `arch` the tiny testbed's
     architecture; `applies_key` a logged key whose presence says a user's run can have this mismatch (None: every
-    run)."""
+    run); `trainer` which trainer runs its cells: "sync" (`RatioGRPOTrainer`) or "async" (`RatioAsyncGRPOTrainer`,
+    its overrides `RatioAsyncGRPOConfig` fields; `queue_steps: n` the rollout queue sized to n optimizer steps of
+    samples)."""
 
     source: str
     description: str
@@ -88,6 +93,7 @@ class Ladder:
     needs_field: str | None = None
     arch: str = "qwen2"
     applies_key: str | None = None
+    trainer: str = "sync"
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -122,12 +128,14 @@ def _staleness_settings() -> tuple[Setting, ...]:
                  for k in (0, 1, 3, 7, 15))
 
 
-def staleness_overrides(overrides: dict, gradient_accumulation_steps: int) -> dict:
-    """`overrides` with the ladder's `staleness: k` replaced by TRL's `steps_per_generation = (k + 1) x GA` (the
-    other keys unchanged; none without `staleness`)."""
+def staleness_overrides(overrides: dict, gradient_accumulation_steps: int, samples_per_step: int = 1) -> dict:
+    """`overrides` with the ladder's `staleness: k` replaced by TRL's `steps_per_generation = (k + 1) x GA`, and
+    `queue_steps: n` by the asynchronous trainer's `queue_maxsize = n x samples_per_step` (the other keys unchanged)."""
     out = dict(overrides)
     if "staleness" in out:
         out["steps_per_generation"] = (int(out.pop("staleness")) + 1) * gradient_accumulation_steps
+    if "queue_steps" in out:
+        out["queue_maxsize"] = int(out.pop("queue_steps")) * samples_per_step
     return out
 
 
@@ -243,6 +251,34 @@ ROUTING_LADDER = Ladder(
     applies_key=keys.route_key("sampler_old", "any_layer"),
 )
 
+ASYNC_STALENESS_LADDER = Ladder(
+    source="async_staleness",
+    description="rollouts sampled by a vLLM server up to k weight syncs before the update that trains on them "
+                "(asynchronous trainer, one sync per optimizer step)",
+    dial="max_staleness (the rollout queue holds max_staleness + 1 optimizer steps of samples)",
+    settings=tuple(Setting(f"k{k}", k, {"max_staleness": k, "queue_steps": k + 1},
+                           f"max_staleness={k}: samples more than {k} sync{'s' * (k != 1)} old dropped, the queue "
+                           f"{k + 1} step{'s' * (k != 0)} deep, so that rollouts wait up to {k} sync{'s' * (k != 1)}")
+                   for k in (0, 1, 3, 7)),
+    corrections=(
+        Correction("coupled", {"async_objective": "coupled"},
+                   "TRL's loss: PPO's clip on new/behaviour (epsilon 0.2), the stale sampler as the old policy",
+                   uncorrected=True),
+        Correction("decoupled", {"async_objective": "decoupled"},
+                   "AReaL's decoupled PPO: the clip on new/proximal, the raw behaviour -> proximal IS weight",
+                   extra_passes="none (the proximal log-probs are the training forward's, old_logprob_mode='bf16')"),
+        Correction("decoupled_tis", {"async_objective": "decoupled", "is_correction": "tis"},
+                   "decoupled PPO with the behaviour -> proximal weight capped at 2 (token TIS)",
+                   extra_passes="none"),
+    ),
+    reference="k0",
+    distance=Distance(STALENESS, "asynchronous staleness (max_staleness: weight syncs between a rollout's sampler "
+                                 "and the update)"),
+    trainer="async",
+    notes=("Realized staleness is what the queue and the two processes' speeds make of the cap; each cell logs it "
+           "(TRL's sample/staleness_mean, and the ratio/staleness/<k>/* buckets).",),
+)
+
 # Threshold sweeps (issue 41, item 5): at the staleness ladder's worst setting (k = 7; k = 15 where DPPO-TV recovered
 # a loss at learning rate 1e-2), and at the precision ladder's int2 for the geometric mask, one knob per ladder, each
 # value a setting; the uncorrected arm (`none`) is the baseline at every value. Run with
@@ -307,7 +343,7 @@ SWEEPS: dict[str, Ladder] = {lad.source: lad for lad in (PPO_EPSILON_SWEEP, DPPO
 
 LADDERS: dict[str, Ladder] = {lad.source: lad for lad in
                               (STALENESS_LADDER, TRUNCATION_LADDER, PRECISION_LADDER, ROUTING_LADDER,
-                               *SWEEPS.values())}
+                               ASYNC_STALENESS_LADDER, *SWEEPS.values())}
 
 
 def ladder(source: str) -> Ladder:

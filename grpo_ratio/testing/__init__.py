@@ -159,5 +159,8 @@ def tiny_prompts(n: int = 8, start: int = 0):
 
 
 def letter_reward(completions, **kwargs):
-    """Share of characters in 'a'..'m' in each completion: a smooth reward, so a group's std is rarely 0."""
-    return [sum("a" <= ch <= "m" for ch in c) / max(len(c), 1) for c in completions]
+    """Share of characters in 'a'..'m' in each completion: a smooth reward, so a group's std is rarely 0. A
+    conversational completion (a list of messages, as TRL's async rollout worker passes) is read by its last
+    message's content."""
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return [sum("a" <= ch <= "m" for ch in t) / max(len(t), 1) for t in texts]
