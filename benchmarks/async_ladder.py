@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -46,15 +47,26 @@ def lane_utils():
 
 
 def chat(prompts):
-    """The tiny plain-text prompts as conversations (a system message, the prompt as the user's)."""
+    """A prompt set as conversations: plain-text prompts get a system message and become the user's; a
+    conversational set is returned as it is."""
+    if not isinstance(prompts[0]["prompt"], str):
+        return prompts
     return prompts.map(lambda row: {"prompt": [SYSTEM, {"role": "user", "content": row["prompt"]}]})
 
 
 def save_policy(bed: dict, path: Path) -> str:
-    """The testbed's peaked tiny Llama and the tiny tokenizer with Qwen2.5's chat template, saved to `path`."""
+    """The testbed's policy saved to `path` for the server and the trainer: the peaked tiny Llama and the tiny
+    tokenizer with Qwen2.5's chat template, or SmolLM2-135M-Instruct in fp32 with that template (SmolLM2's own is
+    ChatML too; `benchmarks/async_staleness.py`)."""
     from trl.chat_template_utils import qwen2_5_chat_template
 
     from grpo_ratio.testing import peaked_model, tiny_tokenizer
+
+    if bed["kind"] == "smollm2_async":
+        spec = importlib.util.spec_from_file_location("async_staleness", ROOT / "benchmarks" / "async_staleness.py")
+        staleness = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(staleness)
+        return staleness.smollm2_chat_dir(path)
 
     vocab = lane_utils().TINY_VOCAB
     model = peaked_model("llama", scale=bed["head_scale"], never_eos=bed["never_eos"], vocab_size=vocab,
@@ -76,15 +88,19 @@ def lora_config(rank: int):
 
 
 class HeldOutReward(TrainerCallback):
-    """Logs `eval_reward`: the mean reward of `generations` completions per held-out prompt, sampled by the policy
-    being trained (HF `generate`, temperature 1, `max_new_tokens` tokens, the torch RNG seeded with `seed` inside a
-    forked RNG state, so training's own draws are untouched), at step 0 and every `every` steps."""
+    """Logs `eval_reward`: the mean summed reward (`reward_funcs`, each called as TRL calls it, with the held-out
+    set's other columns) of `generations` completions per held-out prompt, sampled by the policy being trained (HF
+    `generate`, temperature 1, `max_new_tokens` tokens, the torch RNG seeded with `seed` inside a forked RNG state, so
+    training's own draws are untouched), at step 0 and every `every` steps."""
 
-    def __init__(self, tokenizer, prompts: list, reward, every: int, generations: int, max_new_tokens: int,
+    def __init__(self, tokenizer, held_out, reward_funcs: list, every: int, generations: int, max_new_tokens: int,
                  seed: int = 0):
-        self.tokenizer, self.reward, self.every, self.seed = tokenizer, reward, max(1, every), seed
+        self.tokenizer, self.reward_funcs, self.every, self.seed = tokenizer, reward_funcs, max(1, every), seed
         self.generations, self.max_new_tokens = generations, max_new_tokens
-        texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+        self.prompts = list(held_out["prompt"])
+        self.columns = {c: [v for v in held_out[c] for _ in range(generations)]  # one per completion
+                        for c in held_out.column_names if c != "prompt"}
+        texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in self.prompts]
         tokenizer.padding_side = "left"
         self.batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
 
@@ -102,8 +118,13 @@ class HeldOutReward(TrainerCallback):
         model.train(was_training)
         config._attn_implementation = attention
         texts = self.tokenizer.batch_decode(out[:, self.batch["input_ids"].shape[1]:], skip_special_tokens=True)
-        rewards = self.reward([[{"role": "assistant", "content": t}] for t in texts])
-        return sum(rewards) / len(rewards)
+        completions = [[{"role": "assistant", "content": t}] for t in texts]
+        prompts = [p for p in self.prompts for _ in range(self.generations)]
+        totals = [0.0] * len(texts)
+        for func in self.reward_funcs:
+            for i, r in enumerate(func(prompts=prompts, completions=completions, **self.columns)):
+                totals[i] += r
+        return sum(totals) / len(totals)
 
     def _log(self, state, model):
         state.log_history.append({"eval_reward": self.evaluate(model), "step": state.global_step})
@@ -132,7 +153,7 @@ def _done(run_dir: Path, fingerprint: str) -> bool:
     return bool(meta.get("outputs_saved")) and (run_dir / "cell.json").is_file()
 
 
-def train_cell(bed: dict, model_dir: str, url: str, run_dir: Path, values: dict, seed: int, cell: dict,
+def train_cell(bed: dict, data: tuple, model_dir: str, url: str, run_dir: Path, values: dict, seed: int, cell: dict,
                fingerprint: str) -> None:
     """Train one cell against the server at `url` and write its folder (module docstring)."""
     from transformers import AutoTokenizer, set_seed
@@ -140,7 +161,6 @@ def train_cell(bed: dict, model_dir: str, url: str, run_dir: Path, values: dict,
     from grpo_ratio import RatioAsyncGRPOConfig, RatioAsyncGRPOTrainer
     from grpo_ratio.diagnostics.run_record import update_run_record, write_log_history
     from grpo_ratio.machine import machine_record
-    from grpo_ratio.testing import letter_reward, tiny_prompts
     from grpo_ratio.testing.async_cpu import async_grpo_on_cpu
 
     lane_utils().unload_adapters(url)  # every trainer publishes trl-policy-v1, -v2, ... from 1
@@ -149,20 +169,20 @@ def train_cell(bed: dict, model_dir: str, url: str, run_dir: Path, values: dict,
                       completed=False)
     args = RatioAsyncGRPOConfig(output_dir=str(run_dir), seed=seed, vllm_server_base_url=url,
                                 run_name=f"{cell['setting']}-{cell['correction']}-s{seed}", **values)
+    train, held_out, rewards = data
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    held_out = list(chat(tiny_prompts(bed["eval_prompts"], start=1000))["prompt"])
-    evaluation = HeldOutReward(tokenizer, held_out, letter_reward, values["max_steps"] // bed["eval_points"],
+    evaluation = HeldOutReward(tokenizer, chat(held_out), rewards, values["max_steps"] // bed["eval_points"],
                                bed["eval_generations"], values["max_completion_length"], seed=seed)
     set_seed(seed)
     cpu, wall = time.process_time(), time.monotonic()
     with async_grpo_on_cpu():
-        trainer = RatioAsyncGRPOTrainer(model=model_dir, reward_funcs=letter_reward, args=args,
-                                        train_dataset=chat(tiny_prompts(bed["train_prompts"])),
+        trainer = RatioAsyncGRPOTrainer(model=model_dir, reward_funcs=rewards, args=args, train_dataset=chat(train),
                                         peft_config=lora_config(bed["lora_rank"]))
         trainer.add_callback(evaluation)
         trainer.train()
     cpu, wall = time.process_time() - cpu, time.monotonic() - wall
     write_log_history(run_dir, trainer.state.log_history)
+    shutil.rmtree(run_dir / ".vllm_lora", ignore_errors=True)  # TRL's adapter versions for the server: scratch
     record = {**cell, "cpu_s": round(cpu, 2), "wall_s": round(wall, 2), "steps": trainer.state.global_step,
               "cpu_note": "the trainer process only (the vLLM server and the rollout worker run beside it)"}
     (run_dir / "cell.json").write_text(json.dumps(record, indent=1) + "\n")
@@ -172,12 +192,13 @@ def train_cell(bed: dict, model_dir: str, url: str, run_dir: Path, values: dict,
     lane_utils().unload_adapters(url)
 
 
-def run_async_cells(lad, testbed: str, bed: dict, plan: list[tuple[str, list[str]]], seeds: list[int],
+def run_async_cells(lad, testbed: str, bed: dict, data: tuple, plan: list[tuple[str, list[str]]], seeds: list[int],
                     folder: Path, fingerprint, config, command) -> None:
     """Train (or read back) every (setting, correction, seed) of `plan` ([(setting, corrections)]) under `folder`,
     against one vLLM server started here and stopped at the end; seed-major within each setting, as a synchronous
     comparison. `fingerprint(setting, correction)`, `config(setting, correction)` and `command(setting, correction,
-    seed)` and the testbed's values `bed` come from the runner (benchmarks/ladder.py)."""
+    seed)`, the testbed's values `bed` and its (train set, held-out set, reward funcs) `data` come from the runner
+    (benchmarks/ladder.py)."""
     todo = [(s, c, seed) for s, arms in plan for seed in seeds for c in arms
             if not _done(folder / s / f"{c}-s{seed}", fingerprint(s, c))]
     if not todo:
@@ -200,5 +221,5 @@ def run_async_cells(lad, testbed: str, bed: dict, plan: list[tuple[str, list[str
                 cell = {"source": lad.source, "testbed": testbed, "setting": setting, "correction": correction,
                         "seed": seed, "config": config(setting, correction),
                         "command": command(setting, correction, seed)}
-                train_cell(bed, model_dir, url, folder / setting / f"{correction}-s{seed}", cell["config"], seed,
+                train_cell(bed, data, model_dir, url, folder / setting / f"{correction}-s{seed}", cell["config"], seed,
                            cell, fingerprint(setting, correction))

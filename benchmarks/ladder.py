@@ -30,6 +30,7 @@ the uncorrected arm runs (the corrections have nothing to act on there), unless 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shlex
@@ -94,6 +95,24 @@ TESTBEDS = {
         "lora_rank": 8,  # every linear layer of the blocks (vLLM serves it as an adapter; no head: TRL's sync rule)
         "threads": 1,
     },
+    "smollm2_async": {  # SmolLM2 as the asynchronous ladder's policy: a LoRA, the arithmetic task, a real vLLM server
+        "kind": "smollm2_async",
+        "config": dict(
+            use_cpu=True, bf16=False, gradient_checkpointing=False,
+            per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4,  # 2 prompts x 4 / step
+            max_completion_length=32, temperature=1.0,  # 16 tokens leave the arithmetic reward near 0.06 at the start
+            max_steps=16, learning_rate=1e-3, lr_scheduler_type="constant",  # benchmarks/async_staleness.py's rate
+            weight_sync_steps=1, token_budget=0, vllm_server_timeout=300,
+            logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
+        ),
+        "eval_points": 2,  # 8 problems x 4 samples of 32 tokens by HF generate: about a minute per evaluation here
+        "eval_generations": 4,
+        "train_examples": 1000,
+        "eval_prompts": 8,
+        "model": "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "lora_rank": 8,
+        "threads": 1,
+    },
     "smollm2": {
         "kind": "smollm2",
         "config": dict(
@@ -127,7 +146,7 @@ def testbed_config(testbed: str, max_steps: int | None = None, sets: dict | None
     config = {**bed["config"], **(sets or {})}
     if max_steps is not None:
         config["max_steps"] = max_steps
-    if bed["kind"] == "tiny_async":  # TRL's async trainer has no evaluation loop: HeldOutReward evaluates
+    if bed["kind"] in ASYNC_KINDS:  # TRL's async trainer has no evaluation loop: HeldOutReward evaluates
         return config
     config.setdefault("eval_strategy", "steps")
     config.setdefault("eval_on_start", True)
@@ -146,17 +165,21 @@ def cell_config(source: str, testbed: str, setting: str, correction: str, max_st
     return {**base, **cell, **(sets or {})}
 
 
-def _data(testbed: str, arch: str):
-    """(model, tokenizer, train set, held-out set, reward funcs) of a testbed."""
-    bed = TESTBEDS[testbed]
-    if bed["kind"] == "tiny":
-        from grpo_ratio.testing import letter_reward, peaked_model, tiny_prompts, tiny_tokenizer
+ASYNC_KINDS = ("tiny_async", "smollm2_async")  # testbeds of the asynchronous trainer (benchmarks/async_ladder.py)
 
-        return (peaked_model(arch, scale=bed["head_scale"], never_eos=bed.get("never_eos", False)), tiny_tokenizer(), tiny_prompts(bed["train_prompts"]),
-                tiny_prompts(bed["eval_prompts"], start=1000), [letter_reward])
+
+def datasets(testbed: str):
+    """(train set, held-out set, reward funcs) of a testbed: the tiny prompts and `letter_reward`, or the arithmetic
+    task with `eval_prompts` problems held out of its training set."""
+    bed = TESTBEDS[testbed]
+    if bed["kind"] in ("tiny", "tiny_async"):
+        from grpo_ratio.testing import letter_reward, tiny_prompts
+
+        return tiny_prompts(bed["train_prompts"]), tiny_prompts(bed["eval_prompts"], start=1000), [letter_reward]
     import random
 
-    from grpo_ratio.models import resolve_model
+    from datasets import Dataset
+
     from grpo_ratio.tasks import load_task
     from grpo_ratio.tasks.arithmetic import make_problem
 
@@ -167,10 +190,22 @@ def _data(testbed: str, arch: str):
         held[question] = gold
     train = train.filter(lambda row: row["prompt"][-1]["content"] not in held)
     system = train[0]["prompt"][0]
-    from datasets import Dataset
-
     held_out = Dataset.from_dict({"prompt": [[system, {"role": "user", "content": q}] for q in held],
                                   "answer": list(held.values())})
+    return train, held_out, rewards
+
+
+def _data(testbed: str, arch: str):
+    """(model, tokenizer, train set, held-out set, reward funcs) of a synchronous testbed."""
+    bed = TESTBEDS[testbed]
+    train, held_out, rewards = datasets(testbed)
+    if bed["kind"] == "tiny":
+        from grpo_ratio.testing import peaked_model, tiny_tokenizer
+
+        model = peaked_model(arch, scale=bed["head_scale"], never_eos=bed.get("never_eos", False))
+        return model, tiny_tokenizer(), train, held_out, rewards
+    from grpo_ratio.models import resolve_model
+
     model, tokenizer = resolve_model(bed["model"])
     return model, tokenizer, train, held_out, rewards
 
@@ -301,13 +336,13 @@ def run_ladder(source: str, testbed: str = "tiny", settings=None, corrections=No
         import torch
 
         torch.set_num_threads(threads)
-    if (lad.trainer == "async") != (TESTBEDS[testbed]["kind"] == "tiny_async"):
-        raise ValueError(f"the {source} ladder runs on " + ("the tiny_async testbed" if lad.trainer == "async" else
-                         f"a synchronous testbed ({', '.join(t for t in TESTBEDS if t != 'tiny_async')})")
-                         + f", not {testbed!r}")
+    if (lad.trainer == "async") != (TESTBEDS[testbed]["kind"] in ASYNC_KINDS):
+        kind = "an asynchronous" if lad.trainer == "async" else "a synchronous"
+        allowed = [t for t, bed in TESTBEDS.items() if (bed["kind"] in ASYNC_KINDS) == (lad.trainer == "async")]
+        raise ValueError(f"the {source} ladder runs on {kind} testbed ({', '.join(allowed)}), not {testbed!r}")
     chosen = [lad.setting(s).name for s in settings] if settings else [s.name for s in lad.settings]
     asked = [lad.correction(c).name for c in corrections] if corrections else None
-    folder_name = name or (source if testbed in ("tiny", "tiny_async") else f"{source}-{testbed}")
+    folder_name = name or (source if testbed in ("tiny", "tiny_async") else f"{source}-{testbed.split('_')[0]}")
     folder = Path(output_root) / folder_name
 
     def arms_at(setting: str) -> list[str]:
@@ -321,10 +356,10 @@ def run_ladder(source: str, testbed: str = "tiny", settings=None, corrections=No
                           sort_keys=True, default=str)
 
     if lad.trainer == "async":
-        sys.path.insert(0, str(ROOT / "benchmarks"))  # its sibling module, wherever this file was loaded from
-        from async_ladder import run_async_cells
-
-        run_async_cells(lad, testbed, TESTBEDS[testbed], [(s, arms_at(s)) for s in chosen], list(seeds), folder, fingerprint,
+        spec = importlib.util.spec_from_file_location("async_ladder", ROOT / "benchmarks" / "async_ladder.py")
+        cells = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(cells)
+        cells.run_async_cells(lad, testbed, TESTBEDS[testbed], datasets(testbed), [(s, arms_at(s)) for s in chosen], list(seeds), folder, fingerprint,
                         lambda setting, c: cell_config(source, testbed, setting, c, max_steps, sets),
                         lambda setting, c, seed: cell_command(source, testbed, setting, c, seed, max_steps, sets,
                                                               output_root, name))

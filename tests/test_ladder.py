@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from grpo_ratio import RatioAsyncGRPOConfig, RatioGRPOConfig
 from grpo_ratio.analysis import report
@@ -126,7 +127,7 @@ def test_async_staleness_dial_is_max_staleness_with_a_queue_deep_enough_to_reach
     args = RatioAsyncGRPOConfig(output_dir=str(tmp_path), vllm_server_base_url="http://127.0.0.1:1", **values)
     assert args.async_objective == "decoupled" and args.is_correction_spec is not None
     assert config_staleness(values) == 3  # the rule reads the cap as the run's distance
-    with pytest.raises(ValueError, match="tiny_async testbed"):
+    with pytest.raises(ValueError, match=r"an asynchronous testbed \(tiny_async, smollm2_async\), not .tiny."):
         runner.run_ladder("async_staleness", "tiny", ["k0"], None, [0], output_root=str(tmp_path), show=False)
     with pytest.raises(ValueError, match="--set max_staleness"):
         runner.check_fields("async_staleness", {"max_staleness": 2})
@@ -248,6 +249,8 @@ def test_rule_states_the_nearest_cell_its_loss_and_the_recovery_with_its_cost(wr
     history = _history(0.3, [1, 1, 1, 1, 1, 1], 0.62)
     lines = rule_for_run(history, {"top_p": 0.5}, [summary])
     assert len(lines) == 1 and "your step-1 truncated mass (1 - mean old/sampler ratio) is 0.38" in lines[0]
+    # an asynchronous run (its configuration has max_staleness) is not compared with a synchronous trainer's ladder
+    assert rule_for_run(history, {"top_p": 0.5, "max_staleness": 2}, [summary]) == []
 
 
 def test_a_ladder_run_with_set_values_says_so_in_its_summary_and_rule(written_ladder):
@@ -406,3 +409,48 @@ def test_the_rule_names_a_correction_that_cost_reward_against_the_uncorrected_ru
         "none": {"loss": verdict(-0.3, -0.4, -0.1), "cost": {}}}}}}
     pushed = {**lost_k7, "sets": {"learning_rate": 0.01}}
     assert "(testbed: tiny; tiny, learning_rate=0.01)" in render_headline([lost_k7, pushed, pushed])
+
+
+def test_the_async_ladders_held_out_reward_is_seeded_leaves_training_rng_and_attention_alone():
+    """benchmarks/async_ladder.py's `HeldOutReward` (TRL's async trainer has no evaluation loop): the policy's own
+    samples on the held-out prompts, the same value for the same weights and seed, equal to the letter share of a
+    direct `generate` with that seed; the torch RNG and the model's attention implementation are left as found; logged
+    at step 0 and every `every` steps."""
+    from transformers import TrainerControl, TrainerState
+    from trl.chat_template_utils import qwen2_5_chat_template
+
+    from grpo_ratio.testing import letter_reward, peaked_model, tiny_prompts, tiny_tokenizer
+
+    spec = importlib.util.spec_from_file_location("async_ladder", ROOT / "benchmarks" / "async_ladder.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = peaked_model("llama", scale=10.0, never_eos=True, vocab_size=300, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=32)
+    tokenizer = tiny_tokenizer(vocab_size=300)
+    tokenizer.chat_template = qwen2_5_chat_template
+    held_out = module.chat(tiny_prompts(2, start=1000)).add_column("weight", [1.0, 3.0])
+
+    def weighted(completions, weight, **kwargs):  # a reward reading a column of the held-out set, as TRL passes it
+        return [w * r for w, r in zip(weight, letter_reward(completions), strict=True)]
+
+    evaluation = module.HeldOutReward(tokenizer, held_out, [letter_reward, weighted], every=2, generations=3,
+                                      max_new_tokens=5, seed=7)
+    model.config._attn_implementation = "eager"
+    rng = torch.get_rng_state()
+    first = evaluation.evaluate(model)
+    assert torch.equal(torch.get_rng_state(), rng) and model.config._attn_implementation == "eager"
+    assert evaluation.evaluate(model) == first
+    torch.manual_seed(7)
+    out = model.generate(**evaluation.batch, do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=5,
+                         num_return_sequences=3, pad_token_id=tokenizer.pad_token_id)
+    texts = tokenizer.batch_decode(out[:, evaluation.batch["input_ids"].shape[1]:], skip_special_tokens=True)
+    letters = letter_reward(texts)  # prompt 0's three completions (weight 1), then prompt 1's (weight 3)
+    assert len(texts) == 6 and first == pytest.approx(sum(r * (2 if i < 3 else 4) for i, r in enumerate(letters)) / 6,
+                                                      abs=1e-12)
+    state = TrainerState(max_steps=5)
+    evaluation.on_train_begin(None, state, TrainerControl(), model=model)
+    for step in range(1, 6):
+        state.global_step = step
+        evaluation.on_step_end(None, state, TrainerControl(), model=model)
+    assert [row["step"] for row in state.log_history] == [0, 2, 4, 5]  # and the last step
+    assert state.log_history[0]["eval_reward"] == first

@@ -15,7 +15,9 @@ Per run (`run_outcome`):
 - the step-1 diagnostics: the first logged row's out-of-band rates, k3, chi-square, ESS, kept mass and the
   attribution's largest term (where logged; names from `grpo_ratio.diagnostics.metric_keys`);
 - the cost: the share of tokens a correction took out (IS weight 0, DPPO's mask, or PPO's clip, whichever the run
-  logged), the mean ESS of its IS weights, and the cell's CPU and wall seconds.
+  logged), the mean ESS of its IS weights, and the cell's CPU and wall seconds;
+- for an asynchronous run, the realized staleness: the mean over steps of TRL's `sample/staleness_mean` (weight syncs
+  between a sample's policy and the update), which `max_staleness` caps and the two processes' speeds set.
 
 Per (setting, correction), over seeds (`summarize_ladder`), three paired verdicts (`grpo_ratio.analysis.verdict`:
 t-interval over seeds of the per-seed mean difference over the last `END_POINTS` evaluations):
@@ -54,6 +56,7 @@ STEP1_KEYS = {  # step-1 diagnostic -> logged key
     "IS ESS": keys.IS_WEIGHT_ESS,
     "kept mass": keys.KEPT_MASS_MEAN,
 }
+REALIZED_STALENESS = "sample/staleness_mean"  # TRL's async trainer: mean weight syncs behind, per step
 MASKED_KEYS = (  # what a correction took out of the loss, first logged wins
     keys.IS_ZERO_WEIGHT_TOKEN_FRAC, keys.TRUST_REGION_MASKED_FRAC, "clip_ratio/region_mean")
 
@@ -140,10 +143,11 @@ def run_outcome(run_dir: str | Path) -> dict:
             "masked_share": statistics.fmean(_values(train, masked_key)) if masked_key else None,
             "ess": statistics.fmean(ess) if ess else None,
             "cpu_s": cell.get("cpu_s"), "wall_s": cell.get("wall_s")}
+    realized = _values(train, REALIZED_STALENESS)
     return {"cell": cell, "metric": metric, "steps": steps, "values": values,
             "end": statistics.fmean(values[-END_POINTS:]) if values else None,
             "auc": area_under_curve(steps, values), "collapse": collapse, "step1": step1_diagnostics(history),
-            "cost": cost}
+            "cost": cost, "realized_staleness": statistics.fmean(realized) if realized else None}
 
 
 def read_cells(folder: str | Path) -> list[dict]:
@@ -219,6 +223,8 @@ def summarize_ladder(folder: str | Path) -> dict:
         base = by.get((s, none), [])
         at_s = base or [o for key, runs in by.items() if key[0] == s for o in runs]
         entry = {"value": lad.setting(s).value, "distance": cell_distance(lad, s, at_s),
+                 "realized_staleness": _mean([o["realized_staleness"] for key, runs in by.items() if key[0] == s
+                                              for o in runs]),
                  "corrections": {}}
         for c in (x.name for x in lad.corrections):
             runs = by.get((s, c))

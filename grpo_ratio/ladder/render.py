@@ -73,7 +73,9 @@ def render_grid(summaries: list[dict]) -> str:
                 cells.append(fmt(item["end"]) + (f" ({short_verdict(gain)})" if gain else ""))
             loss = (entry["corrections"].get(summary["uncorrected"]) or {}).get("loss")
             ref = "reference" if setting == summary["reference"] else short_verdict(loss)
-            out.append(f"| `{setting}` | {fmt(entry['distance'])} | " + " | ".join(cells) + f" | {ref} |")
+            realized = entry.get("realized_staleness")
+            distance = fmt(entry["distance"]) + (f" (realized {fmt(realized)})" if realized is not None else "")
+            out.append(f"| `{setting}` | {distance} | " + " | ".join(cells) + f" | {ref} |")
         out.append("")
     return "\n".join(out)
 

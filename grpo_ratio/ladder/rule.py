@@ -174,8 +174,12 @@ def run_distance(lad: Ladder, history: list[dict], config: dict | None) -> float
     return None if value is None else (1.0 - value if lad.distance.one_minus else value)
 
 
-def _applies(lad: Ladder, history: list[dict]) -> bool:
-    return lad.applies_key is None or any(row.get(lad.applies_key) is not None for row in history)
+def _applies(lad: Ladder, history: list[dict], config: dict | None) -> bool:
+    """The ladder's trainer is the run's (an asynchronous run's configuration has `max_staleness`) and, for a ladder
+    with an `applies_key`, the run logged it."""
+    run_trainer = "async" if (config or {}).get("max_staleness") is not None else "sync"
+    return lad.trainer == run_trainer and (lad.applies_key is None
+                                           or any(row.get(lad.applies_key) is not None for row in history))
 
 
 def rule_sentence(summary: dict, distance: float) -> str:
@@ -210,12 +214,13 @@ def rule_sentence(summary: dict, distance: float) -> str:
 
 
 def rule_for_run(history: list[dict], config: dict | None, summaries: list[dict]) -> list[str]:
-    """Markdown lines: per committed ladder that applies to the run (an MoE ladder only to a run that logged routes),
-    `rule_sentence` at the run's distance, or why the run's distance is unknown."""
+    """Markdown lines: per committed ladder that applies to the run (the asynchronous ladder to an asynchronous run,
+    the others to a synchronous one; an MoE ladder only to a run that logged routes), `rule_sentence` at the run's
+    distance, or why the run's distance is unknown."""
     lines = []
     for summary in summaries:
         lad = LADDERS[summary["source"]]
-        if not _applies(lad, history):
+        if not _applies(lad, history, config):
             continue
         distance = run_distance(lad, history, config)
         if distance is None:
