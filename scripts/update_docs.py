@@ -9,6 +9,10 @@ A generated block in a markdown file looks like
 `python scripts/update_docs.py` re-runs every command and rewrites its block; `--check` only reports stale blocks
 (exit 1), which tests/test_docs.py runs. The command `show PATH` is no program: the block is the file PATH of the
 repository in a fenced code block (a runnable script a doc shows in full, e.g. trainers/async_grpo.py).
+
+Without `--check` it also regenerates the CLI precheck's field list, grpo_ratio/cli/cli_fields.json
+(`python -m grpo_ratio.cli.precheck --write`: a config field's help or choices changed; tests/test_precheck.py checks
+it is current).
 """
 
 from __future__ import annotations
@@ -60,6 +64,8 @@ def update(path: Path, check: bool) -> bool:
 
 def main(argv: list[str]) -> int:
     check = "--check" in argv
+    if not check:
+        subprocess.run([sys.executable, "-m", "grpo_ratio.cli.precheck", "--write"], cwd=ROOT, check=True)
     ok = all([update(p, check) for p in sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"] if p.exists()])
     return 0 if ok or not check else 1
 

@@ -33,7 +33,7 @@ def test_async_ladder_trains_each_cell_against_its_own_server_and_reads_them_bac
                        logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True),
     }
     kwargs = dict(source="async_staleness", testbed="tiny_async_test", settings=["k0", "k1"], corrections=None,
-                  seeds=[0], output_root=str(tmp_path), figures=False, show=False)
+                  seeds=[0], output_root=str(tmp_path), name="async_staleness", figures=False, show=False)
     summary = runner.run_ladder(**kwargs)
     folder = tmp_path / "async_staleness"
     cells = sorted(p.parent.relative_to(folder).as_posix() for p in folder.glob("*/*/cell.json"))
@@ -45,7 +45,8 @@ def test_async_ladder_trains_each_cell_against_its_own_server_and_reads_them_bac
     assert cell["steps"] == 2 and cell["cpu_s"] > 0
     assert not (folder / "k1" / "decoupled_tis-s0" / ".vllm_lora").exists()  # TRL's adapter scratch: not kept
     assert cell["command"] == ("python benchmarks/ladder.py --source async_staleness --testbed tiny_async_test "
-                               f"--settings k1 --corrections decoupled_tis --seeds 0 --output_root {tmp_path}")
+                               f"--settings k1 --corrections decoupled_tis --seeds 0 --output_root {tmp_path} "
+                               "--name async_staleness")
     history = json.loads((folder / "k1" / "decoupled_tis-s0" / "log_history.json").read_text())
     evaluations = [r for r in history if "eval_reward" in r]
     assert [r["step"] for r in evaluations] == [0, 2] and all(0 <= r["eval_reward"] <= 1 for r in evaluations)
