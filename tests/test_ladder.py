@@ -253,6 +253,23 @@ def test_rule_states_the_nearest_cell_its_loss_and_the_recovery_with_its_cost(wr
     assert rule_for_run(history, {"top_p": 0.5, "max_staleness": 2}, [summary]) == []
 
 
+def test_a_folder_without_its_reference_cell_says_it_has_no_loss_verdict(written_ladder):
+    # a confirmation run at one setting (e.g. on SmolLM2) without the reference: "no loss measured" would be wrong
+    import shutil
+
+    shutil.rmtree(written_ladder / "top_p_1.0")
+    summary = summarize_ladder(written_ladder)
+    summary["folder"] = written_ladder.name
+    text = threshold_text(summary)
+    assert text.startswith("truncation (tiny): no reference cell (`top_p_1.0`) committed here, so no loss verdict; "
+                           "against the uncorrected run, `renormalize` at `top_p_0.5`: +0.0667 [+0.0418, +0.0915], "
+                           "beyond noise"), text
+    assert "no loss measured" not in text and "no loss measured" not in rule_sentence(summary, 0.4)
+    assert rule_sentence(summary, 0.4).endswith("no loss verdict; against the uncorrected run, `renormalize` at "
+                                                "`top_p_0.5`: +0.0667 [+0.0418, +0.0915], beyond noise (t-interval "
+                                                "over 3 seeds).")
+
+
 def test_a_ladder_run_with_set_values_says_so_in_its_summary_and_rule(written_ladder):
     # every cell's command carries `--set learning_rate=0.003` (a ladder on a changed testbed): the summary keeps the
     # values all cells share, and the rule names them with the testbed

@@ -150,6 +150,8 @@ def threshold_text(summary: dict) -> str:
     losing = [(s, d) for s, d in ordered if lost(_loss(summary, s))]
     costly = cost_text_per_correction(summary)
     cost_tail = f" A correction cost reward: {'; '.join(costly)}." if costly else ""
+    if not has_reference(summary):
+        return f"{lad.source} ({testbed_label(summary)}): {_no_reference(summary)}.{cost_tail}"
     if not losing:
         s, d = ordered[-1]
         return (f"{lad.source} ({testbed_label(summary)}): no loss measured up to {lad.distance.label} = {fmt(d)} "
@@ -162,6 +164,21 @@ def threshold_text(summary: dict) -> str:
         text += f"; no loss measured at {fmt(below[-1][1])} (setting {below[-1][0]})"
     fixes = recoveries(lad, summary, s1)
     return text + (f". There: {'; '.join(fixes)}." if fixes else ". No correction recovered it there.") + cost_tail
+
+
+def has_reference(summary: dict) -> bool:
+    """The folder holds its ladder's reference setting (the "did the uncorrected run lose reward" baseline); a summary
+    that names none is taken to."""
+    return summary.get("reference") is None or summary["reference"] in summary["settings"]
+
+
+def _no_reference(summary: dict) -> str:
+    """Words for a ladder folder without its reference cell (a confirmation run at one setting): no loss verdict,
+    and each correction's verdict against the uncorrected run where it ran."""
+    gains = [f"`{name}` at `{s}`: {verdict_text(item['gain'])}" for s, e in summary["settings"].items()
+             for name, item in e["corrections"].items() if item.get("gain")]
+    text = f"no reference cell (`{summary['reference']}`) committed here, so no loss verdict"
+    return text + (f"; against the uncorrected run, {'; '.join(gains)}" if gains else "")
 
 
 def run_distance(lad: Ladder, history: list[dict], config: dict | None) -> float | None:
@@ -193,6 +210,8 @@ def rule_sentence(summary: dict, distance: float) -> str:
             f"({fmt(at)}, {testbed_label(summary)} testbed)")
     if distance > ordered[-1][1]:
         head += ", the ladder's largest; yours is beyond it"
+    if not has_reference(summary):
+        return f"{head}: {_no_reference(summary)}."
     loss = _loss(summary, setting)
     if lost(loss):
         fixes = recoveries(lad, summary, setting)
