@@ -36,14 +36,19 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 SYSTEM = {"role": "system", "content": "Hi"}  # short: Qwen2.5's default system message is ~60 tiny-tokenizer tokens
 
 
-def lane_utils():
-    """The async lane's server harness (tests/async_lane/async_lane_utils.py), loaded from its file."""
-    if "async_lane_utils" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("async_lane_utils",
-                                                      ROOT / "tests" / "async_lane" / "async_lane_utils.py")
-        sys.modules["async_lane_utils"] = module = importlib.util.module_from_spec(spec)
+def async_staleness():
+    """benchmarks/async_staleness.py, loaded from its file once: the SmolLM2 chat model it saves and the async lane's
+    server harness it loads (`lane_utils`)."""
+    if "async_staleness" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("async_staleness", ROOT / "benchmarks" / "async_staleness.py")
+        sys.modules["async_staleness"] = module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-    return sys.modules["async_lane_utils"]
+    return sys.modules["async_staleness"]
+
+
+def lane_utils():
+    """The async lane's server harness (tests/async_lane/async_lane_utils.py)."""
+    return async_staleness().lane_utils()
 
 
 def chat(prompts):
@@ -63,10 +68,7 @@ def save_policy(bed: dict, path: Path) -> str:
     from grpo_ratio.testing import peaked_model, tiny_tokenizer
 
     if bed["kind"] == "smollm2_async":
-        spec = importlib.util.spec_from_file_location("async_staleness", ROOT / "benchmarks" / "async_staleness.py")
-        staleness = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(staleness)
-        return staleness.smollm2_chat_dir(path)
+        return async_staleness().smollm2_chat_dir(path)
 
     vocab = lane_utils().TINY_VOCAB
     model = peaked_model("llama", scale=bed["head_scale"], never_eos=bed["never_eos"], vocab_size=vocab,
